@@ -1,0 +1,76 @@
+"""keraunos: a source-to-source JIT compiler for PyTorch.
+
+    >>> import torch, keraunos
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> jmodel = keraunos.jit(model)
+    >>> out = jmodel(torch.randn(2, 8))
+    >>> print(keraunos.last_traces(jmodel)[-1])  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from . import executors
+from .core.tags import STATIC_MEMORY_LOCATION, Tag
+from .core.trace import Trace
+from .errors import CaptureError, KeraunosError, UnsupportedInputError
+from .jit import CacheMode, CompileStats, JittedFunction, JittedModule, jit, state_of
+from .transforms import Transform
+
+__version__ = "0.1.0"
+
+
+def _last_entry(jitted):
+    entry = state_of(jitted).last_entry
+    if entry is None:
+        raise RuntimeError("keraunos: this jitted callable has not been called yet, so it has "
+                           "no traces; call it once first")
+    return entry
+
+
+def last_traces(jitted) -> list[Trace]:
+    """The computation traces of the cache entry that ran last: one per pass, in order."""
+    return _last_entry(jitted).computation_traces
+
+
+def last_prologue_traces(jitted) -> list[Trace]:
+    """The prologue traces of the cache entry that ran last."""
+    return _last_entry(jitted).prologue_traces
+
+
+def last_epilogue_traces(jitted) -> list[Trace]:
+    """The epilogue traces of the cache entry that ran last."""
+    return _last_entry(jitted).epilogue_traces
+
+
+def last_backward_traces(jitted) -> list[Trace]:
+    """The backward traces of the cache entry that ran last (empty: autograd runs through
+    torch's own graph until keraunos builds backward traces)."""
+    return _last_entry(jitted).backward_traces
+
+
+def cache_hits(jitted) -> int:
+    return state_of(jitted).hits
+
+
+def cache_misses(jitted) -> int:
+    return state_of(jitted).misses
+
+
+def last_cache_miss_reasons(jitted) -> list[str]:
+    """For the last cache miss: why each existing entry did not fit, one sentence per entry."""
+    return list(state_of(jitted).last_miss_reasons)
+
+
+def compile_stats(jitted) -> CompileStats:
+    """Per-stage compile times of the entry that ran last, the last call's cache lookup time,
+    and the cache counters."""
+    state = state_of(jitted)
+    stages = dict(state.last_entry.stages) if state.last_entry else {}
+    return CompileStats(stages, state.last_lookup, state.hits, state.misses)
+
+
+__all__ = [
+    "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError", "KeraunosError",
+    "UnsupportedInputError", "CacheMode", "CompileStats", "JittedFunction", "JittedModule",
+    "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
+    "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
+]

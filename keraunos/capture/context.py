@@ -1,0 +1,441 @@
+"""The capture context: runs the user's program once on fake tensors and records what it does.
+
+Three things are recorded at once:
+- every torch call (through a ``TorchFunctionMode``), as a bound symbol on proxies;
+- every value the program read from its inputs, module tree and globals, as a guard;
+- every write the program made to a tensor input (in-place ops) or to a module attribute.
+
+Fake tensors (``torch._subclasses.FakeTensorMode``) give every op with a meta kernel exact shape,
+dtype, device and stride semantics without running it; one fake mode per capture, so inputs that
+share storage become fakes that share storage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, UnsupportedOperatorException)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..core.proxies import NameGenerator, TensorProxy
+from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
+from ..core.tags import INPUT_TENSOR, MUTATION, RANDOM, STATIC_MEMORY_LOCATION
+from ..errors import CaptureError, UnsupportedInputError, user_source
+from .guards import Guard, is_plain
+from .naming import is_inplace_by_name, is_random, torch_symbol
+from .provenance import Path, root
+
+_active = threading.local()
+
+
+def active_context() -> "CaptureContext | None":
+    return getattr(_active, "ctx", None)
+
+
+@dataclass
+class TensorInput:
+    """A tensor the program reads that comes from outside it."""
+
+    path: Path
+    real: torch.Tensor
+    fake: FakeTensor
+    proxy: TensorProxy
+
+
+@dataclass
+class AttributeWrite:
+    """``module.name = value`` done by the program; replayed by the epilogue."""
+
+    module_path: Path
+    name: str
+    value: Any  # a fake tensor or a plain Python value
+
+
+def _set_grad_enabled_formatter(bsym, w):
+    return [f"torch._C._set_grad_enabled({bsym.args[0]!r})"]
+
+
+SET_GRAD_ENABLED = GlueSymbol("set_grad_enabled", _set_grad_enabled_formatter)
+
+
+class CaptureContext:
+    def __init__(self, names: NameGenerator, module: torch.nn.Module | None,
+                 fn: Callable | None):
+        self.names = names
+        self.fake_mode = FakeTensorMode()
+        self.inputs: list[TensorInput] = []
+        self._input_by_real: dict[int, TensorInput] = {}
+        self.proxy_of: dict[int, TensorProxy] = {}   # id(fake) -> proxy
+        self.storage_of: dict[str, int] = {}        # proxy name -> fake storage key
+        self.fake_of: dict[str, FakeTensor] = {}     # proxy name -> fake
+        self.bound_symbols: list[BoundSymbol] = []
+        self.guards: list[Guard] = []
+        self._guarded: set = set()
+        self.mutated_storages: set[int] = set()
+        self.attribute_writes: list[AttributeWrite] = []
+        self._overlay: dict[int, dict[str, Any]] = {}
+        self.grad_enabled = torch.is_grad_enabled()
+        self.initial_grad_enabled = self.grad_enabled
+        # Where each module, parameter and buffer of the tree lives, for values that reach the
+        # program without an attribute read we saw (ModuleList iteration, self.parameters()).
+        self.module_paths: dict[int, Path] = {}
+        self.tensor_paths: dict[int, Path] = {}
+        self.original_classes: dict[int, type] = {}
+        self._swapped: list[tuple[Any, type]] = []
+        self._object_paths: dict[int, Path] = {}
+        self.fn = fn
+        self.root_module = module
+        self.arg_names = _positional_names(module.forward if module is not None else fn)
+        # Objects at the root of paths that start neither at the call nor at the module.
+        self.root_objects: dict[str, Any] = {}
+        if module is not None:
+            self._index_module_tree(module)
+
+    # ----------------------------------------------------------------------------- inputs
+    def _index_module_tree(self, module: torch.nn.Module) -> None:
+        for name, sub in module.named_modules(remove_duplicate=False):
+            path = root("module")
+            for part in name.split(".") if name else []:
+                path = Path(path, "submodule", part)
+            self.module_paths.setdefault(id(sub), path)
+            for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+                for key, t in table.items():
+                    if t is not None:
+                        self.tensor_paths.setdefault(id(t), Path(path, kind, key))
+
+    def guard(self, kind: str, path: Path | None, expected: Any, expression: str | None = None):
+        key = (kind, path, expression)
+        if key in self._guarded:
+            return
+        self._guarded.add(key)
+        from_module = path is not None and path.is_module_derived()
+        self.guards.append(Guard(kind, path, expected, expression, from_module))
+
+    def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        known = self._input_by_real.get(id(real))
+        if known is not None:
+            if known.path != path:
+                self.guard("identity", path, known)  # the same tensor reached two ways
+            return known.fake
+        with self.fake_mode, torch._C.DisableTorchFunction():  # conversion is not the program
+            fake = self.fake_mode.from_tensor(real)
+        hint = path.name_hint()
+        if path.parent is not None and path.parent.kind == "root" and path.parent.key == "args":
+            hint = self.arg_names.get(path.key, hint)
+        elif path.parent is not None and path.parent.kind == "root" and path.parent.key == "kwargs":
+            hint = str(path.key)
+        proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
+        entry = TensorInput(path, real, fake, proxy)
+        self.inputs.append(entry)
+        self._input_by_real[id(real)] = entry
+        self._register(fake, proxy)
+        return fake
+
+    def _register(self, fake: FakeTensor, proxy: TensorProxy) -> None:
+        self.proxy_of[id(fake)] = proxy
+        self.fake_of[proxy.name] = fake  # also keeps the fake alive, so ids stay unique
+        self.storage_of[proxy.name] = fake.untyped_storage()._cdata
+
+    def value_input(self, value: Any, path: Path, tags=()) -> Any:
+        """The stand-in the program sees for ``value`` found at ``path``; records its guards."""
+        if isinstance(value, torch.Tensor):
+            return self.tensor_input(value, path, tags)
+        if is_plain(value) and path.kind != "root":
+            self.guard("value", path, value)
+            return value
+        if type(value) in (tuple, list) or _is_namedtuple(value):
+            self.guard("length", path, (type(value), len(value)))
+            items = [self.value_input(v, Path(path, "item", i), tags) for i, v in enumerate(value)]
+            return type(value)(*items) if _is_namedtuple(value) else type(value)(items)
+        if type(value) is dict:
+            self.guard("keys", path, (dict, tuple(value)))
+            return {k: self.value_input(v, Path(path, "item", k), tags) for k, v in value.items()}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and path.kind != "attr":
+            self.guard("type", path, type(value))
+            copy = object.__new__(type(value))
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                object.__setattr__(copy, f.name, self.value_input(v, Path(path, "attr", f.name), tags))
+            return copy
+        if path.is_module_derived() or path.key in ("globals", "closure"):
+            # Anything else the module or function holds (a config object, a function) must be the
+            # very same object; plain objects are also watched field by field as they are read.
+            self.guard("identity", path, value)
+            self._watch_object(value, path)
+            return value
+        raise UnsupportedInputError(
+            f"keraunos.jit: {path} is a {type(value).__qualname__}, which keraunos cannot check on "
+            f"later calls. Pass tensors, numbers, strings, None, dtypes, devices, or "
+            f"tuples/lists/dicts/dataclasses of those.")
+
+    def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
+        """A real tensor met inside the program: a parameter read without our seeing the read
+        (``self.parameters()``), a global, a closure variable, or an object attribute."""
+        path = self.tensor_paths.get(id(t))
+        tags = (STATIC_MEMORY_LOCATION,)
+        if path is None:
+            path, tags = self._find_in_function_scope(t), ()
+        return self.tensor_input(t, path, tags)
+
+    def _find_in_function_scope(self, t: torch.Tensor) -> Path:
+        fn = self.fn
+        code = getattr(fn, "__code__", None)
+        if fn is not None and code is not None:
+            for name in code.co_names:
+                if fn.__globals__.get(name) is t:
+                    return Path(root("globals"), "item", name)
+            for i, cell in enumerate(fn.__closure__ or ()):
+                try:
+                    if cell.cell_contents is t:
+                        return Path(Path(root("closure"), "item", i), "attr", "cell_contents")
+                except ValueError:
+                    pass
+        # Held by some other object: the program keeps reading this very tensor.
+        key = f"<captured tensor {id(t):#x}>"
+        self.root_objects[key] = t
+        return Path(None, "root", key)
+
+    # ----------------------------------------------------------------------- module reads
+    def module_path(self, module) -> Path:
+        path = self.module_paths.get(id(module))
+        if path is None:  # a module created during the program: treat as a captured constant
+            key = f"<module {type(module).__name__} {id(module):#x}>"
+            self.root_objects[key] = module
+            path = self.module_paths[id(module)] = Path(None, "root", key)
+        self.guard("type", path, self.original_classes.get(id(module), type(module)))
+        return path
+
+    def module_getattr(self, module, name: str) -> Any:
+        d = object.__getattribute__(module, "__dict__")
+        overlay = self._overlay.get(id(module))
+        if overlay is not None and name in overlay:
+            return overlay[name]
+        mpath = self.module_path(module)
+        for kind, table in (("parameter", d["_parameters"]), ("buffer", d["_buffers"])):
+            if name in table:
+                value = table[name]
+                path = Path(mpath, kind, name)
+                if value is None:
+                    self.guard("value", path, None)
+                    return None
+                return self.tensor_input(value, path, (STATIC_MEMORY_LOCATION,))
+        if name in d["_modules"]:
+            sub = d["_modules"][name]
+            path = Path(mpath, "submodule", name)
+            if sub is None:
+                self.guard("value", path, None)
+            elif self.module_paths.get(id(sub)) != path:
+                self.guard("identity", path, sub)
+            return sub
+        if name in d and name not in MODULE_INTERNALS:
+            return self.value_input(d[name], Path(mpath, "attr", name))
+        if name in ("_modules", "_parameters", "_buffers"):
+            # The program looks at the whole table (iterating a ModuleList, say): its keys matter.
+            self.guard("keys", Path(mpath, "attr", name), (dict, tuple(d[name])))
+        return object.__getattribute__(module, name)
+
+    def module_setattr(self, module, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        if not (isinstance(value, FakeTensor) or is_plain(value)):
+            raise CaptureError(
+                f"keraunos: the program sets {self.module_path(module)}.{name} to a "
+                f"{type(value).__qualname__} at {user_source()}; only tensors and plain Python "
+                f"values can be written to modules inside a jitted forward. Move the assignment "
+                f"out of forward.")
+        self._overlay.setdefault(id(module), {})[name] = value
+        self.attribute_writes.append(AttributeWrite(self.module_path(module), name, value))
+
+    def _watch_object(self, obj: Any, path: Path) -> None:
+        if id(obj) in self._object_paths or isinstance(obj, torch.nn.Module):
+            return
+        cls = type(obj)
+        if not hasattr(obj, "__dict__") or cls.__module__ == "builtins" or isinstance(obj, type) \
+                or callable(obj):
+            return
+        try:
+            obj.__class__ = _recording_object_class(cls)
+        except TypeError:
+            return
+        self._object_paths[id(obj)] = path
+        self.original_classes[id(obj)] = cls
+        self._swapped.append((obj, cls))
+
+    def object_getattr(self, obj, name: str) -> Any:
+        d = object.__getattribute__(obj, "__dict__")
+        if name in d:
+            return self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
+        return object.__getattribute__(obj, name)
+
+    def swap_module_classes(self, module: torch.nn.Module) -> None:
+        for sub in module.modules():
+            cls = type(sub)
+            self.original_classes[id(sub)] = cls
+            sub.__class__ = _recording_module_class(cls)
+            self._swapped.append((sub, cls))
+
+    def restore_classes(self) -> None:
+        for obj, cls in reversed(self._swapped):
+            obj.__class__ = cls
+        self._swapped.clear()
+
+    # ------------------------------------------------------------------------- torch calls
+    def proxy(self, fake: torch.Tensor) -> TensorProxy:
+        proxy = self.proxy_of.get(id(fake))
+        if proxy is None:
+            raise CaptureError(f"keraunos: internal error: a tensor of unknown origin reached "
+                               f"{user_source()}. Please report this with the program.")
+        return proxy
+
+    def output_proxy(self, fake: torch.Tensor) -> TensorProxy:
+        proxy = self.proxy_of.get(id(fake))
+        if proxy is None:
+            proxy = TensorProxy(self.names.fresh(), fake)
+            self._register(fake, proxy)
+        return proxy
+
+    def record_grad_mode(self) -> None:
+        enabled = torch.is_grad_enabled()
+        if enabled != self.grad_enabled:
+            self.bound_symbols.append(BoundSymbol(SET_GRAD_ENABLED, (enabled,), tags={MUTATION},
+                                                  source=user_source()))
+            self.grad_enabled = enabled
+
+    def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor]):
+        def to_proxy(x):
+            return self.proxy(x) if isinstance(x, torch.Tensor) else x
+        p_args, p_kwargs = pytree.tree_map(to_proxy, (args, kwargs))
+        outputs = pytree.tree_map(
+            lambda x: self.output_proxy(x) if isinstance(x, torch.Tensor) else x, out)
+        tags = set()
+        if mutated or is_inplace_by_name(symbol):
+            tags.add(MUTATION)
+            for t in mutated:
+                self.mutated_storages.add(t.untyped_storage()._cdata)
+        if is_random(symbol):
+            tags.add(RANDOM)
+        self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
+                                              user_source(), tags))
+
+
+MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_compiled_call_impl", "forward", "call_super_init",
+    "dump_patches", "_version",
+})
+
+
+def _positional_names(fn) -> dict[int, str]:
+    """Position -> parameter name, so that traces say ``x`` rather than ``args_0``."""
+    import inspect
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {i: p.name for i, p in enumerate(params)
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def _is_namedtuple(value) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+_recording_classes: dict[type, type] = {}
+
+
+def _recording_module_class(cls: type) -> type:
+    """A subclass of ``cls`` whose attribute reads and writes go through the active capture."""
+    sub = _recording_classes.get(cls)
+    if sub is None:
+        def __getattribute__(self, name):
+            ctx = getattr(_active, "ctx", None)
+            if ctx is None or name.startswith("__"):
+                return cls.__getattribute__(self, name)
+            return ctx.module_getattr(self, name)
+
+        def __setattr__(self, name, value):
+            ctx = getattr(_active, "ctx", None)
+            if ctx is None:
+                return cls.__setattr__(self, name, value)
+            ctx.module_setattr(self, name, value)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                          "__setattr__": __setattr__,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _recording_classes[cls] = sub
+    return sub
+
+
+def _recording_object_class(cls: type) -> type:
+    sub = _recording_classes.get(cls)
+    if sub is None:
+        def __getattribute__(self, name):
+            ctx = getattr(_active, "ctx", None)
+            if ctx is None or name.startswith("__"):
+                return cls.__getattribute__(self, name)
+            return ctx.object_getattr(self, name)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _recording_classes[cls] = sub
+    return sub
+
+
+class Recorder(TorchFunctionMode):
+    """Records every torch call the program makes (the mode is off inside a call, so only the
+    outermost, user-level call is recorded: ``F.layer_norm``, not what it calls)."""
+
+    def __init__(self, ctx: CaptureContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        ctx = self.ctx
+        kwargs = kwargs or {}
+        args, kwargs = pytree.tree_map(
+            lambda x: ctx.real_tensor_reached_program(x)
+            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x,
+            (args, kwargs))
+        symbol = torch_symbol(func)
+        if symbol.name == "__iter__":  # iterating a tensor is unbinding it
+            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        ctx.record_grad_mode()
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise _data_dependent_error(symbol, e) from None
+        except UnsupportedOperatorException as e:
+            raise CaptureError(
+                f"keraunos: `{symbol.name}` at {user_source()} has no kernel that works on fake "
+                f"tensors ({e}), so its output cannot be described without running it.") from None
+        mutated = [t for t, v in zip(tensors, versions) if t._version != v]
+        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
+        if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
+            ctx.record(symbol, args, kwargs, out, mutated)
+        return out
+
+
+def _data_dependent_error(symbol: TorchSymbol, error: Exception) -> CaptureError:
+    source = user_source()
+    where = f"{source.filename}:{source.lineno}: {source.code}" if source else "an unknown line"
+    if isinstance(error, DynamicOutputShapeException):
+        what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
+    else:
+        what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
+    return CaptureError(
+        f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
+        f"  What to do: keep the decision in tensors (torch.where, masking), pass the value in as a "
+        f"Python argument, or move this part outside the jitted function.")

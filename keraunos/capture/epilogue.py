@@ -1,0 +1,156 @@
+"""The epilogue: apply the program's side effects, then rebuild the user's return value.
+
+``def epilogue(outputs, pro_to_epi)`` receives the computation's flat outputs and the values the
+prologue extracted for it (written inputs, modules written to). It copies new values into inputs
+and buffers written in place, replays attribute writes, and returns the user's structure: tuples,
+lists, dicts, namedtuples, dataclasses (``ModelOutput`` included), with constants where the program
+returned Python values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.proxies import ObjectProxy, Proxy, TensorProxy
+from ..core.symbols import BoundSymbol, Code, GlueSymbol
+from ..core.trace import Trace
+from .provenance import Path
+
+
+@dataclass
+class Build:
+    """A node of the return-value template: a container to rebuild around its children."""
+
+    python_type: type
+    kind: str  # tuple, list, namedtuple, dict, dataclass
+    children: Any  # list for sequences, dict for mappings and dataclasses
+
+
+@dataclass
+class FromInput:
+    """A returned tensor that lives in the memory of an input written in place: after the
+    copy-back it is that input itself, or a view of it."""
+
+    member: TensorProxy | None  # the input itself
+    base: TensorProxy           # the original memory (the input, or a flat view of its storage)
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+def template_of(value: Any, leaf) -> Any:
+    """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes."""
+    if isinstance(value, torch.Tensor):
+        return leaf(value)
+    if type(value) in (tuple, list):
+        return Build(type(value), type(value).__name__, [template_of(v, leaf) for v in value])
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return Build(type(value), "namedtuple", [template_of(v, leaf) for v in value])
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: template_of(getattr(value, f.name), leaf)
+                  for f in dataclasses.fields(value) if f.init}
+        return Build(type(value), "dataclass", fields)
+    if isinstance(value, dict):
+        return Build(type(value), "dict", {k: template_of(v, leaf) for k, v in value.items()})
+    return value
+
+
+def _code(node: Any, w) -> str:
+    if isinstance(node, Build):
+        if node.kind in ("tuple", "list"):
+            return w.value(node.python_type(Code(_code(c, w)) for c in node.children))
+        if node.kind == "namedtuple":
+            return f"{w.constant(node.python_type, node.python_type.__name__)}(" + \
+                ", ".join(_code(c, w) for c in node.children) + ")"
+        if node.kind == "dataclass":
+            return f"{w.constant(node.python_type, node.python_type.__name__)}(" + \
+                ", ".join(f"{k}={_code(c, w)}" for k, c in node.children.items()) + ")"
+        items = ", ".join(f"{w.value(k)}: {_code(c, w)}" for k, c in node.children.items())
+        if node.python_type is dict:
+            return "{" + items + "}"
+        return f"{w.constant(node.python_type, node.python_type.__name__)}({{{items}}})"
+    if isinstance(node, FromInput):
+        if node.member is not None:
+            return node.member.name
+        return f"{node.base.name}.as_strided({node.size}, {node.stride}, {node.offset})"
+    return w.value(node)
+
+
+def _unpack_formatter(bsym, w):
+    names = [p.name for p in bsym.outputs]
+    if not names:
+        return []
+    target = ", ".join(names) + ("," if len(names) == 1 else "")
+    return [f"{target} = {bsym.args[0]}"]
+
+
+def _copy_back_formatter(bsym, w):
+    return [f"{bsym.args[0].name}.copy_({bsym.args[1].name})  # written in place by the program"]
+
+
+def _write_formatter(bsym, w):
+    module, name, value = bsym.args
+    code = value.name if isinstance(value, Proxy) else w.value(value)
+    if name.isidentifier():
+        return [f"{module.name}.{name} = {code}"]
+    return [f"setattr({module.name}, {name!r}, {code})"]
+
+
+def _return_formatter(bsym, w):
+    return [f"return {_code(bsym.args[0], w)}"]
+
+
+UNPACK = GlueSymbol("unpack", _unpack_formatter)
+COPY_BACK = GlueSymbol("copy_back", _copy_back_formatter)
+WRITE_ATTRIBUTE = GlueSymbol("write_attribute", _write_formatter)
+RETURN_VALUE = GlueSymbol("return_value", _return_formatter)
+
+
+@dataclass
+class Epilogue:
+    trace: Trace
+    # What the prologue must hand on, in order: tensor input proxies or module paths.
+    info_pro_to_epi: list[Any]
+
+
+def build_epilogue(ctx, out_template, flat_outputs, groups, writes) -> Epilogue:
+    pro_to_epi: list[Any] = []
+    module_proxies: dict[Path, ObjectProxy] = {}
+
+    def want(x):
+        if isinstance(x, Path):
+            if x not in module_proxies:
+                module_proxies[x] = ObjectProxy(ctx.names.fresh(x.name_hint()), torch.nn.Module,
+                                                provenance=str(x))
+                pro_to_epi.append(x)
+            return module_proxies[x]
+        if x not in pro_to_epi:
+            pro_to_epi.append(x)
+        return x
+
+    body: list[BoundSymbol] = []
+    for g in groups:
+        body.append(BoundSymbol(COPY_BACK, (want(g.base), g.updated)))
+
+    def mark_inputs(node):
+        if isinstance(node, FromInput):
+            want(node.base)
+            if node.member is not None:
+                want(node.member)
+        elif isinstance(node, Build):
+            children = node.children.values() if isinstance(node.children, dict) else node.children
+            for c in children:
+                mark_inputs(c)
+    mark_inputs(out_template)
+    for write, value in writes:
+        mark_inputs(value)
+        body.append(BoundSymbol(WRITE_ATTRIBUTE, (want(write.module_path), write.name, value)))
+    body.append(BoundSymbol(RETURN_VALUE, (out_template,)))
+    prologue_values = [module_proxies[x] if isinstance(x, Path) else x for x in pro_to_epi]
+    head = [BoundSymbol(UNPACK, ("outputs",), outputs=list(flat_outputs)),
+            BoundSymbol(UNPACK, ("pro_to_epi",), outputs=prologue_values)]
+    trace = Trace("epilogue", ["outputs", "pro_to_epi"], head + body, ["Constructed by capture"])
+    return Epilogue(trace, pro_to_epi)

@@ -1,0 +1,179 @@
+"""Capture a call into its three traces: prologue, computation, epilogue.
+
+``capture_program`` runs the user's program once under the capture context, then:
+- the computation: the recorded torch calls as a pure function of the flat inputs. A tensor input
+  the program writes to in place is cloned first (or, when several inputs share its memory, the
+  whole storage is, and the inputs are rebuilt as views of the clone), so the computation never
+  writes to its inputs;
+- the epilogue: copies the new values back into the written inputs and buffers, replays module
+  attribute writes, and rebuilds the user's return value;
+- the prologue: unpacks the flat inputs from ``args``, ``kwargs`` and the module and checks every
+  guard.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.proxies import NameGenerator, TensorProxy
+from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
+from ..core.tags import INPUT_TENSOR, MUTATION
+from ..core.trace import Trace
+from .context import SET_GRAD_ENABLED, CaptureContext, Recorder, _active
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .epilogue import FromInput, build_epilogue, template_of
+from .prologue import MutableGroup, build_prologue
+from .provenance import root
+
+
+@dataclass
+class Program:
+    prologue: Trace
+    computation: Trace
+    epilogue: Trace
+    # Prologue-check index -> words, for explaining cache misses.
+    check_descriptions: list[str]
+    tensor_input_paths: list[str]
+    stages: dict[str, float] = field(default_factory=dict)
+    # For each flat computation input that is a tensor: its position, for the storage-alias pattern.
+    alias_pattern: tuple = ()
+
+
+def _return_formatter(bsym, w):
+    outputs = bsym.args[0]
+    return [f"return {w.value(tuple(outputs))}" if len(outputs) != 1 else f"return {outputs[0].name},"]
+
+
+RETURN = GlueSymbol("return", _return_formatter)
+
+
+def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
+                    check_values: bool = True) -> Program:
+    t0 = time.perf_counter()
+    names = NameGenerator()
+    ctx = CaptureContext(names, module, fn)
+    fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
+    fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
+    ctx.guard("global", None, torch.is_grad_enabled(), "torch.is_grad_enabled()")
+    ctx.guard("global", None, torch.get_default_dtype(), "torch.get_default_dtype()")
+    ctx.guard("global", None, torch.is_autocast_enabled("cpu"), "torch.is_autocast_enabled('cpu')")
+    if torch.cuda.is_available():
+        ctx.guard("global", None, torch.is_autocast_enabled("cuda"),
+                  "torch.is_autocast_enabled('cuda')")
+    grad_before = torch.is_grad_enabled()
+    if module is not None:
+        ctx.swap_module_classes(module)
+    _active.ctx = ctx
+    try:
+        with ctx.fake_mode, Recorder(ctx):
+            out = fn(*fake_args, **fake_kwargs)
+        ctx.record_grad_mode()
+    finally:
+        _active.ctx = None
+        ctx.restore_classes()
+        torch.set_grad_enabled(grad_before)
+    t1 = time.perf_counter()
+    program = _assemble(ctx, out, check_values)
+    program.stages["capture"] = t1 - t0
+    program.stages["assemble traces"] = time.perf_counter() - t1
+    return program
+
+
+def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
+    names = ctx.names
+    if ctx.grad_enabled != ctx.initial_grad_enabled:  # the program left grad mode switched
+        ctx.bound_symbols.append(BoundSymbol(SET_GRAD_ENABLED, (ctx.initial_grad_enabled,),
+                                             tags={MUTATION}))
+    # Inputs written in place, grouped by the storage they share with other inputs.
+    by_storage: dict[int, list] = {}
+    for entry in ctx.inputs:
+        by_storage.setdefault(ctx.storage_of[entry.proxy.name], []).append(entry)
+    groups: list[MutableGroup] = []
+    body: list[BoundSymbol] = []
+    renames: dict[str, TensorProxy] = {}
+    for key, members in by_storage.items():
+        if key not in ctx.mutated_storages:
+            continue
+        first = members[0]
+        real = first.real
+        dense = (len(members) == 1 and real.is_contiguous() and real.storage_offset() == 0
+                 and real.numel() * real.element_size() == real.untyped_storage().nbytes())
+        if dense:
+            base = first.proxy
+            clone = TensorProxy(names.fresh(base.name + "_updated"), first.fake)
+            renames[base.name] = clone
+            body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
+                                    clone, info={"comment": "written in place: work on a copy"}))
+            groups.append(MutableGroup(base, clone, members, whole_storage=False))
+        else:
+            storage = real.untyped_storage()
+            n = storage.nbytes() // real.element_size()
+            with ctx.fake_mode:
+                flat_fake = torch.empty(n, dtype=real.dtype, device=first.fake.device)
+            base = TensorProxy(names.fresh(first.proxy.name + "_storage"), flat_fake,
+                               set(first.proxy.tags), f"storage of {first.path}")
+            clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
+            body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
+                                    clone))
+            for m in members:
+                fake = m.fake
+                body.append(BoundSymbol(
+                    TorchSymbol(torch.Tensor.as_strided, "as_strided", "method"),
+                    (clone, tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()), {},
+                    m.proxy))
+            groups.append(MutableGroup(base, clone, members, whole_storage=True))
+    mutable_members = {m.proxy.name for g in groups for m in g.members}
+    body += [b.substitute(renames) if renames else b for b in ctx.bound_symbols]
+
+    # What the computation returns: the user's tensors (not views of written inputs, which the
+    # epilogue rebuilds from the inputs themselves), tensors written to attributes, new values.
+    mutated_keys = {ctx.storage_of[g.members[0].proxy.name] for g in groups}
+    flat: list[TensorProxy] = []
+    seen: set[str] = set()
+
+    members_by_name = {m.proxy.name: g for g in groups for m in g.members}
+
+    def collect(tensor):
+        if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
+            tensor = ctx.real_tensor_reached_program(tensor)
+        proxy = ctx.proxy(tensor)
+        key = ctx.storage_of[proxy.name]
+        if key in mutated_keys:
+            group = next(g for g in groups if ctx.storage_of[g.members[0].proxy.name] == key)
+            member = proxy if proxy.name in members_by_name else None
+            base = group.base if group.whole_storage else group.members[0].proxy
+            return FromInput(member, base, tuple(tensor.shape), tuple(tensor.stride()),
+                             tensor.storage_offset())
+        proxy = renames.get(proxy.name, proxy)
+        if proxy.name not in seen:
+            seen.add(proxy.name)
+            flat.append(proxy)
+        return proxy
+
+    out_template = template_of(out, collect)
+    writes = [(w, template_of(w.value, collect)) for w in ctx.attribute_writes]
+    for g in groups:
+        if g.updated.name not in seen:
+            seen.add(g.updated.name)
+            flat.append(g.updated)
+    body.append(BoundSymbol(RETURN, (flat,)))
+
+    params: list[TensorProxy] = []
+    for entry in ctx.inputs:
+        if entry.proxy.name in mutable_members:
+            g = next(g for g in groups if entry in g.members)
+            if g.base not in params:
+                params.append(g.base)
+        else:
+            params.append(entry.proxy)
+    computation = Trace("computation", params, body, ["Constructed by capture"])
+    epilogue = build_epilogue(ctx, out_template, flat, groups, writes)
+    prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
+                                            check_values)
+    return Program(prologue, computation, epilogue.trace, descriptions,
+                   [str(e.path) for e in ctx.inputs])

@@ -1,0 +1,200 @@
+"""The prologue: unpack the computation's inputs from what the user passed, and check every guard.
+
+``def prologue(*args, **kwargs)`` returns ``(inputs, pro_to_epi)`` when the cached program is valid
+for the call, or the index of the first failing check (an ``int``; a ``str`` with details when
+the batched tensor check fails). It never raises for a mismatch: a failed check only means "not
+this cache entry". The module, the function's globals and closure are names in its namespace.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.proxies import ObjectProxy, Proxy, TensorProxy
+from ..core.symbols import BoundSymbol, Code, GlueSymbol
+from ..core.tags import MODULE_CHECK
+from ..core.trace import Trace
+from .guards import Guard
+from .provenance import Path
+
+
+@dataclass
+class MutableGroup:
+    """Inputs sharing one storage that the program writes to; ``base`` is what the computation
+    receives (the input itself, or a flat view of the whole storage), ``updated`` its new value."""
+
+    base: TensorProxy
+    updated: TensorProxy
+    members: list
+    whole_storage: bool
+
+
+def check_tensor(t, shape, stride, dtype, device, requires_grad) -> bool:
+    """The metadata check of one tensor, as the readable prologue writes it."""
+    return (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride
+            and t.dtype is dtype and t.device == device and t.requires_grad is requires_grad)
+
+
+def _unpack_formatter(bsym, w):
+    (parent,), path = bsym.args, bsym.info["path"]
+    return [f"{bsym.outputs.name} = {path.expression(parent)}"]
+
+
+def _storage_view_formatter(bsym, w):
+    (tensor,), n = bsym.args, bsym.info["numel"]
+    return [f"{bsym.outputs.name} = torch.as_strided({tensor.name}, ({n},), (1,), 0)"]
+
+
+def _check_formatter(bsym, w):
+    return [f"if {bsym.info['condition'](w)}: return {bsym.info['index']}  "
+            f"# {bsym.info['description']}"]
+
+
+def _check_tensor_formatter(bsym, w):
+    (t,), e = bsym.args, bsym.info["expected"]
+    return [f"if not check_tensor({t.name}, {w.value(e['shape'])}, {w.value(e['stride'])}, "
+            f"{w.value(e['dtype'])}, {w.value(e['device'])}, {e['requires_grad']}): "
+            f"return {bsym.info['index']}"]
+
+
+def _return_formatter(bsym, w):
+    inputs, pro_to_epi = bsym.args
+    return [f"return {w.value(tuple(inputs))}, {w.value(tuple(pro_to_epi))}"]
+
+
+UNPACK = GlueSymbol("unpack", _unpack_formatter)
+STORAGE_VIEW = GlueSymbol("storage_view", _storage_view_formatter)
+CHECK = GlueSymbol("check", _check_formatter)
+CHECK_TENSOR = GlueSymbol("check_tensor", _check_tensor_formatter, {"check_tensor": check_tensor})
+RETURN = GlueSymbol("return", _return_formatter)
+
+
+class _Builder:
+    def __init__(self, ctx, check_values: bool):
+        self.ctx = ctx
+        self.check_values = check_values
+        self.bsyms: list[BoundSymbol] = []
+        self.vars: dict[Path, Proxy] = {}
+        self.descriptions: list[str] = []
+        self.namespace: dict[str, Any] = {}
+        fn = ctx.fn
+        self.roots = {"args": "args", "kwargs": "kwargs", "module": "module",
+                      "globals": "fn_globals", "closure": "fn_closure"}
+        self.namespace["fn_globals"] = getattr(fn, "__globals__", None)
+        self.namespace["fn_closure"] = getattr(fn, "__closure__", None)
+
+    def var(self, path: Path, proxy: Proxy | None = None) -> str:
+        known = self.vars.get(path)
+        if known is not None:
+            return known.name
+        if path.kind == "root":
+            if path.key in self.roots:
+                return self.roots[path.key]
+            name = f"_captured{len(self.namespace)}"
+            self.namespace[name] = self.ctx.root_objects[path.key]
+            return name
+        parent = self.var(path.parent)
+        if proxy is None:
+            proxy = ObjectProxy(self.ctx.names.fresh(path.name_hint()), object, provenance=str(path))
+        self.vars[path] = proxy
+        self.bsyms.append(BoundSymbol(UNPACK, (parent,), outputs=proxy, info={"path": path}))
+        return proxy.name
+
+    def check(self, description: str, condition, from_module: bool) -> None:
+        index = len(self.descriptions)
+        self.descriptions.append(description)
+        tags = {MODULE_CHECK} if from_module else set()
+        self.bsyms.append(BoundSymbol(CHECK, tags=tags, info={
+            "condition": condition, "index": index, "description": description}))
+
+    def guard(self, g: Guard) -> None:
+        if g.kind == "global":
+            expected = g.expected
+            self.check(g.description, lambda w: f"{g.expression} is not {w.value(expected)}"
+                       if isinstance(expected, (bool, torch.dtype)) or expected is None
+                       else f"{g.expression} != {w.value(expected)}", False)
+            return
+        v = self.var(g.path)
+        if g.kind == "value":
+            self.check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
+        elif g.kind == "identity":
+            other = g.expected
+            if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
+                self.check(g.description, lambda w: f"{v} is not {self.var(other.path)}",
+                           g.from_module)
+            else:
+                self.check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
+                           g.from_module)
+        elif g.kind == "type":
+            cls = g.expected
+            self.check(g.description, lambda w: f"type({v}) is not {w.constant(cls, cls.__name__)}",
+                       g.from_module)
+        elif g.kind == "length":
+            python_type, n = g.expected
+            if g.path.kind == "root":
+                self.check(g.description, lambda w: f"len({v}) != {n}", False)
+            else:
+                self.check(g.description, lambda w: f"type({v}) is not "
+                           f"{w.constant(python_type, python_type.__name__)} or len({v}) != {n}",
+                           g.from_module)
+        elif g.kind == "keys":
+            _, keys = g.expected
+            if g.path.kind == "root" and not keys:
+                self.check(g.description, lambda w: f"{v}", False)
+            else:
+                self.check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
+                           f"{w.value(list(keys))}" if g.path.kind != "root"
+                           else f"list({v}) != {w.value(list(keys))}", g.from_module)
+        else:
+            raise AssertionError(g.kind)
+
+
+def _value_condition(v: str, expected: Any, w) -> str:
+    if expected is None or type(expected) is bool:
+        return f"{v} is not {expected!r}"
+    if isinstance(expected, torch.dtype):
+        return f"{v} is not {w.value(expected)}"
+    if type(expected) in (int, float, str, complex):
+        if type(expected) is float and expected != expected:
+            return f"type({v}) is not float or {v} == {v}"  # nan: the only value unequal to itself
+        return f"type({v}) is not {type(expected).__name__} or {v} != {w.value(expected)}"
+    return (f"type({v}) is not {w.constant(type(expected), type(expected).__name__)} or "
+            f"{v} != {w.constant(copy.deepcopy(expected), 'expected')}")
+
+
+def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
+                   pro_to_epi: list[Any], check_values: bool) -> tuple[Trace, list[str]]:
+    b = _Builder(ctx, check_values)
+    if check_values:
+        for g in ctx.guards:
+            b.guard(g)
+    for entry in ctx.inputs:
+        b.var(entry.path, entry.proxy)
+    for g in groups:
+        if g.whole_storage:
+            first = g.members[0]
+            n = first.real.untyped_storage().nbytes() // first.real.element_size()
+            b.bsyms.append(BoundSymbol(STORAGE_VIEW, (first.proxy,), outputs=g.base,
+                                       info={"numel": n}))
+    if check_values:
+        for entry in ctx.inputs:
+            real = entry.real
+            expected = {"shape": tuple(real.shape), "stride": tuple(real.stride()),
+                        "dtype": real.dtype, "device": real.device,
+                        "requires_grad": real.requires_grad}
+            index = len(b.descriptions)
+            b.descriptions.append(f"tensor {entry.path} has the shape, stride, dtype, device and "
+                                  f"requires_grad it was compiled for")
+            b.bsyms.append(BoundSymbol(CHECK_TENSOR, (entry.proxy,), tags=set(entry.proxy.tags),
+                                       info={"expected": expected, "index": index,
+                                             "real": real, "path": str(entry.path)}))
+    epi_values = []
+    for x in pro_to_epi:
+        epi_values.append(Code(b.var(x)) if isinstance(x, Path) else x)
+    b.bsyms.append(BoundSymbol(RETURN, (list(params), epi_values)))
+    trace = Trace("prologue", ["*args", "**kwargs"], b.bsyms, ["Constructed by capture"],
+                  namespace={"module": getattr(ctx, "root_module", None), **b.namespace})
+    return trace, b.descriptions

@@ -1,0 +1,87 @@
+"""Trace: an ordered list of bound symbols with a signature; printable, runnable Python.
+
+``str(trace)`` and ``trace.python_callable()`` come from the same generated source, so what you
+read is what runs. Passes never mutate a trace: they return a new one whose header says which pass
+made it and how long it took.
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .proxies import Proxy
+from .symbols import BoundSymbol, CodeWriter
+
+_trace_counter = itertools.count()
+
+
+@dataclass
+class Trace:
+    """A program: ``def name(params): <bound symbols>``.
+
+    ``params`` are the signature's entries (proxies, or strings such as ``"*args"``);
+    ``bound_symbols`` end with the line that returns. ``header`` holds comment lines describing how
+    this trace came to be.
+    """
+
+    name: str
+    params: list[Any]
+    bound_symbols: list[BoundSymbol]
+    header: list[str] = field(default_factory=list)
+    # Objects the generated code refers to by name, beyond ``torch`` and what symbols add.
+    namespace: dict[str, Any] = field(default_factory=dict)
+
+    def derive(self, bound_symbols: list[BoundSymbol], label: str, seconds: float | None = None,
+               params: list[Any] | None = None) -> "Trace":
+        """A new trace with these lines, its header extended by ``label`` (the pass that made it)."""
+        timing = f" (took {seconds * 1e3:.2f} ms)" if seconds is not None else ""
+        return Trace(self.name, list(self.params if params is None else params), bound_symbols,
+                     self.header + [f"Constructed by {label}{timing}"], dict(self.namespace))
+
+    def source(self) -> tuple[str, dict[str, Any]]:
+        namespace: dict[str, Any] = {"torch": torch, **self.namespace}
+        w = CodeWriter(namespace)
+        params = []
+        for p in self.params:
+            if isinstance(p, Proxy):
+                params.append(p.name)
+                w.defined.add(p.name)
+            else:
+                params.append(str(p))
+        lines = [f"# {h}" for h in self.header]
+        lines.append(f"def {self.name}({', '.join(params)}):")
+        for p in self.params:
+            if isinstance(p, Proxy) and (p.provenance or p.describe()):
+                parts = [x for x in (p.describe(), p.provenance and f"from {p.provenance}") if x]
+                lines.append(f"  # {p.name}: {' '.join(parts)}")
+        last_source = None
+        for bsym in self.bound_symbols:
+            if bsym.source is not None and bsym.source != last_source:
+                lines.append(f"  # {bsym.source}")
+                last_source = bsym.source
+            for line in bsym.symbol.format(bsym, w):
+                lines.append("  " + line)
+            w.defined.update(p.name for p in bsym.output_proxies())
+        if len(lines) == len(self.header) + 1:
+            lines.append("  pass")
+        return "\n".join(lines) + "\n", namespace
+
+    def __str__(self) -> str:
+        return self.source()[0]
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.name}: {len(self.bound_symbols)} lines>"
+
+    def python_callable(self) -> Callable:
+        """Compile this trace; tracebacks point into its source (registered with ``linecache``)."""
+        src, namespace = self.source()
+        filename = f"<keraunos {self.name} #{next(_trace_counter)}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+        exec(compile(src, filename, "exec"), namespace)
+        fn = namespace[self.name]
+        fn.__keraunos_source__ = src
+        return fn

@@ -1,0 +1,39 @@
+"""Errors keraunos raises, and how it points at the user's own code."""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+
+import torch
+
+from .core.symbols import Source
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_KERAUNOS_DIR = os.path.dirname(__file__)
+
+
+class KeraunosError(Exception):
+    """Base class of the errors keraunos raises about the user's program or inputs."""
+
+
+class CaptureError(KeraunosError):
+    """The program does something capture cannot turn into a trace (control flow on tensor data,
+    an output shape that depends on data, an operation no kernel can describe)."""
+
+
+class UnsupportedInputError(KeraunosError, TypeError):
+    """An argument of a type keraunos cannot check on later calls."""
+
+
+def user_source(skip_frames: int = 1) -> Source | None:
+    """The innermost frame of the call stack that is the user's code (not torch, not keraunos)."""
+    frame = sys._getframe(skip_frames)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_KERAUNOS_DIR)
+                or filename.startswith("<frozen") or filename.startswith("<keraunos")):
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            return Source(filename, frame.f_lineno, code)
+        frame = frame.f_back
+    return None

@@ -1,0 +1,462 @@
+"""The jitted callable: the call path, cache entries, and compilation on a miss.
+
+Every call runs the steps below, each a module-level function so that profilers see them by name:
+
+    entry, inputs, pro_to_epi = get_computation_and_inputs(jitted, args, kwargs)
+    result = entry.computation_fn(*inputs)
+    result = maybe_connect_to_autograd(entry, result)
+    return maybe_call_epilogue(entry, result, pro_to_epi)
+
+``get_computation_and_inputs`` tries the cache entries, most recently used first: an entry is
+valid for a call when its prologue's checks pass and ``check_storage_aliases`` finds the inputs
+share memory exactly as they did when it was compiled. On a miss it compiles a new entry.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import executors as executors_module
+from .capture.program import capture_program
+from .core.trace import Trace
+from .executors.checks import fuse_tensor_checks
+from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
+from .transforms import Transform
+
+
+class CacheMode(enum.Enum):
+    """How cache entries are checked against a call."""
+
+    CONSTANT_VALUES = "constant values"  # numbers and shapes baked in, every one checked
+    SYMBOLIC_VALUES = "symbolic values"  # not implemented yet
+    SAME_INPUT = "same input"            # the user promises identical metadata: no checks
+    NO_CACHING = "no caching"            # compile on every call
+
+
+# The computation's passes, in order. Each takes a trace and returns a new one.
+PIPELINE = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
+
+
+@dataclass
+class CacheEntry:
+    prologue_fn: Callable
+    computation_fn: Callable
+    epilogue_fn: Callable
+    prologue_traces: list[Trace]
+    computation_traces: list[Trace]
+    epilogue_traces: list[Trace]
+    backward_traces: list[Trace]
+    check_descriptions: list[str]
+    alias_pattern: tuple | None  # None: every tensor input has memory of its own
+    stages: dict[str, float]
+    hits: int = 0
+
+
+@dataclass
+class CompileStats:
+    """Timings of the entry that ran last, in seconds, and the cache counters."""
+
+    stages: dict[str, float]
+    last_cache_lookup: float
+    cache_hits: int
+    cache_misses: int
+
+    @property
+    def compile_time(self) -> float:
+        return sum(self.stages.values())
+
+    def __str__(self) -> str:
+        lines = [f"{name:>40}: {seconds * 1e3:8.2f} ms" for name, seconds in self.stages.items()]
+        lines.append(f"{'total compile':>40}: {self.compile_time * 1e3:8.2f} ms")
+        lines.append(f"{'last cache lookup':>40}: {self.last_cache_lookup * 1e6:8.2f} us")
+        lines.append(f"{'cache hits / misses':>40}: {self.cache_hits} / {self.cache_misses}")
+        return "\n".join(lines)
+
+
+class _JitState:
+    """What a jitted callable holds: its program, options and cache."""
+
+    def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile):
+        self.fn = fn
+        self.module = module
+        self.executors = executors_module.resolve(executors)
+        self.transforms = list(transforms or ())
+        for t in self.transforms:
+            if not isinstance(t, Transform):
+                raise TypeError(f"keraunos.jit: transforms must be keraunos.Transform instances, "
+                                f"got {t!r}")
+        try:
+            self.cache_mode = CacheMode(cache)
+        except ValueError:
+            raise ValueError(f"keraunos.jit: cache must be one of "
+                             f"{[m.value for m in CacheMode]}, got {cache!r}") from None
+        if self.cache_mode is CacheMode.SYMBOLIC_VALUES:
+            raise NotImplementedError("keraunos.jit: cache='symbolic values' is not implemented "
+                                      "yet; use 'constant values' (one entry per set of shapes)")
+        if max_cache_entries < 1:
+            raise ValueError("keraunos.jit: max_cache_entries must be at least 1")
+        self.max_cache_entries = max_cache_entries
+        self.profile = profile
+        self.entries: list[CacheEntry] = []  # most recently used first; replaced, never mutated
+        self.lock = threading.RLock()
+        self.hits = 0
+        self.misses = 0
+        self.last_entry: CacheEntry | None = None
+        self.last_lookup = 0.0
+        self.last_miss_reasons: list[str] = []
+        self.warned_recompiles = False
+
+    @property
+    def name(self) -> str:
+        target = self.module if self.module is not None else self.fn
+        return getattr(target, "__qualname__", None) or type(target).__qualname__
+
+
+# --------------------------------------------------------------------------------- call path
+def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
+    start = time.perf_counter()
+    entries = state.entries
+    try:
+        for i, entry in enumerate(entries):
+            r = entry.prologue_fn(*args, **kwargs)
+            if type(r) is tuple and check_storage_aliases(entry, r[0]):
+                if i:
+                    _promote(state, entry)
+                state.hits += 1
+                state.last_entry = entry
+                state.last_lookup = time.perf_counter() - start
+                return entry, r[0], r[1]
+    except Exception:
+        pass  # a prologue that cannot even unpack the call is a miss; the miss path says why
+    return _miss(state, args, kwargs, start)
+
+
+def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
+    """Whether the tensor inputs share memory exactly as they did when ``entry`` was compiled."""
+    return storage_alias_pattern(inputs) == entry.alias_pattern
+
+
+def storage_alias_pattern(inputs: Sequence) -> tuple | None:
+    """For each tensor input, the index of the first input sharing its storage; ``None`` when no
+    two inputs share one (the common case, compared cheaply)."""
+    pointers = [t.untyped_storage().data_ptr() if t.numel() else -i - 1
+                for i, t in enumerate(inputs)]
+    if len(set(pointers)) == len(pointers):
+        return None
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(p, i) for i, p in enumerate(pointers))
+
+
+def maybe_connect_to_autograd(entry: CacheEntry, result):
+    # The computation runs its torch ops in the caller's grad mode, so torch's autograd records
+    # them as eager does. A backward trace of our own connects here once autograd lands.
+    return result
+
+
+def maybe_call_epilogue(entry: CacheEntry, result, pro_to_epi):
+    return entry.epilogue_fn(result, pro_to_epi)
+
+
+def call(state: _JitState, args: tuple, kwargs: dict):
+    entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
+    result = entry.computation_fn(*inputs)
+    result = maybe_connect_to_autograd(entry, result)
+    return maybe_call_epilogue(entry, result, pro_to_epi)
+
+
+def call_profiled(state: _JitState, args: tuple, kwargs: dict):
+    """``call`` with each step inside a ``torch.profiler.record_function`` (and NVTX) range."""
+    with _range("keraunos.get_computation_and_inputs"):
+        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
+    with _range("keraunos.computation"):
+        result = entry.computation_fn(*inputs)
+    with _range("keraunos.maybe_connect_to_autograd"):
+        result = maybe_connect_to_autograd(entry, result)
+    with _range("keraunos.maybe_call_epilogue"):
+        return maybe_call_epilogue(entry, result, pro_to_epi)
+
+
+class _range:
+    def __init__(self, name: str):
+        self.name = name
+        self.record = torch.profiler.record_function(name)
+
+    def __enter__(self):
+        self.record.__enter__()
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_pop()
+        self.record.__exit__(*exc)
+
+
+def _promote(state: _JitState, entry: CacheEntry) -> None:
+    entries = state.entries
+    if entry in entries:  # another thread may have replaced the list meanwhile
+        state.entries = [entry] + [e for e in entries if e is not entry]
+
+
+# ----------------------------------------------------------------------------------- misses
+def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
+    """Why ``entry`` does not fit this call, in words; ``None`` when it does."""
+    try:
+        r = entry.prologue_fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure to unpack is a reason
+        return f"the prologue could not unpack the call: {type(e).__name__}: {e}"
+    if type(r) is int:
+        return f"check failed: {entry.check_descriptions[r]}"
+    if type(r) is str:
+        return f"check failed: {r}"
+    if not check_storage_aliases(entry, r[0]):
+        return (f"inputs share memory differently: compiled for alias pattern "
+                f"{entry.alias_pattern}, called with {storage_alias_pattern(r[0])}")
+    return None
+
+
+def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
+    with state.lock:
+        reasons = []
+        for entry in state.entries:  # another thread may have compiled it meanwhile
+            reason = explain(entry, args, kwargs)
+            if reason is None:
+                r = entry.prologue_fn(*args, **kwargs)
+                state.hits += 1
+                state.last_entry = entry
+                state.last_lookup = time.perf_counter() - start
+                return entry, r[0], r[1]
+            reasons.append(reason)
+        state.last_miss_reasons = reasons
+        state.misses += 1
+        entry = compile_entry(state, args, kwargs)
+        r = entry.prologue_fn(*args, **kwargs)
+        if type(r) is not tuple:
+            raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
+                                 f"the call it was compiled for ({explain(entry, args, kwargs)})")
+        entry.alias_pattern = storage_alias_pattern(r[0])
+        if state.cache_mode is not CacheMode.NO_CACHING:
+            _insert(state, entry)
+        state.last_entry = entry
+        state.last_lookup = time.perf_counter() - start
+        return entry, r[0], r[1]
+
+
+def _insert(state: _JitState, entry: CacheEntry) -> None:
+    entries = [entry] + state.entries
+    if len(entries) > state.max_cache_entries:
+        entries = entries[: state.max_cache_entries]
+        if not state.warned_recompiles:
+            state.warned_recompiles = True
+            warnings.warn(
+                f"keraunos: {state.name} keeps recompiling: its cache holds "
+                f"{state.max_cache_entries} entries (max_cache_entries) and the least recently "
+                f"used one was dropped. Last reasons: {state.last_miss_reasons[:3]}. Python values "
+                f"that change on every call (a step counter, a position) are compiled in as "
+                f"constants; pass them as tensors instead.", stacklevel=4)
+    state.entries = entries
+
+
+def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
+    check_values = state.cache_mode is not CacheMode.SAME_INPUT
+    target = state.module if state.module is not None else state.fn
+    program = capture_program(target, state.module, args, kwargs, check_values)
+    stages = dict(program.stages)
+    prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
+    prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
+    for t in state.transforms:
+        t0 = time.perf_counter()
+        prologue, computation, epilogue = t.transform_traces_pre_prologue(
+            prologue, computation, epilogue)
+        seconds = time.perf_counter() - t0
+        stages[f"transform {t.name}"] = seconds
+        prologue = prologue.derive(prologue.bound_symbols, t.name, seconds)
+        computation = computation.derive(computation.bound_symbols, t.name, seconds)
+        prologue_traces.append(prologue)
+        computation_traces.append(computation)
+        epilogue_traces.append(epilogue)
+    for p in PIPELINE:
+        computation = p(computation)
+        stages[computation.header[-1].split(" (")[0].removeprefix("Constructed by ")] = \
+            stages.get(p.__name__, 0.0) + _took(computation)
+        computation_traces.append(computation)
+    computation = executors_module.claim(computation, state.executors)
+    computation_traces.append(computation)
+    stages["executor claims"] = _took(computation)
+    for t in state.transforms:
+        t0 = time.perf_counter()
+        computation = t.transform_trace_post_optimization(computation)
+        seconds = time.perf_counter() - t0
+        computation = computation.derive(computation.bound_symbols, t.name, seconds)
+        stages[f"transform {t.name} (post optimization)"] = seconds
+        computation_traces.append(computation)
+    computation = delete_last_used(computation)
+    computation_traces.append(computation)
+    stages["delete last used"] = _took(computation)
+    prologue = fuse_tensor_checks(prologue)
+    prologue_traces.append(prologue)
+    stages["fuse tensor checks"] = _took(prologue)
+    t0 = time.perf_counter()
+    prologue_fn = prologue.python_callable()
+    computation_fn = computation.python_callable()
+    epilogue_fn = epilogue.python_callable()
+    stages["codegen"] = time.perf_counter() - t0
+    return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
+                      computation_traces, epilogue_traces, [], program.check_descriptions, None,
+                      stages)
+
+
+def _took(trace: Trace) -> float:
+    header = trace.header[-1]
+    if "(took " not in header:
+        return 0.0
+    return float(header.rsplit("(took ", 1)[1].split(" ms")[0]) / 1e3
+
+
+# ------------------------------------------------------------------------- public wrappers
+def _profile_default() -> bool:
+    return os.environ.get("KERAUNOS_PROFILE", "0") not in ("", "0")
+
+
+class JittedFunction:
+    """A function compiled by ``keraunos.jit``; call it as you would the original."""
+
+    def __init__(self, fn: Callable, **options):
+        self._keraunos = _JitState(fn, None, **options)
+        self._call = call_profiled if self._keraunos.profile else call
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self._keraunos, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"keraunos.jit({self._keraunos.fn!r})"
+
+
+class JittedModule(torch.nn.Module):
+    """A module compiled by ``keraunos.jit``. It shares the original's parameters and buffers
+    (an optimizer built on either updates both) and forwards attribute access, ``state_dict``,
+    ``train()``/``eval()`` and the rest to it."""
+
+    def __init__(self, module: torch.nn.Module, **options):
+        super().__init__()
+        self._orig_mod = module
+        state = _JitState(module.forward, module, **options)
+        object.__setattr__(self, "_keraunos", state)
+        object.__setattr__(self, "_call", call_profiled if state.profile else call)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self._keraunos, args, kwargs)
+
+    forward = __call__
+
+    def __getattr__(self, name: str):
+        if name == "_orig_mod":
+            return self._modules["_orig_mod"]
+        return getattr(self._modules["_orig_mod"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "_orig_mod" or name == "training":
+            super().__setattr__(name, value)
+        else:
+            setattr(self._orig_mod, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._orig_mod, name)
+
+    def __repr__(self) -> str:
+        return f"keraunos.jit({self._orig_mod!r})"
+
+    def __dir__(self):
+        return sorted(set(dir(self._orig_mod)) | set(super().__dir__()))
+
+    # The module's own views of its state, without the "_orig_mod." prefix.
+    def state_dict(self, *args, **kwargs):
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._orig_mod.load_state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._orig_mod.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._orig_mod.parameters(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._orig_mod.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self._orig_mod.buffers(recurse)
+
+    def named_modules(self, *args, **kwargs):
+        return self._orig_mod.named_modules(*args, **kwargs)
+
+    def modules(self):
+        return self._orig_mod.modules()
+
+    def named_children(self):
+        return self._orig_mod.named_children()
+
+    def children(self):
+        return self._orig_mod.children()
+
+    def train(self, mode: bool = True):
+        super().__setattr__("training", mode)
+        self._orig_mod.train(mode)
+        return self
+
+
+def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
+        transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
+        max_cache_entries: int = 8, profile: bool | None = None):
+    """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
+
+    The first call captures the program into traces, transforms and compiles them, and caches the
+    result; later calls run a prologue that checks the inputs and reuse the cached program, or
+    compile a new entry when a check fails.
+
+    >>> import torch, keraunos
+    >>> jf = keraunos.jit(lambda x, y: torch.nn.functional.gelu(x @ y + 1).sum(-1))
+    >>> x, y = torch.randn(4, 8), torch.randn(8, 8)
+    >>> torch.testing.assert_close(jf(x, y), torch.nn.functional.gelu(x @ y + 1).sum(-1))
+    >>> print(keraunos.last_traces(jf)[-1])  # doctest: +SKIP
+
+    Args:
+        executors: who runs the operations, in order of preference (names or ``Executor``s);
+            default ``["torch"]``.
+        transforms: ``keraunos.Transform`` instances whose hooks run at fixed points.
+        cache: ``"constant values"`` (default), ``"same input"`` or ``"no caching"``.
+        max_cache_entries: entries kept per jitted callable; past it the least recently used goes.
+        profile: wrap each call step in a profiler range (default: ``KERAUNOS_PROFILE=1``).
+    """
+    options = dict(executors=executors, transforms=transforms,
+                   cache=cache.value if isinstance(cache, CacheMode) else cache,
+                   max_cache_entries=max_cache_entries,
+                   profile=_profile_default() if profile is None else profile)
+    if isinstance(fn_or_module, (JittedFunction, JittedModule)):
+        raise TypeError("keraunos.jit: this callable is already jitted")
+    if isinstance(fn_or_module, torch.nn.Module):
+        jitted = JittedModule(fn_or_module, **options)
+        for t in jitted._keraunos.transforms:
+            t.transform_module(jitted)
+        return jitted
+    if not callable(fn_or_module):
+        raise TypeError(f"keraunos.jit: expected a function or an nn.Module, got "
+                        f"{type(fn_or_module).__qualname__}")
+    return JittedFunction(fn_or_module, **options)
+
+
+def state_of(jitted) -> _JitState:
+    try:
+        return jitted._keraunos
+    except AttributeError:
+        raise TypeError(f"expected a callable returned by keraunos.jit, got {jitted!r}") from None

@@ -1,0 +1,6 @@
+"""Passes: functions from trace to trace, run in the order ``PIPELINE`` lists them."""
+from .cse import common_subexpression_elimination
+from .dce import dead_code_elimination
+from .deletion import delete_last_used
+
+__all__ = ["dead_code_elimination", "common_subexpression_elimination", "delete_last_used"]

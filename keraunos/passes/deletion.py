@@ -1,0 +1,36 @@
+"""Free intermediates early: ``del`` each name right after the line that last uses it."""
+from __future__ import annotations
+
+import time
+
+from ..core.symbols import BoundSymbol, GlueSymbol
+from ..core.trace import Trace
+from ..core.proxies import Proxy
+
+
+def _del_formatter(bsym, w):
+    return [f"del {', '.join(bsym.args)}"]
+
+
+DELETE = GlueSymbol("del", _del_formatter)
+
+
+def delete_last_used(trace: Trace) -> Trace:
+    start = time.perf_counter()
+    params = {p.name for p in trace.params if isinstance(p, Proxy)}
+    seen: set[str] = set()
+    result: list[BoundSymbol] = []
+    last = trace.bound_symbols[-1] if trace.bound_symbols else None
+    for bsym in reversed(trace.bound_symbols):
+        used = [p.name for p in bsym.input_proxies()]
+        if bsym is not last:
+            dead = []
+            for name in [p.name for p in bsym.output_proxies()] + used:
+                if name not in seen and name not in params and name not in dead:
+                    dead.append(name)
+            if dead:
+                result.append(BoundSymbol(DELETE, tuple(dead)))
+        seen.update(used)
+        result.append(bsym)
+    result.reverse()
+    return trace.derive(result, "Delete Last Used", time.perf_counter() - start)
