@@ -47,6 +47,8 @@ class Guard:
         if self.kind == "value" or self.kind == "global":
             return f"{where} == {self.expected!r} ({type(self.expected).__name__})"
         if self.kind == "identity":
+            if hasattr(self.expected, "proxy"):  # a tensor reached two ways (tied weights)
+                return f"{where} is the same tensor as {self.expected.path}"
             return f"{where} is the same object as when compiled ({type(self.expected).__name__})"
         if self.kind == "type":
             return f"type({where}) is {self.expected.__qualname__}"
@@ -55,5 +57,7 @@ class Guard:
             return f"{where} is a {python_type.__name__} of length {n}"
         if self.kind == "keys":
             python_type, keys = self.expected
+            if not keys:
+                return f"{where} is empty"
             return f"{where} is a {python_type.__name__} with keys {list(keys)}"
         raise AssertionError(self.kind)

@@ -123,8 +123,8 @@ class _Builder:
         elif g.kind == "identity":
             other = g.expected
             if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
-                self.check(g.description, lambda w: f"{v} is not {self.var(other.path)}",
-                           g.from_module)
+                first = self.var(other.path, other.proxy)
+                self.check(g.description, lambda w: f"{v} is not {first}", g.from_module)
             else:
                 self.check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
                            g.from_module)

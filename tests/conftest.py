@@ -1,0 +1,18 @@
+"""Shared fixtures for keraunos' behaviour tests.
+
+Every test compares a jitted program against eager PyTorch. The autouse fixture below seeds the
+generator and restores the global state tests may change (grad mode, default dtype), so that
+tests stay independent of their order.
+"""
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _isolate_global_state():
+    torch.manual_seed(0)
+    grad = torch.is_grad_enabled()
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_grad_enabled(grad)
+    torch.set_default_dtype(dtype)
