@@ -27,7 +27,7 @@ import torch
 from . import executors as executors_module
 from .capture.program import capture_program
 from .core.trace import Trace
-from .executors.checks import fuse_tensor_checks
+from .executors.prologue_cache import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .transforms import Transform
 
@@ -301,9 +301,11 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     computation = delete_last_used(computation)
     computation_traces.append(computation)
     stages["delete last used"] = _took(computation)
-    prologue = fuse_tensor_checks(prologue)
+    prologue, structure_walk = fast_prologue(prologue)
+    if structure_walk is not None:
+        prologue_traces.append(structure_walk)
     prologue_traces.append(prologue)
-    stages["fuse tensor checks"] = _took(prologue)
+    stages["fast prologue"] = _took(prologue)
     t0 = time.perf_counter()
     prologue_fn = prologue.python_callable()
     computation_fn = computation.python_callable()

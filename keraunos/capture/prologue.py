@@ -8,6 +8,7 @@ this cache entry". The module, the function's globals and closure are names in i
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,12 +104,14 @@ class _Builder:
         self.bsyms.append(BoundSymbol(UNPACK, (parent,), outputs=proxy, info={"path": path}))
         return proxy.name
 
-    def check(self, description: str, condition, from_module: bool) -> None:
+    def check(self, description: str, condition, from_module: bool, guard: Guard | None = None,
+              subject: str | None = None) -> None:
         index = len(self.descriptions)
         self.descriptions.append(description)
         tags = {MODULE_CHECK} if from_module else set()
         self.bsyms.append(BoundSymbol(CHECK, tags=tags, info={
-            "condition": condition, "index": index, "description": description}))
+            "condition": condition, "index": index, "description": description, "guard": guard,
+            "subject": subject}))
 
     def guard(self, g: Guard) -> None:
         if g.kind == "global":
@@ -118,34 +121,35 @@ class _Builder:
                        else f"{g.expression} != {w.value(expected)}", False)
             return
         v = self.var(g.path)
+        check = functools.partial(self.check, guard=g, subject=g.path)
         if g.kind == "value":
-            self.check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
+            check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
         elif g.kind == "identity":
             other = g.expected
             if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
                 first = self.var(other.path, other.proxy)
-                self.check(g.description, lambda w: f"{v} is not {first}", g.from_module)
+                check(g.description, lambda w: f"{v} is not {first}", g.from_module)
             else:
-                self.check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
+                check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
                            g.from_module)
         elif g.kind == "type":
             cls = g.expected
-            self.check(g.description, lambda w: f"type({v}) is not {w.constant(cls, cls.__name__)}",
+            check(g.description, lambda w: f"type({v}) is not {w.constant(cls, cls.__name__)}",
                        g.from_module)
         elif g.kind == "length":
             python_type, n = g.expected
             if g.path.kind == "root":
-                self.check(g.description, lambda w: f"len({v}) != {n}", False)
+                check(g.description, lambda w: f"len({v}) != {n}", False)
             else:
-                self.check(g.description, lambda w: f"type({v}) is not "
+                check(g.description, lambda w: f"type({v}) is not "
                            f"{w.constant(python_type, python_type.__name__)} or len({v}) != {n}",
                            g.from_module)
         elif g.kind == "keys":
             _, keys = g.expected
             if g.path.kind == "root" and not keys:
-                self.check(g.description, lambda w: f"{v}", False)
+                check(g.description, lambda w: f"{v}", False)
             else:
-                self.check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
+                check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
                            f"{w.value(list(keys))}" if g.path.kind != "root"
                            else f"list({v}) != {w.value(list(keys))}", g.from_module)
         else:

@@ -68,6 +68,15 @@ class Path:
             p = p.parent
         return p.key == "module"
 
+    def is_structural(self) -> bool:
+        """Whether the path only walks the module tree's tables (submodules, parameters, buffers):
+        what only a registration of a module, parameter or buffer can change."""
+        if self.kind == "root":
+            return self.key == "module"
+        if self.kind == "attr" and self.key in ("_modules", "_parameters", "_buffers"):
+            return self.parent.is_structural()
+        return self.kind in ("submodule", "parameter", "buffer") and self.parent.is_structural()
+
 
 def root(name: str) -> Path:
     return Path(None, "root", name)

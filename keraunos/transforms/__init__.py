@@ -11,6 +11,7 @@ Subclass ``Transform`` and override any hook; each defaults to doing nothing.
 """
 from __future__ import annotations
 
+from ..core.tags import INPUT_TENSOR, MODULE_CHECK, STATIC_MEMORY_LOCATION
 from ..core.trace import Trace
 
 
@@ -33,3 +34,64 @@ class Transform:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+
+def _without(trace: Trace, drop) -> Trace:
+    """``trace`` without the lines ``drop`` selects (the caller labels the result)."""
+    return Trace(trace.name, list(trace.params), [b for b in trace.bound_symbols if not drop(b)],
+                 list(trace.header), dict(trace.namespace))
+
+
+class ExtractionOnlyPrologueTransform(Transform):
+    """Stop checking the metadata of parameters and buffers on every call; keep extracting them.
+
+    The prologue still takes each parameter and buffer from the module on every call (so a
+    replaced parameter is used), still checks module attributes (``training``, hyperparameters)
+    and, unless ``skip_check_on_input_tensors=True``, the call's tensor arguments.
+
+    What you promise in exchange: you will not change the shape, dtype, device, strides or
+    ``requires_grad`` of any parameter or buffer (no ``model.half()``, ``.to(...)``, freezing with
+    ``requires_grad_(False)``, resizing a buffer) while using this jitted module; with
+    ``skip_check_on_input_tensors=True``, also that every call passes tensor arguments with the
+    metadata of the call that compiled the entry. Break the promise and the cached program runs
+    on tensors it was not compiled for: wrong results or an error, not a recompile.
+
+    >>> import torch, keraunos
+    >>> from keraunos.transforms import ExtractionOnlyPrologueTransform
+    >>> jm = keraunos.jit(torch.nn.Linear(4, 4), transforms=[ExtractionOnlyPrologueTransform()])
+    >>> out = jm(torch.randn(2, 4))
+    """
+
+    def __init__(self, skip_check_on_input_tensors: bool = False):
+        self.skip_check_on_input_tensors = skip_check_on_input_tensors
+
+    def transform_traces_pre_prologue(self, prologue, computation, epilogue):
+        dropped = {STATIC_MEMORY_LOCATION}
+        if self.skip_check_on_input_tensors:
+            dropped.add(INPUT_TENSOR)
+
+        def drop(b):
+            return b.symbol.name == "check_tensor" and bool(b.args[0].tags & dropped)
+        return _without(prologue, drop), computation, epilogue
+
+
+class PrunePrologueChecks(Transform):
+    """Drop every prologue check derived only from the module: parameter and buffer metadata,
+    submodule types, module attributes (``training``, ``eps``, config fields). Checks of the
+    call's arguments and of global state stay.
+
+    What you promise in exchange: the module will not change in any way the program can see
+    while using this jitted module: no ``train()``/``eval()`` switch, no attribute or
+    hyperparameter change, no replaced submodule, no parameter or buffer changing dtype, device
+    or shape. (Replaced parameters and buffers are still picked up: extraction stays.)
+    """
+
+    def transform_traces_pre_prologue(self, prologue, computation, epilogue):
+        def drop(b):
+            if b.symbol.name == "check_tensor":
+                return STATIC_MEMORY_LOCATION in b.args[0].tags
+            return b.symbol.name == "check" and MODULE_CHECK in b.tags
+        return _without(prologue, drop), computation, epilogue
+
+
+__all__ = ["Transform", "ExtractionOnlyPrologueTransform", "PrunePrologueChecks"]
