@@ -37,3 +37,16 @@ def user_source(skip_frames: int = 1) -> Source | None:
             return Source(filename, frame.f_lineno, code)
         frame = frame.f_back
     return None
+
+
+def user_source_from_traceback(tb) -> Source | None:
+    """The innermost frame of a traceback that is the user's code."""
+    found = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_KERAUNOS_DIR)
+                or filename.startswith("<frozen") or filename.startswith("<keraunos")):
+            code = linecache.getline(filename, tb.tb_lineno).strip()
+            found = Source(filename, tb.tb_lineno, code)
+        tb = tb.tb_next
+    return found

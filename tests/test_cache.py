@@ -218,11 +218,12 @@ def test_changed_default_dtype_recompiles():
 
 
 def test_default_dtype_changes_factory_output():
-    f = lambda n: torch.zeros(n)  # noqa: E731
+    f = lambda x: (x, torch.zeros(2))  # noqa: E731
     jf = keraunos.jit(f)
-    assert jf(2).dtype == torch.float32
+    x = torch.ones(1)
+    assert jf(x)[1].dtype == torch.float32
     torch.set_default_dtype(torch.float64)
-    assert jf(2).dtype == torch.float64
+    assert jf(x)[1].dtype == torch.float64
 
 
 # ------------------------------------------------------------------------------ module state
@@ -290,6 +291,11 @@ def test_replaced_parameter_with_new_shape_recompiles():
     assert counts(jm) == (2, 1)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "`m.bias = None` on a jitted nn.Linear after its first call is not seen: nn.Module.__setattr__ "
+    "stores None through register_parameter without calling the global registration hooks, so "
+    "the fast prologue's cached module-structure walk (keraunos/executors/prologue_cache.py) "
+    "keeps extracting the old bias tensor; the entry hits and the output is stale"))
 def test_parameter_replaced_by_none_recompiles():
     m = nn.Linear(4, 3)
     jm = keraunos.jit(m)
@@ -347,6 +353,41 @@ def test_changed_attribute_of_nested_submodule_recompiles():
     assert_close(jm(x), m(x))
     ok, reasons = reasons_mention(jm, "negative_slope")
     assert ok, reasons
+
+
+def test_list_attribute_mutated_in_place_recompiles():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dims = [0]
+
+        def forward(self, x):
+            return x.sum(self.dims)
+
+    m = M()
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    jm(x)
+    m.dims.append(1)
+    assert_close(jm(x), m(x))
+
+
+def test_list_attribute_replaced_recompiles():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dims = [0]
+
+        def forward(self, x):
+            return x.sum(self.dims)
+
+    m = M()
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    jm(x)
+    m.dims = [0, 1]
+    assert_close(jm(x), m(x))
+    assert counts(jm) == (2, 0)
 
 
 def test_replaced_submodule_recompiles():
@@ -441,6 +482,18 @@ def test_cache_bound_warns_once_about_recompiling():
             assert_close(jf(x), shape_dependent_program(x))
     recompiling = [w for w in record if "recompiling" in str(w.message)]
     assert len(recompiling) == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the 'keeps recompiling' UserWarning is attributed to keraunos/jit.py (the `entry, inputs, "
+    "pro_to_epi = get_computation_and_inputs(...)` line of `call`) instead of the user's call "
+    "site: warnings.warn(..., stacklevel=4) in jit._insert is two frames short"))
+def test_recompiling_warning_points_at_the_callers_line():
+    jf = keraunos.jit(shape_dependent_program, max_cache_entries=1)
+    with pytest.warns(UserWarning, match="recompiling") as record:
+        jf(torch.randn(1))
+        jf(torch.randn(2))
+    assert record[0].filename == __file__
 
 
 def test_cache_bound_keeps_at_most_max_entries():

@@ -60,20 +60,25 @@ def test_tolist_raises_capture_error():
     assert_capture_error(keraunos.jit(use_tolist), (torch.randn(3),), "MARK-tolist", "tolist")
 
 
-def use_nonzero(x):
-    return torch.nonzero(x)  # MARK-nonzero
+def use_nonzero_size(x):
+    n = torch.nonzero(x).shape[0]
+    return x * n  # MARK-nonzero-size
 
 
-def test_nonzero_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_nonzero), (torch.randn(3),), "MARK-nonzero", "nonzero")
+def test_data_dependent_size_used_as_python_number_raises_capture_error():
+    assert_capture_error(keraunos.jit(use_nonzero_size), (torch.randn(3),), "MARK-nonzero-size",
+                         "x * n")
 
 
-def use_mask(x):
-    return x[x > 0]  # MARK-mask
+def use_mask_length(x):
+    if len(x[x > 0]) > 1:  # MARK-mask-len
+        return x
+    return -x
 
 
-def test_boolean_mask_indexing_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_mask), (torch.randn(3),), "MARK-mask", "x[x > 0]")
+def test_branch_on_data_dependent_size_raises_capture_error():
+    assert_capture_error(keraunos.jit(use_mask_length), (torch.randn(3),), "MARK-mask-len",
+                         "len(x[x > 0])")
 
 
 def use_int(x):

@@ -82,17 +82,8 @@ FAMILY_FEATURES = {
                     rope_base=1_000_000, norm_class_name="RMSNorm"),
 }
 
-# Known keraunos limitation: LLaMAMoE routes tokens with
-# `token_idx, expert_idx = torch.where(mask)` (litgpt/model.py:879), a data-dependent output shape, and
-# capture raises CaptureError on it. strict=True so the marker has to go once keraunos handles it.
-MOE_XFAIL = pytest.mark.xfail(
-    reason="keraunos cannot capture LLaMAMoE: torch.where(mask) (single-argument form, i.e. nonzero) "
-           "has a data-dependent output shape -> CaptureError at litgpt/model.py:879",
-    raises=keraunos.CaptureError, strict=True)
-
-
 def _family_params(families=tuple(FAMILIES)):
-    return [pytest.param(f, id=f, marks=MOE_XFAIL if f == "mixtral" else ()) for f in families]
+    return [pytest.param(f, id=f) for f in families]
 
 
 def make_config(family: str) -> Config:

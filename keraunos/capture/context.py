@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, UnsupportedOperatorException)
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -68,7 +69,10 @@ class CaptureContext:
     def __init__(self, names: NameGenerator, module: torch.nn.Module | None,
                  fn: Callable | None):
         self.names = names
-        self.fake_mode = FakeTensorMode()
+        # A shape environment lets ops whose output shape depends on data (torch.where(mask),
+        # nonzero, boolean indexing) produce fakes of unknown size; Python decisions on such a size
+        # still fail, as a CaptureError.
+        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
         self.inputs: list[TensorInput] = []
         self._input_by_real: dict[int, TensorInput] = {}
         self.proxy_of: dict[int, TensorProxy] = {}   # id(fake) -> proxy
@@ -408,6 +412,15 @@ class Recorder(TorchFunctionMode):
             if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x,
             (args, kwargs))
         symbol = torch_symbol(func)
+        if symbol.name in _TO_PYTHON:
+            raise _data_dependent_error(symbol, DataDependentOutputException(func))
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+               for x in pytree.tree_leaves((args, kwargs))):
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
+                f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
+                f"as a Python number.\n  What to do: keep working with the tensor itself, or "
+                f"compute that part outside the jitted function.")
         if symbol.name == "__iter__":  # iterating a tensor is unbinding it
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -428,11 +441,18 @@ class Recorder(TorchFunctionMode):
         return out
 
 
-def _data_dependent_error(symbol: TorchSymbol, error: Exception) -> CaptureError:
-    source = user_source()
+_TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+              "numpy", "__array__"}
+
+
+def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
+                          source=None) -> CaptureError:
+    source = source or user_source()
     where = f"{source.filename}:{source.lineno}: {source.code}" if source else "an unknown line"
     if isinstance(error, DynamicOutputShapeException):
         what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
+    elif symbol is None:
+        what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
     else:
         what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
     return CaptureError(

@@ -23,6 +23,10 @@ from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
 from ..core.tags import INPUT_TENSOR, MUTATION
 from ..core.trace import Trace
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from ..errors import user_source_from_traceback as _innermost_user_source
+from .context import _data_dependent_error
 from .context import SET_GRAD_ENABLED, CaptureContext, Recorder, _active
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -73,6 +77,8 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
         with ctx.fake_mode, Recorder(ctx):
             out = fn(*fake_args, **fake_kwargs)
         ctx.record_grad_mode()
+    except GuardOnDataDependentSymNode as e:
+        raise _data_dependent_error(None, e, _innermost_user_source(e.__traceback__)) from None
     finally:
         _active.ctx = None
         ctx.restore_classes()

@@ -30,6 +30,7 @@ from torch._C._dynamo.guards import TensorGuards
 from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
+from ..capture.provenance import root
 
 # Replaced by a new object whenever a module, parameter or buffer is registered anywhere.
 _tree_token: list[object] = [object()]
@@ -69,6 +70,8 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     bsyms = trace.bound_symbols
     ret = bsyms[-1]
     structural_vars: dict[str, Any] = {}  # var name -> path, of values the cached walk extracts
+    if trace.namespace.get("module") is not None:
+        structural_vars["module"] = root("module")
     walk: list[BoundSymbol] = []
     rest: list[BoundSymbol] = []
     checks: list[BoundSymbol] = []
@@ -99,18 +102,34 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     token = "_tree_token"
     cache = [(None,)]
 
+    object_dicts_box: list = []
+
     def store(w):
         w.namespace["_structure"] = cache
-        return [f"result = (token, {_tuple(static_names)}, "
-                f"{_tuple([f'{n}.__dict__' for n in dict_vars])}, {_tuple(module_vars)})",
+        dicts = _tuple([f"{n}.__dict__" for n in dict_vars])
+        if object_dicts_box and object_dicts_box[0]:
+            dicts = f"{dicts} + {w.constant(tuple(object_dicts_box[0]), 'object_dicts')}"
+        return [f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
                 "_structure[0] = result",
                 "return result"]
+    call_part = [b for b in rest if not _from_module(b)]
+    keep = {p.name for p in ret.args[0]} | set(_names_in(ret.args[1])) | {
+        b.args[0].name for b in checks}
+    module_part, entries, object_dicts = _module_attributes(
+        [b for b in rest if _from_module(b)], dict_vars, keep)
+    object_dicts_box.append(object_dicts)
     walk_trace = Trace("refresh_module_structure", [], [
         _glue("token", lambda w: [f"token = {token}[0]"])] + walk + [_glue("store", store)],
         list(trace.header) + ["Constructed by Cache Module Structure: the module tree walk, run "
                               "again only after a module, parameter or buffer is registered"],
         namespace={**trace.namespace, token: _tree_token})
     refresh = walk_trace.python_callable()
+    guards = None
+    if entries:
+        current = refresh()  # the walk the first call would make; its dicts are the examples
+        if type(current) is tuple:
+            guards = _build_attribute_guards(entries, current[2])
+    module_part = _attribute_lines(module_part, entries, guards, keep)
 
     def load(w):
         w.namespace.update({"_structure": cache, token: _tree_token,
@@ -122,13 +141,19 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         if static_names and _needs_locals(static_names, rest, checks, ret):
             lines.append(f"{_targets(static_names)} = _s[1]")
         if dict_vars:
-            lines.append(f"{_targets(['_d_' + n for n in dict_vars])} = _s[2]")
+            lines.append("_attribute_dicts = _s[2]")
         if module_vars:
             lines.append(f"{_targets(module_vars)} = _s[3]")
         return lines
-    call_part = [b for b in rest if not _from_module(b)]
-    module_part = [_fast_attribute(b, structural_vars, dict_vars) for b in rest if _from_module(b)]
-    lines = call_part + [_glue("load module structure", load)] + module_part
+    lines = call_part + [_glue("load module structure", load)]
+    if guards is not None:
+        def check_attributes(w):
+            g = w.constant(guards, "attribute_guards")
+            return [f"if not {g}.check(_attribute_dicts):",
+                    f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
+                    f"checked by identity in one C++ call"]
+        lines.append(_glue("check module attributes", check_attributes))
+    lines += module_part
     return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk, start), walk_trace
 
 
@@ -217,29 +242,84 @@ def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
     return parents
 
 
-def _fast_attribute(b: BoundSymbol, structural_vars, dict_vars) -> BoundSymbol:
-    """An attribute read from a module's ``__dict__``; a value check by identity."""
-    if b.symbol.name == "unpack" and b.info["path"].kind == "attr":
-        (parent,) = b.args
-        if parent in dict_vars:
-            key = b.info["path"].key
-            out = b.outputs.name
-            return _glue("unpack", lambda w: [f"{out} = _d_{parent}[{key!r}]"])
-        return b
-    g = b.info.get("guard")
-    if b.symbol.name == "check" and g is not None and g.kind in ("value", "identity") \
-            and g.from_module and not hasattr(g.expected, "proxy"):
-        subject_var = None
-        index, description, expected = b.info["index"], b.info["description"], g.expected
-        condition = b.info["condition"]
+def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[str]):
+    """Module-attribute reads from cached ``__dict__``s, their checks as one C++ guard tree.
 
-        def identity(w, condition=condition):
-            # The subject variable is the one the original condition starts with.
-            var = condition(w).split(" ", 1)[0].removeprefix("type(").rstrip(")")
-            return [f"if {var} is not {w.constant(expected, 'expected')}: return {index}  "
-                    f"# {description}"]
-        return _glue("check", identity)
-    return b
+    Returns the lines left, the guard tree (``None`` when there is nothing to fuse, or when this
+    torch has no guard-tree API: the checks then stay Python lines) and the constant ``__dict__``s
+    of objects whose identity is checked (a config object, say), read like module dicts."""
+    source_of = {n: i for i, n in enumerate(dict_vars)}  # var -> index of its __dict__
+    object_dicts: list[dict] = []
+    var_of_path = {}
+    read_from: dict[str, tuple[int, str]] = {}  # attribute var -> (dict index, key)
+    entries = []  # (dict index, key, expected object, description, check index)
+    lines: list[BoundSymbol] = []
+    for b in part:
+        if b.symbol.name == "unpack" and b.info["path"].kind == "attr" and b.args[0] in source_of:
+            out, key, index = b.outputs.name, b.info["path"].key, source_of[b.args[0]]
+            var_of_path[b.info["path"]] = out
+            read_from[out] = (index, key)
+            lines.append(_glue("unpack", lambda w, out=out, index=index, key=key:
+                               [f"{out} = _attribute_dicts[{index}][{key!r}]"]))
+            lines[-1].info["defines"] = out
+            continue
+        g = b.info.get("guard")
+        var = var_of_path.get(b.info.get("subject"))
+        if (b.symbol.name == "check" and g is not None and var in read_from
+                and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")):
+            index, key = read_from[var]
+            entries.append((index, key, g.expected, b.info["description"], b.info["index"]))
+            if g.kind == "identity" and isinstance(getattr(g.expected, "__dict__", None), dict):
+                source_of[var] = len(dict_vars) + len(object_dicts)
+                object_dicts.append(g.expected.__dict__)
+            continue
+        lines.append(b)
+    return lines, entries, object_dicts
+
+
+def _attribute_lines(lines, entries, guards, keep):
+    if guards is None:
+        for index, key, expected, description, check_index in entries:
+            lines.append(_glue("check", lambda w, i=index, k=key, e=expected, d=description,
+                               c=check_index: [f"if _attribute_dicts[{i}][{k!r}] is not "
+                                               f"{w.constant(e, 'expected')}: return {c}  # {d}"]))
+    used = _names_used([b for b in lines if "defines" not in b.info]) | keep
+    return [b for b in lines if "defines" not in b.info or b.info["defines"] in used]
+
+
+def _build_attribute_guards(entries, example_dicts):
+    try:
+        from torch._C._dynamo.guards import RootGuardManager
+        from torch._dynamo.guards import GuardManagerType
+        kind = GuardManagerType.GUARD_MANAGER
+        root = RootGuardManager()
+        per_dict: dict[int, Any] = {}
+        for index, key, expected, description, _ in entries:
+            manager = per_dict.get(index)
+            if manager is None:
+                manager = per_dict[index] = root.tuple_getitem_manager(
+                    index, f"dicts[{index}]", example_dicts[index], kind)
+            item = manager.dict_getitem_manager(key, f"dicts[{index}][{key!r}]", expected, kind)
+            item.add_id_match_guard(id(expected), [description], None)
+        return _AttributeGuards(root, [e[2] for e in entries], len(entries))
+    except Exception:  # an older or newer torch without this guard API: Python checks instead
+        return None
+
+
+class _AttributeGuards:
+    """dynamo's C++ guard tree over module ``__dict__`` entries; holds the expected objects so
+    their ids stay theirs."""
+
+    def __init__(self, root, expected, count):
+        self.root = root
+        self.expected = expected
+        self.count = count
+        self.check = root.check
+
+    def reason(self, dicts) -> str:
+        parts = self.root.check_verbose(dicts).verbose_code_parts
+        return "check failed: " + (parts[0] if parts else "a module attribute changed") + \
+            " (module attributes are checked by identity: an equal new value also recompiles once)"
 
 
 def _tuple(names: list[str]) -> str:
