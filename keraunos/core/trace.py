@@ -42,6 +42,12 @@ class Trace:
         return Trace(self.name, list(self.params if params is None else params), bound_symbols,
                      self.header + [f"Constructed by {label}{timing}"], dict(self.namespace))
 
+    def with_bound_symbols(self, bound_symbols: list[BoundSymbol]) -> "Trace":
+        """A copy of this trace with other lines; for a ``Transform`` (``jit`` labels the result
+        with the transform's name and time)."""
+        return Trace(self.name, list(self.params), list(bound_symbols), list(self.header),
+                     dict(self.namespace))
+
     def source(self) -> tuple[str, dict[str, Any]]:
         namespace: dict[str, Any] = {"torch": torch, **self.namespace}
         w = CodeWriter(namespace)

@@ -318,7 +318,7 @@ class _AttributeGuards:
 
     def reason(self, dicts) -> str:
         parts = self.root.check_verbose(dicts).verbose_code_parts
-        return "check failed: " + (parts[0] if parts else "a module attribute changed") + \
+        return (parts[0] if parts else "a module attribute changed") + \
             " (module attributes are checked by identity: an equal new value also recompiles once)"
 
 
