@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import executors as executors_module
+from .capture.context import active_context
 from .capture.program import capture_program
+from .errors import user_source
 from .core.trace import Trace
 from .executors.prologue_cache import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
@@ -85,6 +87,8 @@ class _JitState:
     """What a jitted callable holds: its program, options and cache."""
 
     def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile):
+        self.options = dict(executors=executors, transforms=transforms, cache=cache,
+                            max_cache_entries=max_cache_entries, profile=profile)
         self.fn = fn
         self.module = module
         self.executors = executors_module.resolve(executors)
@@ -152,7 +156,10 @@ def storage_alias_pattern(inputs: Sequence) -> tuple | None:
     if len(set(pointers)) == len(pointers):
         return None
     first: dict[int, int] = {}
-    return tuple(first.setdefault(p, i) for i, p in enumerate(pointers))
+    # Which input each shares memory with, and where in that memory it starts: views at other
+    # offsets are different programs when the inputs are rebuilt from one storage.
+    return tuple((first.setdefault(p, i), inputs[i].storage_offset() if p >= 0 else 0)
+                 for i, p in enumerate(pointers))
 
 
 def maybe_connect_to_autograd(entry: CacheEntry, result):
@@ -224,6 +231,8 @@ def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
 
 
 def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
+    if active_context() is not None:  # called while capturing another program: inline it
+        return _inline_entry(state), (args, kwargs), None
     with state.lock:
         reasons = []
         for entry in state.entries:  # another thread may have compiled it meanwhile
@@ -250,18 +259,30 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         return entry, r[0], r[1]
 
 
+def _inline_entry(state: _JitState) -> CacheEntry:
+    """An entry that runs the original program, so that an outer capture records its ops."""
+    target = state.module if state.module is not None else state.fn
+    return CacheEntry(lambda *a, **k: None, lambda args, kwargs: target(*args, **kwargs),
+                      lambda result, _: result, [], [], [], [], [], None, {})
+
+
 def _insert(state: _JitState, entry: CacheEntry) -> None:
     entries = [entry] + state.entries
     if len(entries) > state.max_cache_entries:
         entries = entries[: state.max_cache_entries]
         if not state.warned_recompiles:
             state.warned_recompiles = True
-            warnings.warn(
+            message = (
                 f"keraunos: {state.name} keeps recompiling: its cache holds "
                 f"{state.max_cache_entries} entries (max_cache_entries) and the least recently "
                 f"used one was dropped. Last reasons: {state.last_miss_reasons[:3]}. Python values "
                 f"that change on every call (a step counter, a position) are compiled in as "
-                f"constants; pass them as tensors instead.", stacklevel=4)
+                f"constants; pass them as tensors instead.")
+            source = user_source()
+            if source is None:
+                warnings.warn(message, UserWarning, stacklevel=2)
+            else:
+                warnings.warn_explicit(message, UserWarning, source.filename, source.lineno)
     state.entries = entries
 
 
@@ -380,6 +401,30 @@ class JittedModule(torch.nn.Module):
     def __dir__(self):
         return sorted(set(dir(self._orig_mod)) | set(super().__dir__()))
 
+    # Container modules (Sequential, ModuleList, ModuleDict) index, measure and iterate as before.
+    def __getitem__(self, index):
+        return self._orig_mod[index]
+
+    def __len__(self) -> int:
+        return len(self._orig_mod)
+
+    def __bool__(self) -> bool:  # a module is true even when it defines no __len__
+        return True
+
+    def __iter__(self):
+        return iter(self._orig_mod)
+
+    def __contains__(self, item) -> bool:
+        return item in self._orig_mod
+
+    # A copy is a jitted copy of the original, with an empty cache.
+    def __deepcopy__(self, memo):
+        import copy
+        return JittedModule(copy.deepcopy(self._orig_mod, memo), **self._keraunos.options)
+
+    def __reduce__(self):
+        return (_rejit, (self._orig_mod, self._keraunos.options))
+
     # The module's own views of its state, without the "_orig_mod." prefix.
     def state_dict(self, *args, **kwargs):
         return self._orig_mod.state_dict(*args, **kwargs)
@@ -415,6 +460,10 @@ class JittedModule(torch.nn.Module):
         super().__setattr__("training", mode)
         self._orig_mod.train(mode)
         return self
+
+
+def _rejit(module, options):
+    return JittedModule(module, **options)
 
 
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,

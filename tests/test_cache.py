@@ -291,11 +291,6 @@ def test_replaced_parameter_with_new_shape_recompiles():
     assert counts(jm) == (2, 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`m.bias = None` on a jitted nn.Linear after its first call is not seen: nn.Module.__setattr__ "
-    "stores None through register_parameter without calling the global registration hooks, so "
-    "the fast prologue's cached module-structure walk (keraunos/executors/prologue_cache.py) "
-    "keeps extracting the old bias tensor; the entry hits and the output is stale"))
 def test_parameter_replaced_by_none_recompiles():
     m = nn.Linear(4, 3)
     jm = keraunos.jit(m)
@@ -355,11 +350,6 @@ def test_changed_attribute_of_nested_submodule_recompiles():
     assert ok, reasons
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a list attribute of a module mutated in place (`m.dims.append(1)`) is not seen: the fast "
-    "prologue checks module attributes by identity (the C++ attribute guard over the cached "
-    "__dict__s, keraunos/executors/prologue_cache.py) and the list is the same object, so the "
-    "entry compiled for dims=[0] hits and returns shape [3] where eager returns shape []"))
 def test_list_attribute_mutated_in_place_recompiles():
     class M(nn.Module):
         def __init__(self):
@@ -489,10 +479,6 @@ def test_cache_bound_warns_once_about_recompiling():
     assert len(recompiling) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the 'keeps recompiling' UserWarning is attributed to keraunos/jit.py (the `entry, inputs, "
-    "pro_to_epi = get_computation_and_inputs(...)` line of `call`) instead of the user's call "
-    "site: warnings.warn(..., stacklevel=4) in jit._insert is two frames short"))
 def test_recompiling_warning_points_at_the_callers_line():
     jf = keraunos.jit(shape_dependent_program, max_cache_entries=1)
     with pytest.warns(UserWarning, match="recompiling") as record:

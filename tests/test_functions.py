@@ -522,10 +522,6 @@ def _uses_global_scalar(x):
     return x * SCALE
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Python number read from the function's globals (SCALE) is baked into the trace as a "
-    "constant with no prologue check: after `SCALE = 3.0` the cache entry compiled for 2.0 hits "
-    "and returns a stale result"))
 def test_global_python_scalar_change_is_seen():
     global SCALE
     jf = keraunos.jit(_uses_global_scalar)
@@ -539,10 +535,6 @@ def test_global_python_scalar_change_is_seen():
         SCALE = saved
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Python number read from a closure cell is baked into the trace as a constant with no "
-    "prologue check: after rebinding the closed-over `s` from 2.0 to 3.0 the cache entry hits and "
-    "returns a stale result"))
 def test_closure_python_scalar_change_is_seen():
     s = 2.0
 
@@ -556,10 +548,6 @@ def test_closure_python_scalar_change_is_seen():
     assert_close(jf(x), f(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.autocast('cpu', dtype=torch.bfloat16) entered inside the jitted function is not "
-    "recorded in the trace: the computation runs `a @ b` in float32 and returns float32 where "
-    "eager returns bfloat16"))
 def test_autocast_inside_function_body_matches_eager():
     def f(a, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -582,17 +570,11 @@ def test_autocast_around_jitted_call_matches_eager():
     assert_close(out, expected)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a function with no tensor inputs (`lambda n: torch.arange(n) * 2`) generates a prologue "
-    "ending in `return (,), ()`: SyntaxError from Trace.python_callable (keraunos/core/trace.py)"))
 def test_function_without_tensor_inputs():
     f = lambda n: torch.arange(n) * 2  # noqa: E731
     assert_close(keraunos.jit(f)(3), f(3))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Python-level mutation of an argument container inside the program (`xs.append(...)`) is "
-    "not replayed: after the call the caller's list still has 1 element where eager has 2"))
 def test_list_argument_mutated_by_program_like_eager():
     def f(xs):
         xs.append(xs[0] * 2)
@@ -604,10 +586,6 @@ def test_list_argument_mutated_by_program_like_eager():
     assert_close(xs[1], out)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "calling a jitted function inside another jitted function raises CaptureError 'keraunos: "
-    "internal error: a tensor of unknown origin reached ...': the inner jitted callable runs its "
-    "own cache lookup and computation on the outer capture's fake tensors"))
 def test_jitted_function_called_inside_jitted_function():
     inner = keraunos.jit(lambda x: x.sin())
     outer = keraunos.jit(lambda x: inner(x) + 1)
@@ -615,10 +593,6 @@ def test_jitted_function_called_inside_jitted_function():
     assert_close(outer(x), x.sin() + 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "calling a jitted function under torch.inference_mode() raises RuntimeError 'Inference "
-    "tensors do not track version counter' from Recorder.__torch_function__ "
-    "(keraunos/capture/context.py: `versions = [t._version for t in tensors]`)"))
 def test_call_under_inference_mode():
     jf = keraunos.jit(lambda x: x * 2)
     with torch.inference_mode():

@@ -435,10 +435,6 @@ def test_aliased_then_distinct_inputs_recompiles():
     assert keraunos.cache_misses(jf) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passing a module's own buffer as an argument (jm(m.buf)): the generated "
-    "refresh_module_structure function checks `if buf is not x` but the argument variable `x` "
-    "is not defined there: NameError on the first call"))
 def test_buffer_passed_as_argument_to_its_module():
     class M(nn.Module):
         def __init__(self):
@@ -459,20 +455,12 @@ def test_buffer_passed_as_argument_to_its_module():
     assert_close(m.buf, ref.buf)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "passing a module's own parameter as an argument (jm(m.weight) for an nn.Linear): the "
-    "generated refresh_module_structure function checks `if weight is not input_` but `input_` "
-    "is not defined there: NameError on the first call"))
 def test_parameter_passed_as_argument_to_its_module():
     m = nn.Linear(3, 3)
     jm = keraunos.jit(m)
     assert_close(jm(m.weight), m(m.weight))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inputs sharing storage are matched by alias pattern only, not by their storage offsets: "
-    "the entry compiled for f(x, x[1:]) (a written in place) hits for f(y, y[:4]) and rebuilds b "
-    "with the compiled offset 1 (as_strided), so b and the returned values are wrong"))
 def test_aliased_views_with_other_offsets_give_eager_result():
     def f(a, b):
         a.mul_(2)
@@ -515,11 +503,6 @@ def test_inplace_write_under_no_grad_to_intermediate_of_grad_input():
     assert_close(x.grad, torch.full((2,), 2.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an in-place write under torch.no_grad() to a leaf input that requires grad (an optimizer "
-    "step, `with torch.no_grad(): p.add_(g, alpha=-0.1)`) fails: the epilogue's write-back "
-    "`p.copy_(p_updated)` runs in grad mode and raises RuntimeError 'a leaf Variable that "
-    "requires grad is being used in an in-place operation'"))
 def test_inplace_update_of_leaf_parameter_under_no_grad():
     def step(p, g):
         with torch.no_grad():
@@ -533,10 +516,6 @@ def test_inplace_update_of_leaf_parameter_under_no_grad():
     assert p.requires_grad and p.is_leaf and p.grad_fn is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reading `.grad` of an input that the program also writes in place reads it from the "
-    "computation's clone (`t0 = args_0_0_updated.grad`), whose .grad is None: AttributeError "
-    "'NoneType' object has no attribute 'mul' (plus a non-leaf .grad UserWarning)"))
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_inplace_update_reading_grad_of_written_input():
     def step(params):

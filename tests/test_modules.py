@@ -401,10 +401,6 @@ def test_requires_grad_false_through_wrapper():
 
 
 # ------------------------------------------------------------------ known bugs (strict xfail)
-@pytest.mark.xfail(strict=True, reason=(
-    "the absence of a module attribute is not guarded: forward reads `getattr(self, 'extra', "
-    "None)`, which is None at compile time; after `m.register_buffer('extra', ...)` the entry "
-    "compiled for the missing attribute still hits and the buffer is ignored (stale result)"))
 def test_attribute_added_after_compile_is_seen():
     class M(nn.Module):
         def forward(self, x):
@@ -419,9 +415,6 @@ def test_attribute_added_after_compile_is_seen():
     assert_close(jm(x), m(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "copy.deepcopy of a JittedModule raises TypeError: cannot pickle '_thread.RLock' object "
-    "(the _JitState held in JittedModule._keraunos owns a threading.RLock)"))
 def test_deepcopy_of_jitted_module():
     m = MLP()
     jm = keraunos.jit(m)
@@ -432,19 +425,12 @@ def test_deepcopy_of_jitted_module():
     assert clone.fc1.weight is not m.fc1.weight
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JittedModule forwards attributes through __getattr__ only, and Python looks dunder methods "
-    "up on the type: `jm[0]` of a jitted nn.Sequential raises TypeError 'JittedModule' object "
-    "is not subscriptable"))
 def test_indexing_jitted_sequential_like_original():
     m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     jm = keraunos.jit(m)
     assert jm[0] is m[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JittedModule does not forward __len__/__iter__: `len(jm)` of a jitted nn.Sequential raises "
-    "TypeError: object of type 'JittedModule' has no len()"))
 def test_len_and_iteration_of_jitted_sequential_like_original():
     m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     jm = keraunos.jit(m)

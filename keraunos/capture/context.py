@@ -58,11 +58,39 @@ class AttributeWrite:
     value: Any  # a fake tensor or a plain Python value
 
 
-def _set_grad_enabled_formatter(bsym, w):
-    return [f"torch._C._set_grad_enabled({bsym.args[0]!r})"]
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-SET_GRAD_ENABLED = GlueSymbol("set_grad_enabled", _set_grad_enabled_formatter)
+def global_state() -> tuple:
+    """Grad mode, then (enabled, dtype) of autocast for each device type."""
+    state = [torch.is_grad_enabled()]
+    for device in _AUTOCAST_DEVICES:
+        state += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
+    return tuple(state)
+
+
+def restore_global_state(state: tuple) -> None:
+    torch._C._set_grad_enabled(state[0])
+    for i, device in enumerate(_AUTOCAST_DEVICES):
+        torch.set_autocast_enabled(device, state[1 + 2 * i])
+        torch.set_autocast_dtype(device, state[2 + 2 * i])
+
+
+def _set_global_state_formatter(bsym, w):
+    lines = []
+    for i, value in bsym.args[0]:
+        if i == 0:
+            lines.append(f"torch._C._set_grad_enabled({value!r})")
+        else:
+            device = _AUTOCAST_DEVICES[(i - 1) // 2]
+            if (i - 1) % 2 == 0:
+                lines.append(f"torch.set_autocast_enabled({device!r}, {value!r})")
+            else:
+                lines.append(f"torch.set_autocast_dtype({device!r}, {w.value(value)})")
+    return lines
+
+
+SET_GLOBAL_STATE = GlueSymbol("set_global_state", _set_global_state_formatter)
 
 
 class CaptureContext:
@@ -82,10 +110,14 @@ class CaptureContext:
         self.guards: list[Guard] = []
         self._guarded: set = set()
         self.mutated_storages: set[int] = set()
+        self.mutated_with_grad: dict[int, bool] = {}
         self.attribute_writes: list[AttributeWrite] = []
+        # (path, stand-in, contents at the start): list and dict arguments the program may change.
+        self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
         self.grad_enabled = torch.is_grad_enabled()
         self.initial_grad_enabled = self.grad_enabled
+        self.state = self.initial_state = global_state()
         # Where each module, parameter and buffer of the tree lives, for values that reach the
         # program without an attribute read we saw (ModuleList iteration, self.parameters()).
         self.module_paths: dict[int, Path] = {}
@@ -93,7 +125,8 @@ class CaptureContext:
         self.original_classes: dict[int, type] = {}
         self._swapped: list[tuple[Any, type]] = []
         self._object_paths: dict[int, Path] = {}
-        self.fn = fn
+        # The Python function whose globals and closure the program reads.
+        self.fn = _python_function(type(module).forward if module is not None else fn)
         self.root_module = module
         self.arg_names = _positional_names(module.forward if module is not None else fn)
         # Objects at the root of paths that start neither at the call nor at the module.
@@ -156,10 +189,16 @@ class CaptureContext:
         if type(value) in (tuple, list) or _is_namedtuple(value):
             self.guard("length", path, (type(value), len(value)))
             items = [self.value_input(v, Path(path, "item", i), tags) for i, v in enumerate(value)]
-            return type(value)(*items) if _is_namedtuple(value) else type(value)(items)
+            stand_in = type(value)(*items) if _is_namedtuple(value) else type(value)(items)
+            if type(value) is list:
+                self.containers.append((path, stand_in, list(stand_in)))
+            return stand_in
         if type(value) is dict:
             self.guard("keys", path, (dict, tuple(value)))
-            return {k: self.value_input(v, Path(path, "item", k), tags) for k, v in value.items()}
+            stand_in = {k: self.value_input(v, Path(path, "item", k), tags)
+                        for k, v in value.items()}
+            self.containers.append((path, stand_in, dict(stand_in)))
+            return stand_in
         if dataclasses.is_dataclass(value) and not isinstance(value, type) and path.kind != "attr":
             self.guard("type", path, type(value))
             copy = object.__new__(type(value))
@@ -205,6 +244,31 @@ class CaptureContext:
         self.root_objects[key] = t
         return Path(None, "root", key)
 
+    def guard_function_scope(self) -> None:
+        """Python values the function reads from its globals and closure are compiled in as
+        constants: guard them (``SCALE = 3.0`` after compiling must recompile)."""
+        fn = self.fn
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return
+        names: set[str] = set()
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            names.update(c.co_names)
+            stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+        for name in sorted(names):
+            if name in fn.__globals__ and is_plain(fn.__globals__[name]):
+                self.guard("value", Path(root("globals"), "item", name), fn.__globals__[name])
+        for i, cell in enumerate(fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if is_plain(value):
+                self.guard("value", Path(Path(root("closure"), "item", i), "attr", "cell_contents"),
+                           value)
+
     # ----------------------------------------------------------------------- module reads
     def module_path(self, module) -> Path:
         path = self.module_paths.get(id(module))
@@ -242,7 +306,12 @@ class CaptureContext:
         if name in ("_modules", "_parameters", "_buffers"):
             # The program looks at the whole table (iterating a ModuleList, say): its keys matter.
             self.guard("keys", Path(mpath, "attr", name), (dict, tuple(d[name])))
-        return object.__getattribute__(module, name)
+        try:
+            return object.__getattribute__(module, name)
+        except AttributeError:
+            # `getattr(self, "extra", None)`: the program depends on the attribute's absence.
+            self.guard("absent", Path(mpath, "attr", name), None)
+            raise
 
     def module_setattr(self, module, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
@@ -304,12 +373,16 @@ class CaptureContext:
             self._register(fake, proxy)
         return proxy
 
-    def record_grad_mode(self) -> None:
-        enabled = torch.is_grad_enabled()
-        if enabled != self.grad_enabled:
-            self.bound_symbols.append(BoundSymbol(SET_GRAD_ENABLED, (enabled,), tags={MUTATION},
-                                                  source=user_source()))
-            self.grad_enabled = enabled
+    def record_global_state(self, final: bool = False) -> None:
+        """Record switches of grad mode and autocast the program makes (``with torch.no_grad()``,
+        ``with torch.autocast(...)`` inside it), so the computation switches at the same points."""
+        state = global_state() if not final else self.initial_state
+        if state != self.state:
+            changes = tuple((i, v) for i, (v, old) in enumerate(zip(state, self.state)) if v != old)
+            self.bound_symbols.append(BoundSymbol(SET_GLOBAL_STATE, (changes,), tags={MUTATION},
+                                                  source=None if final else user_source()))
+            self.state = state
+            self.grad_enabled = state[0]
 
     def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor]):
         def to_proxy(x):
@@ -321,7 +394,11 @@ class CaptureContext:
         if mutated or is_inplace_by_name(symbol):
             tags.add(MUTATION)
             for t in mutated:
-                self.mutated_storages.add(t.untyped_storage()._cdata)
+                key = t.untyped_storage()._cdata
+                self.mutated_storages.add(key)
+                # Whether any write happened with grad mode on: the epilogue's copy-back follows.
+                self.mutated_with_grad[key] = self.mutated_with_grad.get(key, False) or \
+                    torch.is_grad_enabled()
         if is_random(symbol):
             tags.add(RANDOM)
         self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
@@ -336,6 +413,11 @@ MODULE_INTERNALS = frozenset({
     "_load_state_dict_post_hooks", "_compiled_call_impl", "forward", "call_super_init",
     "dump_patches", "_version",
 })
+
+
+def _python_function(fn):
+    fn = getattr(fn, "__func__", fn)
+    return fn if hasattr(fn, "__code__") else getattr(type(fn), "__call__", None)
 
 
 def _positional_names(fn) -> dict[int, str]:
@@ -424,8 +506,8 @@ class Recorder(TorchFunctionMode):
         if symbol.name == "__iter__":  # iterating a tensor is unbinding it
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        versions = [t._version for t in tensors]
-        ctx.record_grad_mode()
+        versions = [_version(t) for t in tensors]
+        ctx.record_global_state()
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -434,11 +516,20 @@ class Recorder(TorchFunctionMode):
             raise CaptureError(
                 f"keraunos: `{symbol.name}` at {user_source()} has no kernel that works on fake "
                 f"tensors ({e}), so its output cannot be described without running it.") from None
-        mutated = [t for t, v in zip(tensors, versions) if t._version != v]
+        mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
+        if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
+            mutated = [tensors[0]]  # inference tensors keep no version counter
         produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
         if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
 
 
 _TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",

@@ -88,7 +88,10 @@ def _unpack_formatter(bsym, w):
 
 
 def _copy_back_formatter(bsym, w):
-    return [f"{bsym.args[0].name}.copy_({bsym.args[1].name})  # written in place by the program"]
+    copy = f"{bsym.args[0].name}.copy_({bsym.args[1].name})"
+    if not bsym.info.get("with_grad", True):
+        return [f"with torch.no_grad(): {copy}  # written in place by the program, under no_grad"]
+    return [f"{copy}  # written in place by the program"]
 
 
 def _write_formatter(bsym, w):
@@ -116,14 +119,26 @@ class Epilogue:
     info_pro_to_epi: list[Any]
 
 
-def build_epilogue(ctx, out_template, flat_outputs, groups, writes) -> Epilogue:
+def _container_formatter(bsym, w):
+    container, template = bsym.args
+    if isinstance(template, Build) and template.kind == "list":
+        return [f"{container.name}[:] = {_code(template, w)}  # the program changed this list"]
+    return [f"{container.name}.clear()",
+            f"{container.name}.update({_code(template, w)})  # the program changed this dict"]
+
+
+WRITE_CONTAINER = GlueSymbol("write_container", _container_formatter)
+
+
+def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
+                   container_writes=()) -> Epilogue:
     pro_to_epi: list[Any] = []
     module_proxies: dict[Path, ObjectProxy] = {}
 
     def want(x):
         if isinstance(x, Path):
             if x not in module_proxies:
-                module_proxies[x] = ObjectProxy(ctx.names.fresh(x.name_hint()), torch.nn.Module,
+                module_proxies[x] = ObjectProxy(ctx.names.fresh(x.name_hint()), object,
                                                 provenance=str(x))
                 pro_to_epi.append(x)
             return module_proxies[x]
@@ -133,7 +148,8 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes) -> Epilogue:
 
     body: list[BoundSymbol] = []
     for g in groups:
-        body.append(BoundSymbol(COPY_BACK, (want(g.base), g.updated)))
+        body.append(BoundSymbol(COPY_BACK, (want(g.base), g.updated),
+                                info={"with_grad": g.with_grad}))
 
     def mark_inputs(node):
         if isinstance(node, FromInput):
@@ -148,6 +164,9 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes) -> Epilogue:
     for write, value in writes:
         mark_inputs(value)
         body.append(BoundSymbol(WRITE_ATTRIBUTE, (want(write.module_path), write.name, value)))
+    for path, template in container_writes:
+        mark_inputs(template)
+        body.append(BoundSymbol(WRITE_CONTAINER, (want(path), template)))
     body.append(BoundSymbol(RETURN_VALUE, (out_template,)))
     prologue_values = [module_proxies[x] if isinstance(x, Path) else x for x in pro_to_epi]
     head = [BoundSymbol(UNPACK, ("outputs",), outputs=list(flat_outputs)),

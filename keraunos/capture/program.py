@@ -26,8 +26,8 @@ from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import user_source_from_traceback as _innermost_user_source
-from .context import _data_dependent_error
-from .context import SET_GRAD_ENABLED, CaptureContext, Recorder, _active
+from .context import _data_dependent_error, global_state, restore_global_state
+from .context import CaptureContext, Recorder, _active
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .epilogue import FromInput, build_epilogue, template_of
@@ -48,6 +48,19 @@ class Program:
     alias_pattern: tuple = ()
 
 
+def _changed(now, before) -> bool:
+    """Whether the program changed a list or dict argument (append, item assignment, ...)."""
+    if type(now) is list:
+        return len(now) != len(before) or any(a is not b for a, b in zip(now, before))
+    return list(now) != list(before) or any(now[k] is not before[k] for k in now)
+
+
+def _reads_tensor_state(bsym: BoundSymbol) -> bool:
+    """``x.grad`` reads the input itself, not its data: it must not move to the working copy."""
+    return isinstance(bsym.symbol, TorchSymbol) and bsym.symbol.style == "getter" and \
+        bsym.symbol.name in ("grad", "_base", "grad_fn")
+
+
 def _return_formatter(bsym, w):
     outputs = bsym.args[0]
     return [f"return {w.value(tuple(outputs))}" if len(outputs) != 1 else f"return {outputs[0].name},"]
@@ -63,26 +76,27 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     ctx = CaptureContext(names, module, fn)
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
+    ctx.guard_function_scope()
     ctx.guard("global", None, torch.is_grad_enabled(), "torch.is_grad_enabled()")
     ctx.guard("global", None, torch.get_default_dtype(), "torch.get_default_dtype()")
     ctx.guard("global", None, torch.is_autocast_enabled("cpu"), "torch.is_autocast_enabled('cpu')")
     if torch.cuda.is_available():
         ctx.guard("global", None, torch.is_autocast_enabled("cuda"),
                   "torch.is_autocast_enabled('cuda')")
-    grad_before = torch.is_grad_enabled()
+    state_before = global_state()
     if module is not None:
         ctx.swap_module_classes(module)
     _active.ctx = ctx
     try:
         with ctx.fake_mode, Recorder(ctx):
             out = fn(*fake_args, **fake_kwargs)
-        ctx.record_grad_mode()
+        ctx.record_global_state()
     except GuardOnDataDependentSymNode as e:
         raise _data_dependent_error(None, e, _innermost_user_source(e.__traceback__)) from None
     finally:
         _active.ctx = None
         ctx.restore_classes()
-        torch.set_grad_enabled(grad_before)
+        restore_global_state(state_before)
     t1 = time.perf_counter()
     program = _assemble(ctx, out, check_values)
     program.stages["capture"] = t1 - t0
@@ -92,9 +106,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
 
 def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     names = ctx.names
-    if ctx.grad_enabled != ctx.initial_grad_enabled:  # the program left grad mode switched
-        ctx.bound_symbols.append(BoundSymbol(SET_GRAD_ENABLED, (ctx.initial_grad_enabled,),
-                                             tags={MUTATION}))
+    ctx.record_global_state(final=True)  # the program may leave grad mode or autocast switched
     # Inputs written in place, grouped by the storage they share with other inputs.
     by_storage: dict[int, list] = {}
     for entry in ctx.inputs:
@@ -115,7 +127,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             renames[base.name] = clone
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
                                     clone, info={"comment": "written in place: work on a copy"}))
-            groups.append(MutableGroup(base, clone, members, whole_storage=False))
+            groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key]))
         else:
             storage = real.untyped_storage()
             n = storage.nbytes() // real.element_size()
@@ -132,9 +144,10 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                     TorchSymbol(torch.Tensor.as_strided, "as_strided", "method"),
                     (clone, tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()), {},
                     m.proxy))
-            groups.append(MutableGroup(base, clone, members, whole_storage=True))
+            groups.append(MutableGroup(base, clone, members, True, ctx.mutated_with_grad[key]))
     mutable_members = {m.proxy.name for g in groups for m in g.members}
-    body += [b.substitute(renames) if renames else b for b in ctx.bound_symbols]
+    body += [b.substitute(renames) if renames and not _reads_tensor_state(b) else b
+             for b in ctx.bound_symbols]
 
     # What the computation returns: the user's tensors (not views of written inputs, which the
     # epilogue rebuilds from the inputs themselves), tensors written to attributes, new values.
@@ -163,6 +176,8 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
 
     out_template = template_of(out, collect)
     writes = [(w, template_of(w.value, collect)) for w in ctx.attribute_writes]
+    container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect))
+                        for path, now, before in ctx.containers if _changed(now, before)]
     for g in groups:
         if g.updated.name not in seen:
             seen.add(g.updated.name)
@@ -178,7 +193,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
         else:
             params.append(entry.proxy)
     computation = Trace("computation", params, body, ["Constructed by capture"])
-    epilogue = build_epilogue(ctx, out_template, flat, groups, writes)
+    epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes)
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
                                             check_values)
     return Program(prologue, computation, epilogue.trace, descriptions,

@@ -31,6 +31,7 @@ class MutableGroup:
     updated: TensorProxy
     members: list
     whole_storage: bool
+    with_grad: bool = True  # whether the program wrote with grad mode on
 
 
 def check_tensor(t, shape, stride, dtype, device, requires_grad) -> bool:
@@ -105,11 +106,12 @@ class _Builder:
         return proxy.name
 
     def check(self, description: str, condition, from_module: bool, guard: Guard | None = None,
-              subject: str | None = None) -> None:
+              subject: Path | None = None, uses: tuple = ()) -> None:
         index = len(self.descriptions)
         self.descriptions.append(description)
         tags = {MODULE_CHECK} if from_module else set()
-        self.bsyms.append(BoundSymbol(CHECK, tags=tags, info={
+        # ``uses``: the variables the condition reads (strings), for passes that move lines.
+        self.bsyms.append(BoundSymbol(CHECK, args=tuple(uses), tags=tags, info={
             "condition": condition, "index": index, "description": description, "guard": guard,
             "subject": subject}))
 
@@ -120,15 +122,25 @@ class _Builder:
                        if isinstance(expected, (bool, torch.dtype)) or expected is None
                        else f"{g.expression} != {w.value(expected)}", False)
             return
+        if g.kind == "absent":
+            parent = self.var(g.path.parent)
+            name = g.path.key
+            self.check(g.description, lambda w: " or ".join(
+                f"{name!r} in {parent}.{table}"
+                for table in ("__dict__", "_parameters", "_buffers", "_modules")),
+                g.from_module, guard=g, subject=g.path, uses=(parent,))
+            return
         v = self.var(g.path)
-        check = functools.partial(self.check, guard=g, subject=g.path)
+        check = functools.partial(self.check, guard=g, subject=g.path, uses=(v,))
         if g.kind == "value":
             check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
         elif g.kind == "identity":
             other = g.expected
             if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
                 first = self.var(other.path, other.proxy)
-                check(g.description, lambda w: f"{v} is not {first}", g.from_module)
+                self.check(g.description, lambda w: f"{v} is not {first}", g.from_module, guard=g,
+                           subject=g.path, uses=(v, first))
+                self.bsyms[-1].info["paths"] = (g.path, other.path)
             else:
                 check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
                            g.from_module)
@@ -148,10 +160,12 @@ class _Builder:
             _, keys = g.expected
             if g.path.kind == "root" and not keys:
                 check(g.description, lambda w: f"{v}", False)
+            elif g.path.kind == "root" or g.path.key in ("_modules", "_parameters", "_buffers"):
+                check(g.description, lambda w: f"list({v}) != {w.value(list(keys))}",
+                      g.from_module)
             else:
                 check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
-                           f"{w.value(list(keys))}" if g.path.kind != "root"
-                           else f"list({v}) != {w.value(list(keys))}", g.from_module)
+                      f"{w.value(list(keys))}", g.from_module)
         else:
             raise AssertionError(g.kind)
 
@@ -181,6 +195,22 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
         if g.whole_storage:
             first = g.members[0]
             n = first.real.untyped_storage().nbytes() // first.real.element_size()
+            if check_values:
+                # The computation rebuilds these inputs as views of one storage: they must share
+                # it, at the offsets compiled for, and it must have the compiled size.
+                names = [m.proxy.name for m in g.members]
+                nbytes = first.real.untyped_storage().nbytes()
+                offsets = [m.real.storage_offset() for m in g.members]
+
+                def same_storage(w, names=names, nbytes=nbytes, offsets=offsets):
+                    parts = [f"{names[0]}.untyped_storage().nbytes() != {nbytes}"]
+                    parts += [f"{n}.untyped_storage().data_ptr() != "
+                              f"{names[0]}.untyped_storage().data_ptr()" for n in names[1:]]
+                    parts += [f"{n}.storage_offset() != {o}" for n, o in zip(names, offsets)]
+                    return " or ".join(parts)
+                b.check(f"{', '.join(str(m.path) for m in g.members)} share one storage of "
+                        f"{nbytes} bytes at offsets {offsets}", same_storage, False,
+                        uses=tuple(names))
             b.bsyms.append(BoundSymbol(STORAGE_VIEW, (first.proxy,), outputs=g.base,
                                        info={"numel": n}))
     if check_values:

@@ -15,9 +15,11 @@ the prologue then only checks:
 A module attribute reassigned to an equal value therefore recompiles once: identity is the check
 that is both exact and cheapest.
 
-Not seen by the cached walk: ``del module.attr`` of a submodule, parameter or buffer, and writes
-to ``module._parameters`` (or ``_buffers``, ``_modules``) that bypass ``nn.Module.__setattr__``.
-Call ``keraunos.invalidate_module_structure()`` after doing either.
+The hooks do not fire for ``del module.x``, for setting a parameter to ``None``, or for writes
+straight into ``module._parameters`` (``_buffers``, ``_modules``), so the walk also makes those
+tables ``WatchedTable``s, dicts that invalidate the cache when written. Only code that kept a
+reference to a table from before the first compile and writes through it goes unseen; call
+``keraunos.invalidate_module_structure()`` after such a write.
 """
 from __future__ import annotations
 
@@ -50,6 +52,62 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_registra
 torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
 
 
+class WatchedTable(dict):
+    """A module's ``_parameters`` / ``_buffers`` / ``_modules`` table that invalidates every cached
+    module-structure walk when written to. The registration hooks miss ``del module.x``, setting a
+    parameter to ``None`` and direct writes to the table (``functional_call``, say); this sees them.
+    Pickles and deep-copies as a plain ``dict``."""
+
+    def __setitem__(self, key, value):
+        _tree_token[0] = object()
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        _tree_token[0] = object()
+        dict.__delitem__(self, key)
+
+    def pop(self, *args):
+        _tree_token[0] = object()
+        return dict.pop(self, *args)
+
+    def popitem(self):
+        _tree_token[0] = object()
+        return dict.popitem(self)
+
+    def clear(self):
+        _tree_token[0] = object()
+        dict.clear(self)
+
+    def update(self, *args, **kwargs):
+        _tree_token[0] = object()
+        dict.update(self, *args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        _tree_token[0] = object()
+        return dict.setdefault(self, key, default)
+
+    def __ior__(self, other):
+        _tree_token[0] = object()
+        return dict.__ior__(self, other)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+    def __deepcopy__(self, memo):
+        import copy
+        return {copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()}
+
+
+def watch_modules(modules) -> None:
+    """Make the tables of these modules ``WatchedTable``s (once)."""
+    for m in modules:
+        d = m.__dict__
+        for name in ("_parameters", "_buffers", "_modules"):
+            table = d.get(name)
+            if table is not None and type(table) is dict:
+                d[name] = WatchedTable(table)
+
+
 def _lines_formatter(bsym, w):
     return bsym.info["lines"](w)
 
@@ -80,7 +138,8 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         path = b.info.get("path") if name == "unpack" else b.info.get("subject")
         if name == "check_tensor":
             checks.append(b)
-        elif path is not None and not isinstance(path, str) and path.is_structural():
+        elif path is not None and not isinstance(path, str) and all(
+                p.is_structural() for p in b.info.get("paths", (path,))):
             walk.append(b)
             if name == "unpack":
                 structural_vars[b.outputs.name] = path
@@ -109,7 +168,11 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         dicts = _tuple([f"{n}.__dict__" for n in dict_vars])
         if object_dicts_box and object_dicts_box[0]:
             dicts = f"{dicts} + {w.constant(tuple(object_dicts_box[0]), 'object_dicts')}"
-        return [f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
+        modules = ["module"] + [b.outputs.name for b in walk if b.symbol.name == "unpack"
+                                and b.info["path"].kind == "submodule"]
+        w.namespace["watch_modules"] = watch_modules
+        return [f"watch_modules({_tuple(modules)})",
+                f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
                 "_structure[0] = result",
                 "return result"]
     call_part = [b for b in rest if not _from_module(b)]
@@ -135,7 +198,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         w.namespace.update({"_structure": cache, token: _tree_token,
                             "refresh_module_structure": refresh})
         lines = ["_s = _structure[0]",
-                 f"if _s[0] is not {token}[0]:  # a module, parameter or buffer was registered",
+                 f"if _s[0] is not {token}[0]:  # the module tree changed",
                  "  _s = refresh_module_structure()",
                  "  if type(_s) is not tuple: return _s"]
         if static_names and _needs_locals(static_names, rest, checks, ret):
@@ -185,8 +248,8 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) 
     input_names = [p.name for p in inputs]
 
     def returned(w):
-        return [f"return ({_splice(input_names, static_names, statics_expr)},), "
-                f"{w.value(tuple(pro_to_epi))}"]
+        spliced = _splice(input_names, static_names, statics_expr)
+        return [f"return ({spliced + ',' if spliced else ''}), {w.value(tuple(pro_to_epi))}"]
     lines = lines + [_glue("return", returned)]
     return trace.derive(lines, "Fast Prologue (python executor)", time.perf_counter() - start)
 
@@ -216,9 +279,6 @@ def _names_used(bsyms: list[BoundSymbol]) -> set[str]:
     for b in bsyms:
         used.update(p.name for p in b.input_proxies())
         used.update(x for x in b.args if isinstance(x, str))
-        subject = b.info.get("path")
-        if subject is not None and b.symbol.name == "unpack":
-            pass
     return used
 
 
@@ -266,7 +326,8 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
         g = b.info.get("guard")
         var = var_of_path.get(b.info.get("subject"))
         if (b.symbol.name == "check" and g is not None and var in read_from
-                and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")):
+                and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")
+                and not (g.kind == "value" and isinstance(g.expected, (list, dict, set)))):
             index, key = read_from[var]
             entries.append((index, key, g.expected, b.info["description"], b.info["index"]))
             if g.kind == "identity" and isinstance(getattr(g.expected, "__dict__", None), dict):
