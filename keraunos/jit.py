@@ -30,6 +30,7 @@ from .capture.program import capture_program
 from .errors import user_source
 from .core.trace import Trace
 from .executors.prologue_cache import fast_prologue
+from .autograd import make_autograd_computation, split_forward_backward
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .transforms import Transform
 
@@ -117,6 +118,7 @@ class _JitState:
         self.last_lookup = 0.0
         self.last_miss_reasons: list[str] = []
         self.warned_recompiles = False
+        self.warned_no_backward = False
 
     @property
     def name(self) -> str:
@@ -163,8 +165,9 @@ def storage_alias_pattern(inputs: Sequence) -> tuple | None:
 
 
 def maybe_connect_to_autograd(entry: CacheEntry, result):
-    # The computation runs its torch ops in the caller's grad mode, so torch's autograd records
-    # them as eager does. A backward trace of our own connects here once autograd lands.
+    # An entry with a backward trace runs its forward inside a torch.autograd.Function (see
+    # keraunos/autograd/function.py), which already connected the outputs to the user's graph;
+    # an entry without one ran torch ops that autograd recorded as they ran. Nothing is left.
     return result
 
 
@@ -309,19 +312,43 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
         stages[computation.header[-1].split(" (")[0].removeprefix("Constructed by ")] = \
             stages.get(p.__name__, 0.0) + _took(computation)
         computation_traces.append(computation)
+    backward = None
+    split = None
+    if _needs_backward(computation):
+        try:
+            split = split_forward_backward(computation)
+        except Exception as e:  # noqa: BLE001 - any op the split cannot handle
+            _warn_no_backward(state, e)
+        else:
+            computation, backward = split.forward, split.backward
+            computation_traces.append(computation)
+            stages["autograd split"] = _took(computation)
     computation = executors_module.claim(computation, state.executors)
     computation_traces.append(computation)
     stages["executor claims"] = _took(computation)
+    backward_traces = []
+    if backward is not None:
+        backward_traces.append(backward)
+        backward = executors_module.claim(backward, state.executors)
+        backward_traces.append(backward)
     for t in state.transforms:
         t0 = time.perf_counter()
         computation = t.transform_trace_post_optimization(computation)
-        seconds = time.perf_counter() - t0
-        computation = computation.derive(computation.bound_symbols, t.name, seconds)
-        stages[f"transform {t.name} (post optimization)"] = seconds
+        computation = computation.derive(computation.bound_symbols, t.name,
+                                         time.perf_counter() - t0)
         computation_traces.append(computation)
+        if backward is not None:
+            t0 = time.perf_counter()
+            backward = t.transform_trace_post_optimization(backward)
+            backward = backward.derive(backward.bound_symbols, t.name, time.perf_counter() - t0)
+            backward_traces.append(backward)
+        stages[f"transform {t.name} (post optimization)"] = time.perf_counter() - t0
     computation = delete_last_used(computation)
     computation_traces.append(computation)
     stages["delete last used"] = _took(computation)
+    if backward is not None:
+        backward = delete_last_used(backward)
+        backward_traces.append(backward)
     prologue, structure_walk = fast_prologue(prologue)
     if structure_walk is not None:
         prologue_traces.append(structure_walk)
@@ -330,11 +357,28 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     t0 = time.perf_counter()
     prologue_fn = prologue.python_callable()
     computation_fn = computation.python_callable()
+    if backward is not None:
+        computation_fn = make_autograd_computation(computation_fn, backward.python_callable(),
+                                                   split.differentiable, split.n_outputs)
     epilogue_fn = epilogue.python_callable()
     stages["codegen"] = time.perf_counter() - t0
     return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
-                      computation_traces, epilogue_traces, [], program.check_descriptions, None,
-                      stages)
+                      computation_traces, epilogue_traces, backward_traces,
+                      program.check_descriptions, None, stages)
+
+
+def _needs_backward(computation: Trace) -> bool:
+    """Grad mode on and some input requires grad: the entry gets a backward trace."""
+    return torch.is_grad_enabled() and any(
+        getattr(p, "requires_grad", False) for p in computation.params)
+
+
+def _warn_no_backward(state: _JitState, error: Exception) -> None:
+    if not state.warned_no_backward:
+        state.warned_no_backward = True
+        warnings.warn(f"keraunos: no backward trace for {state.name} ({type(error).__name__}: "
+                      f"{error}); its gradients come from PyTorch's autograd recording the "
+                      f"forward's torch ops as they run.", stacklevel=5)
 
 
 def _took(trace: Trace) -> float:

@@ -50,7 +50,7 @@ class Recorder(keraunos.Transform):
         return prologue, computation, epilogue
 
     def transform_trace_post_optimization(self, trace):
-        self.calls.append(("post_optimization", trace.header[-1]))
+        self.calls.append(("post_optimization", trace.header[-1], trace.name))
         return trace
 
 
@@ -63,11 +63,16 @@ def test_each_hook_runs_once_per_compile_at_its_point():
     jm(x)  # a cache hit runs no hook
     assert rec.calls[1] == ("pre_prologue", "prologue", "computation", "epilogue",
                             "Constructed by capture")
-    assert rec.calls[2][0] == "post_optimization"
-    assert rec.calls[2][1].startswith("Constructed by Executor Claims")
-    assert len(rec.calls) == 3
+    # after the executors claimed the ops: for the forward, then for the backward
+    assert [c[0] for c in rec.calls[2:]] == ["post_optimization", "post_optimization"]
+    assert all(c[1].startswith("Constructed by Executor Claims") for c in rec.calls[2:])
+    assert [c[2] for c in rec.calls[2:]] == ["computation", "backward"]
     jm(torch.randn(3, 4))  # a miss runs them again
-    assert [c[0] for c in rec.calls[3:]] == ["pre_prologue", "post_optimization"]
+    assert [c[0] for c in rec.calls[4:]] == ["pre_prologue", "post_optimization",
+                                             "post_optimization"]
+    with torch.no_grad():  # no backward: the hook runs for the forward only
+        jm(torch.randn(5, 4))
+    assert [c[0] for c in rec.calls[7:]] == ["pre_prologue", "post_optimization"]
 
 
 def test_transform_output_is_labelled_in_the_trace_lists():

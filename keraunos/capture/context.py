@@ -512,6 +512,13 @@ class Recorder(TorchFunctionMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise _data_dependent_error(symbol, e) from None
+        except (CaptureError, UnsupportedOperatorException):
+            raise
+        except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
+            source = user_source()
+            if source is not None and hasattr(e, "add_note"):
+                e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
+            raise
         except UnsupportedOperatorException as e:
             raise CaptureError(
                 f"keraunos: `{symbol.name}` at {user_source()} has no kernel that works on fake "

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,6 +88,9 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     if module is not None:
         ctx.swap_module_classes(module)
     _active.ctx = ctx
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    log_level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:
         with ctx.fake_mode, Recorder(ctx):
             out = fn(*fake_args, **fake_kwargs)
@@ -94,6 +98,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     except GuardOnDataDependentSymNode as e:
         raise _data_dependent_error(None, e, _innermost_user_source(e.__traceback__)) from None
     finally:
+        fake_log.setLevel(log_level)
         _active.ctx = None
         ctx.restore_classes()
         restore_global_state(state_before)

@@ -1,0 +1,53 @@
+"""The ``torch.autograd.Function`` that connects a forward and a backward trace to the user's graph.
+
+The forward trace runs inside ``Function.forward`` (grad mode off, as for any Function) and
+returns the outputs and the tensors the backward needs, which are saved with
+``ctx.save_for_backward`` (so in-place changes to them after the call are caught as in eager).
+Outputs that do not get gradients (integer tensors, values computed under ``no_grad``) are marked
+non-differentiable. The backward is ``once_differentiable``: asking for a double backward raises
+PyTorch's clear error instead of returning a wrong answer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+class KeraunosFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, compiled, *inputs):
+        outputs, saved = compiled.forward_fn(*inputs)
+        ctx.compiled = compiled
+        ctx.save_for_backward(*saved)
+        if compiled.non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in compiled.non_differentiable])
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        compiled = ctx.compiled
+        saved = ctx.saved_tensors
+        grads = [grads[i] for i in compiled.differentiable]
+        return (None, *compiled.backward_fn(*saved, *grads))
+
+
+class _Compiled:
+    def __init__(self, forward_fn, backward_fn, differentiable, n_outputs):
+        self.forward_fn = forward_fn
+        self.backward_fn = backward_fn
+        self.differentiable = list(differentiable)
+        self.non_differentiable = [i for i in range(n_outputs) if i not in differentiable]
+
+
+def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, differentiable,
+                              n_outputs: int) -> Callable:
+    """The computation callable of a cache entry with a backward."""
+    compiled = _Compiled(forward_fn, backward_fn, differentiable, n_outputs)
+    apply = KeraunosFunction.apply
+
+    def computation_with_autograd(*inputs):
+        return apply(compiled, *inputs)
+    return computation_with_autograd

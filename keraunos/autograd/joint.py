@@ -1,0 +1,144 @@
+"""Record the joint forward and backward of a computation, at the ATen level, on fake tensors.
+
+The computation trace is interpreted line by line on fake tensors that require grad where its
+inputs do, under a ``TorchDispatchMode`` that records every ATen op and which torch-level line it
+came from. Then ``torch.autograd.grad`` of the differentiable outputs runs on the same fakes under
+the same mode: what it records is PyTorch's own derivative formulas, op by op. Nothing here is
+ours but the bookkeeping, so every op with a derivative in PyTorch works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.proxies import Proxy, TensorProxy
+from ..core.symbols import GlueSymbol, TorchSymbol
+from ..core.trace import Trace
+
+
+@dataclass
+class AtenCall:
+    """One ATen op the forward or backward ran; ``parent`` is the index of the torch-level line
+    (in the computation trace) it belongs to, ``None`` in the backward."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+    parent: int | None
+
+
+class _AtenRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[AtenCall] = []
+        self.parent: int | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Queries that make no tensor and change nothing (prim.device, sym_size) need no line.
+        if func._schema.is_mutable or any(isinstance(t, torch.Tensor)
+                                          for t in pytree.tree_leaves(out)):
+            self.calls.append(AtenCall(func, args, kwargs, out, self.parent))
+        return out
+
+
+@dataclass
+class Joint:
+    inputs: list[torch.Tensor]                 # fakes of the computation's params, in order
+    env: dict[str, Any]                        # proxy name -> fake, after the forward
+    forward_calls: list[AtenCall]
+    backward_calls: list[AtenCall]
+    outputs: list[torch.Tensor]                # fakes of the computation's flat outputs
+    output_proxies: list[TensorProxy]
+    differentiable: list[int]                  # indices into outputs that get a gradient
+    grad_outputs: list[torch.Tensor]           # fakes standing for those gradients
+    needs_grad: list[int]                      # indices into inputs that get a gradient
+    grads: list[Any]                           # fakes of those gradients (None when unused)
+    keep_alive: list = field(default_factory=list)
+
+
+def _is_differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and (
+        t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+def record_joint(computation: Trace) -> Joint:
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    recorder = _AtenRecorder()
+    env: dict[str, Any] = {}
+    inputs = []
+    with mode:
+        for p in computation.params:
+            t = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+            if p.requires_grad:
+                t.requires_grad_(True)
+            env[p.name] = t
+            inputs.append(t)
+    outputs_proxies: list[TensorProxy] = []
+    state = torch.is_grad_enabled()
+    try:
+        with torch.enable_grad(), mode, recorder:
+            for index, bsym in enumerate(computation.bound_symbols):
+                symbol = bsym.symbol
+                if isinstance(symbol, TorchSymbol):
+                    recorder.parent = index
+                    args, kwargs = pytree.tree_map(
+                        lambda x: env[x.name] if isinstance(x, Proxy) else x,
+                        (bsym.args, bsym.kwargs))
+                    fn = symbol.fn
+                    if symbol.style == "setitem":
+                        fn(*args, **kwargs)
+                        continue
+                    out = fn(*args, **kwargs)
+                    _bind(bsym.outputs, out, env)
+                elif symbol.name == "return":
+                    outputs_proxies = list(bsym.args[0])
+                elif symbol.name == "set_global_state":
+                    _apply_state(bsym)
+                else:
+                    raise NotImplementedError(f"line of {symbol.name} in an autograd computation")
+            recorder.parent = None
+            outputs = [env[p.name] for p in outputs_proxies]
+            differentiable = [i for i, o in enumerate(outputs) if _is_differentiable(o)]
+            needs_grad = [i for i, t in enumerate(inputs) if t.requires_grad]
+            recorder_calls_forward = list(recorder.calls)
+            recorder.calls = []
+        with mode:
+            grad_outputs = [torch.empty_like(outputs[i], requires_grad=False) for i in differentiable]
+        with torch.enable_grad(), mode, recorder:
+            grads = list(torch.autograd.grad([outputs[i] for i in differentiable],
+                                             [inputs[i] for i in needs_grad], grad_outputs,
+                                             allow_unused=True)) if differentiable else \
+                [None] * len(needs_grad)
+    finally:
+        torch._C._set_grad_enabled(state)
+    return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, outputs_proxies,
+                 differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode])
+
+
+def _bind(proxies, values, env) -> None:
+    if isinstance(proxies, Proxy):
+        env[proxies.name] = values
+        return
+    if isinstance(proxies, (tuple, list)) and isinstance(values, (tuple, list)):
+        for p, v in zip(proxies, values):
+            _bind(p, v, env)
+    elif isinstance(proxies, dict) and isinstance(values, dict):
+        for k in proxies:
+            _bind(proxies[k], values[k], env)
+
+
+def _apply_state(bsym) -> None:
+    for i, value in bsym.args[0]:
+        if i == 0:
+            torch._C._set_grad_enabled(value)
+        else:
+            raise NotImplementedError("autocast switches inside an autograd computation")

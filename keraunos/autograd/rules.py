@@ -1,0 +1,76 @@
+"""Our own derivative rules, beside the mechanism that derives the rest from PyTorch.
+
+One table. Today it holds one rule, and it is about memory rather than a formula: a saved tensor
+made by a pointwise op (``torch.Tag.pointwise``) whose inputs the backward has anyway is
+recomputed at the start of the backward instead of being kept alive between forward and backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.tags import RANDOM
+
+
+def _is_cheap_pointwise(func) -> bool:
+    return torch.Tag.pointwise in getattr(func, "tags", ()) and not func._schema.is_mutable
+
+
+def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
+    """Move saved values that a cheap pointwise op makes from already-saved values (or forward
+    inputs) into the backward; returns the new saved list and the lines to recompute them."""
+    producer = {}
+    for call in joint.forward_calls:
+        for t in pytree.tree_leaves(call.out):
+            if isinstance(t, torch.Tensor):
+                producer.setdefault(id(t), call)
+    inputs = {id(t) for t in joint.inputs}
+    saved = list(saved)
+    lines: list[BoundSymbol] = []
+    changed = True
+    while changed:
+        changed = False
+        for name in list(saved):
+            fake = namer.fakes[name]
+            call = producer.get(id(fake))
+            if call is None or not _is_cheap_pointwise(call.func):
+                continue
+            reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
+                     if isinstance(x, torch.Tensor)]
+            read_names = [namer.name_of.get(id(x)) for x in reads]
+            # Only when it saves memory: every value it reads is kept anyway (saved already, or
+            # an input of the computation, which its caller holds).
+            if None in read_names or not all(n in saved or id(namer.fakes[n]) in inputs
+                                             for n in read_names):
+                continue
+            saved.remove(name)
+            saved.extend(n for n in dict.fromkeys(read_names) if n not in saved)
+            args, kwargs = pytree.tree_map(
+                lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
+                else x, (call.args, call.kwargs))
+            lines.insert(0, BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}",
+                                                    "function"), tuple(args), dict(kwargs),
+                                        namer.proxies[name],
+                                        info={"comment": "recomputed rather than saved"}))
+            changed = True
+    return saved, _ordered(lines, namer)
+
+
+def _ordered(lines, namer):
+    """Recomputations in dependency order."""
+    done, result = set(), []
+    pending = list(lines)
+    while pending:
+        for b in pending:
+            needs = {p.name for p in b.input_proxies()}
+            defined_here = {x.outputs.name for x in pending}
+            if not (needs & (defined_here - done)):
+                result.append(b)
+                done.add(b.outputs.name)
+                pending.remove(b)
+                break
+        else:
+            result.extend(pending)
+            break
+    return result

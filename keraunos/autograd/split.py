@@ -1,0 +1,225 @@
+"""Split a computation into a forward trace and a backward trace.
+
+From the joint recording (``joint.py``):
+- the backward trace is the ATen ops ``torch.autograd.grad`` ran, reading the gradients of the
+  outputs and the tensors it needs from the forward ("saved");
+- the forward trace is the computation itself, at the torch level, returning its outputs and the
+  saved tensors. A saved tensor that only exists inside a torch-level op (the mean and rstd of
+  ``layer_norm``, the mask of ``dropout``) makes that one op run as its ATen ops instead, so the
+  forward can hand it over; every other line stays as the user wrote it.
+- ``RULES`` may give an op a derivative of our own in place of PyTorch's; see ``rules.py``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.proxies import Proxy, TensorProxy
+from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
+from ..core.tags import MUTATION, RANDOM
+from ..core.trace import Trace
+from ..passes import dead_code_elimination
+from .joint import Joint, record_joint
+from .rules import recompute_in_backward
+
+
+@dataclass
+class Split:
+    forward: Trace
+    backward: Trace
+    differentiable: list[int]   # which forward outputs get gradients
+    n_outputs: int
+    saved_names: list[str]
+
+
+class _Names:
+    def __init__(self, taken: set[str]):
+        self.taken = set(taken)
+        self.counters: dict[str, int] = {}
+
+    def fresh(self, prefix: str) -> str:
+        n = self.counters.get(prefix, 0)
+        while f"{prefix}{n}" in self.taken:
+            n += 1
+        self.counters[prefix] = n + 1
+        self.taken.add(f"{prefix}{n}")
+        return f"{prefix}{n}"
+
+
+def _aten_symbol(func) -> TorchSymbol:
+    return TorchSymbol(func, f"torch.ops.{func}", "function")
+
+
+def _tensor_leaves(tree) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:
+        return None
+
+
+class _Namer:
+    """Which name each fake tensor goes by, and its proxy."""
+
+    def __init__(self, names: _Names):
+        self.names = names
+        self.name_of: dict[int, str] = {}
+        self.proxies: dict[str, TensorProxy] = {}
+        self.fakes: dict[str, torch.Tensor] = {}
+
+    def bind(self, fake, name: str) -> None:
+        if id(fake) not in self.name_of:
+            self.name_of[id(fake)] = name
+            self.proxies[name] = TensorProxy(name, fake)
+            self.fakes[name] = fake
+
+    def name(self, fake, prefix: str) -> str:
+        if id(fake) not in self.name_of:
+            self.bind(fake, self.names.fresh(prefix))
+        return self.name_of[id(fake)]
+
+    def alias_of(self, fake) -> str | None:
+        """A known tensor with the same memory and metadata (autograd may hand a saved tensor
+        back as a new object over the same memory)."""
+        key = _storage_key(fake)
+        for name, other in self.fakes.items():
+            if (_storage_key(other) == key and other.shape == fake.shape
+                    and other.stride() == fake.stride()
+                    and other.storage_offset() == fake.storage_offset()
+                    and other.dtype == fake.dtype):
+                return name
+        return None
+
+
+def split_forward_backward(computation: Trace) -> Split:
+    start = time.perf_counter()
+    joint = record_joint(computation)
+    taken = {p.name for p in computation.params}
+    for b in computation.bound_symbols:
+        taken.update(p.name for p in b.output_proxies())
+    namer = _Namer(_Names(taken))
+    for p, fake in zip(computation.params, joint.inputs):
+        namer.bind(fake, p.name)
+    for name, fake in joint.env.items():
+        if isinstance(fake, torch.Tensor):
+            namer.bind(fake, name)
+    torch_level = set(namer.name_of)  # ids of values the torch-level trace names
+
+    # Every forward ATen value gets a name; remember which torch-level line made it.
+    parent_of: dict[int, int] = {}
+    for call in joint.forward_calls:
+        for t in _tensor_leaves(call.out):
+            namer.name(t, "f")
+            parent_of.setdefault(id(t), call.parent)
+    forward_known = set(namer.name_of)
+
+    # The backward: its inputs are the gradients and what it reads from the forward.
+    grad_names = [namer.name(g, "grad") for g in joint.grad_outputs]
+    saved: list[str] = []
+    backward_lines: list[BoundSymbol] = []
+    produced: set[int] = {id(g) for g in joint.grad_outputs}
+    for call in joint.backward_calls:
+        def arg(x):
+            if isinstance(x, torch.Tensor):
+                if id(x) in produced:
+                    return namer.proxies[namer.name_of[id(x)]]
+                if id(x) in forward_known:
+                    name = namer.name_of[id(x)]
+                else:
+                    name = namer.alias_of(x)
+                    if name is None:
+                        raise NotImplementedError(f"the backward of {call.func} reads a tensor "
+                                                  f"the forward did not produce")
+                if name not in saved:
+                    saved.append(name)
+                return namer.proxies[name]
+            if isinstance(x, (torch.SymInt, torch.SymFloat)):
+                return _size_expression(x, namer, produced | forward_known)
+            return x
+        args, kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
+        outputs = pytree.tree_map(
+            lambda t: namer.proxies[namer.name(t, "b")] if isinstance(t, torch.Tensor) else t,
+            call.out)
+        produced.update(id(t) for t in _tensor_leaves(call.out))
+        tags = {MUTATION} if call.func._schema.is_mutable else set()
+        backward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
+                                          outputs, tags=tags))
+
+    # Saved values that exist only inside a torch-level op: run that op as its ATen ops.
+    lowered = {parent_of[id(namer.fakes[n])] for n in saved
+               if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
+    forward_lines: list[BoundSymbol] = []
+    for index, bsym in enumerate(computation.bound_symbols[:-1]):
+        if bsym.symbol.name == "set_global_state":
+            continue  # Function.forward runs with grad mode off; the backward is ours
+        if index not in lowered:
+            forward_lines.append(bsym)
+            continue
+        for call in (c for c in joint.forward_calls if c.parent == index):
+            args, kwargs = pytree.tree_map(
+                lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
+                else (_size_expression(x, namer, forward_known)
+                      if isinstance(x, (torch.SymInt, torch.SymFloat)) else x),
+                (call.args, call.kwargs))
+            outputs = pytree.tree_map(
+                lambda t: namer.proxies[namer.name_of[id(t)]] if isinstance(t, torch.Tensor)
+                else t, call.out)
+            tags = set(bsym.tags)
+            if call.func._schema.is_mutable:
+                tags.add(MUTATION)
+            forward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
+                                             outputs, bsym.source, tags))
+    # Cheap elementwise values are recomputed in the backward rather than saved.
+    saved, recomputed = recompute_in_backward(saved, joint, namer, parent_of, lowered)
+    backward_lines = recomputed + backward_lines
+
+    outputs = list(computation.bound_symbols[-1].args[0])
+    saved_proxies = [namer.proxies[n] for n in saved]
+    forward_lines.append(BoundSymbol(_FORWARD_RETURN, (outputs, saved_proxies)))
+    grads = []
+    for i in range(len(joint.inputs)):
+        if i in joint.needs_grad:
+            g = joint.grads[joint.needs_grad.index(i)]
+            grads.append(namer.proxies[namer.name_of[id(g)]] if g is not None else None)
+        else:
+            grads.append(None)
+    backward_lines.append(BoundSymbol(_BACKWARD_RETURN, (grads,)))
+    seconds = time.perf_counter() - start
+    forward = computation.derive(forward_lines, "Autograd Split (forward)", seconds)
+    backward = Trace("backward", saved_proxies + [namer.proxies[n] for n in grad_names],
+                     backward_lines, [f"Constructed by Autograd Split (backward) "
+                                      f"(took {seconds * 1e3:.2f} ms)"])
+    backward = dead_code_elimination(backward)
+    return Split(forward, backward, joint.differentiable, len(outputs), saved)
+
+
+def _size_expression(x, namer: _Namer, available: set[int]):
+    """A size that depends on data (an unbacked symbol), read from a tensor that has it."""
+    expr = x.node.expr
+    for name, fake in namer.fakes.items():
+        if id(fake) not in available:
+            continue
+        for d, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return Code(f"{name}.size({d})")
+    raise NotImplementedError(f"a size {expr} that no tensor at hand has")
+
+
+def _forward_return_formatter(bsym, w):
+    outputs, saved = bsym.args
+    return [f"return {w.value(tuple(outputs))}, {w.value(tuple(saved))}"]
+
+
+def _backward_return_formatter(bsym, w):
+    return [f"return {w.value(tuple(bsym.args[0]))}"]
+
+
+_FORWARD_RETURN = GlueSymbol("return", _forward_return_formatter)
+_BACKWARD_RETURN = GlueSymbol("return", _backward_return_formatter)
