@@ -11,6 +11,7 @@ from .core.symbols import Source
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _KERAUNOS_DIR = os.path.dirname(__file__)
+_STDLIB_DIR = os.path.dirname(os.__file__)
 
 
 class KeraunosError(Exception):
@@ -32,7 +33,8 @@ def user_source(skip_frames: int = 1) -> Source | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if not (filename.startswith(_TORCH_DIR) or filename.startswith(_KERAUNOS_DIR)
-                or filename.startswith("<frozen") or filename.startswith("<keraunos")):
+                or filename.startswith(_STDLIB_DIR) or filename.startswith("<frozen")
+                or filename.startswith("<keraunos")):
             code = linecache.getline(filename, frame.f_lineno).strip()
             return Source(filename, frame.f_lineno, code)
         frame = frame.f_back

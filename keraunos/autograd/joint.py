@@ -88,6 +88,12 @@ def record_joint(computation: Trace) -> Joint:
         with torch.enable_grad(), mode, recorder:
             for index, bsym in enumerate(computation.bound_symbols):
                 symbol = bsym.symbol
+                if isinstance(symbol, TorchSymbol) and symbol.name in _RNG_STATE:
+                    # Never touch the real generator while compiling; the trace runs these.
+                    if symbol.name == "torch.get_rng_state":
+                        env[bsym.outputs.name] = torch.empty(bsym.outputs.shape,
+                                                             dtype=bsym.outputs.dtype)
+                    continue
                 if isinstance(symbol, TorchSymbol):
                     recorder.parent = index
                     args, kwargs = pytree.tree_map(
@@ -122,6 +128,9 @@ def record_joint(computation: Trace) -> Joint:
         torch._C._set_grad_enabled(state)
     return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, outputs_proxies,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode])
+
+
+_RNG_STATE = {"torch.manual_seed", "torch.get_rng_state", "torch.set_rng_state"}
 
 
 def _bind(proxies, values, env) -> None:

@@ -155,6 +155,11 @@ class CaptureContext:
         self.guards.append(Guard(kind, path, expected, expression, from_module))
 
     def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        if real.layout != torch.strided:
+            raise UnsupportedInputError(
+                f"keraunos.jit: {path} is a {real.layout} tensor; keraunos captures strided "
+                f"(dense) tensors only. Convert it with .to_dense(), or call this op outside the "
+                f"jitted function.")
         known = self._input_by_real.get(id(real))
         if known is not None:
             if known.path != path:
@@ -384,6 +389,20 @@ class CaptureContext:
             self.state = state
             self.grad_enabled = state[0]
 
+    def record_rng(self, name: str, original, args, kwargs):
+        symbol = TorchSymbol(original, f"torch.{name}", "function")
+        args, kwargs = pytree.tree_map(
+            lambda x: self.proxy(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        outputs, result = None, None
+        if name == "get_rng_state":
+            real = original()
+            with torch._C.DisableTorchFunction():  # a stand-in; callers may have no_dispatch() on
+                result = torch.empty(real.shape, dtype=real.dtype, device="meta")
+                outputs = self.output_proxy(result)
+        self.bound_symbols.append(BoundSymbol(symbol, tuple(args), dict(kwargs), outputs,
+                                              user_source(), {MUTATION, RANDOM}))
+        return result
+
     def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor]):
         def to_proxy(x):
             return self.proxy(x) if isinstance(x, torch.Tensor) else x
@@ -433,6 +452,45 @@ def _positional_names(fn) -> dict[int, str]:
 
 def _is_namedtuple(value) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+# ------------------------------------------------------------------------ random state
+# ``torch.manual_seed`` and ``torch.get_rng_state``/``set_rng_state`` are no torch functions (no
+# __torch_function__), so the mode cannot see them; during capture they are swapped for recorders
+# (in this thread only) so that a program that seeds or saves and restores the generator does so
+# at the same points when the trace runs.
+_RNG_FUNCTIONS = ("manual_seed", "get_rng_state", "set_rng_state")
+_rng_originals = {name: getattr(torch, name) for name in _RNG_FUNCTIONS}
+
+
+def _rng_recorder(name: str):
+    original = _rng_originals[name]
+
+    def recorder(*args, **kwargs):
+        ctx = active_context()
+        if ctx is None:
+            return original(*args, **kwargs)
+        return ctx.record_rng(name, original, args, kwargs)
+    recorder.__name__ = name
+    recorder.__wrapped__ = original
+    return recorder
+
+
+_rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
+
+
+class recording_rng_state:
+    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders."""
+
+    def __enter__(self):
+        for name, fn in _rng_recorders.items():
+            setattr(torch, name, fn)
+            setattr(torch.random, name, fn)
+
+    def __exit__(self, *exc):
+        for name, fn in _rng_originals.items():
+            setattr(torch, name, fn)
+            setattr(torch.random, name, fn)
 
 
 _recording_classes: dict[type, type] = {}
@@ -491,7 +549,8 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         args, kwargs = pytree.tree_map(
             lambda x: ctx.real_tensor_reached_program(x)
-            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x,
+            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
+            and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
         symbol = torch_symbol(func)
         if symbol.name in _TO_PYTHON:

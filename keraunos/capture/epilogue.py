@@ -49,6 +49,8 @@ def template_of(value: Any, leaf) -> Any:
         return Build(type(value), type(value).__name__, [template_of(v, leaf) for v in value])
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return Build(type(value), "namedtuple", [template_of(v, leaf) for v in value])
+    if isinstance(value, tuple) and hasattr(type(value), "n_fields"):  # torch.return_types.*
+        return Build(type(value), "structseq", [template_of(v, leaf) for v in value])
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: template_of(getattr(value, f.name), leaf)
                   for f in dataclasses.fields(value) if f.init}
@@ -62,6 +64,9 @@ def _code(node: Any, w) -> str:
     if isinstance(node, Build):
         if node.kind in ("tuple", "list"):
             return w.value(node.python_type(Code(_code(c, w)) for c in node.children))
+        if node.kind == "structseq":
+            return f"{w.constant(node.python_type, node.python_type.__name__)}((" + \
+                "".join(f"{_code(c, w)}, " for c in node.children) + "))"
         if node.kind == "namedtuple":
             return f"{w.constant(node.python_type, node.python_type.__name__)}(" + \
                 ", ".join(_code(c, w) for c in node.children) + ")"

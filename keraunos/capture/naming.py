@@ -55,6 +55,8 @@ def torch_symbol(func: Callable) -> TorchSymbol:
     """The symbol for a callable seen by the torch function mode."""
     if type(func).__name__ == "method-wrapper" and func.__name__ == "__get__":
         return TorchSymbol(func, func.__self__.__name__, "getter")
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return TorchSymbol(func, f"torch.ops.{func}", "function")
     method = _tensor_method_names().get(id(func))
     if method is not None:
         if method == "__getitem__":

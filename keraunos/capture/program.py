@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .context import _data_dependent_error, global_state, restore_global_state
-from .context import CaptureContext, Recorder, _active
+from .context import CaptureContext, Recorder, _active, recording_rng_state
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .epilogue import FromInput, build_epilogue, template_of
@@ -92,7 +92,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     log_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:
-        with ctx.fake_mode, Recorder(ctx):
+        with ctx.fake_mode, Recorder(ctx), recording_rng_state():
             out = fn(*fake_args, **fake_kwargs)
         ctx.record_global_state()
     except GuardOnDataDependentSymNode as e:

@@ -68,6 +68,8 @@ def _return_formatter(bsym, w):
 
 
 UNPACK = GlueSymbol("unpack", _unpack_formatter)
+UNPACK_CONSTANT = GlueSymbol("unpack_constant",
+                             lambda b, w: [f"{b.outputs.name} = {b.args[0]}"])
 STORAGE_VIEW = GlueSymbol("storage_view", _storage_view_formatter)
 CHECK = GlueSymbol("check", _check_formatter)
 CHECK_TENSOR = GlueSymbol("check_tensor", _check_tensor_formatter, {"check_tensor": check_tensor})
@@ -97,6 +99,11 @@ class _Builder:
                 return self.roots[path.key]
             name = f"_captured{len(self.namespace)}"
             self.namespace[name] = self.ctx.root_objects[path.key]
+            if proxy is not None:  # a tensor the program holds by reference
+                self.vars[path] = proxy
+                self.bsyms.append(BoundSymbol(UNPACK_CONSTANT, (name,), outputs=proxy,
+                                              info={"path": path}))
+                return proxy.name
             return name
         parent = self.var(path.parent)
         if proxy is None:

@@ -167,6 +167,7 @@ class CodeWriter:
         key = id(obj)
         name = self._constant_names.get(key)
         if name is None:
+            hint = "".join(c if c.isalnum() or c == "_" else "_" for c in hint)
             name = f"_{hint}{len(self._constant_names)}"
             self._constant_names[key] = name
             self.namespace[name] = obj

@@ -1,0 +1,112 @@
+"""A training step (forward, backward, AdamW step) on a litgpt GPT: eager vs keraunos vs torch.compile.
+
+Run: python benchmarks/train.py [--iters N] [--layers L] [--width W] [--skip-compile]
+
+All figures from this one run, one intra-op thread:
+- compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
+- steady-state median step time (of the last N steps);
+- bytes saved for backward by one forward, counted with torch.autograd.graph.saved_tensors_hooks
+  (unique storages, so a tensor saved twice counts once), for eager and keraunos.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import keraunos
+
+
+def make_model(layers: int, width: int):
+    import litgpt
+    from litgpt.model import GPT
+    config = litgpt.Config.from_name("Llama-2-7b-hf", n_layer=layers, n_embd=width,
+                                     n_head=max(width // 64, 1), n_query_groups=max(width // 64, 1),
+                                     intermediate_size=width * 4, padded_vocab_size=512,
+                                     vocab_size=512, block_size=128)
+    torch.manual_seed(0)
+    return GPT(config)
+
+
+def step_fn(model, optimizer, idx, targets):
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def time_2n(step, n: int):
+    times = []
+    for _ in range(2 * n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    compile_and_warmup = sum(times[:n]) - sum(times[n:])
+    return compile_and_warmup, statistics.median(times[n:]), times[0]
+
+
+def saved_bytes(model, idx) -> int:
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx).sum()
+    return sum(storages.values())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=20, help="N of the 2N method")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--skip-compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base = make_model(args.layers, args.width)
+    idx = torch.randint(0, 512, (1, 64))
+    targets = torch.randint(0, 512, (1, 64))
+    systems = {"eager": lambda m: m, "keraunos": keraunos.jit}
+    if not args.skip_compile:
+        systems["torch.compile"] = torch.compile
+    results = {}
+    losses = {}
+    for name, wrap in systems.items():
+        model = copy.deepcopy(base)
+        runner = wrap(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = step_fn(runner, optimizer, idx, targets)
+        compile_time, median, first = time_2n(step, args.iters)
+        losses[name] = step().item()
+        results[name] = (compile_time, median, first)
+        if name != "torch.compile":
+            results[name] += (saved_bytes(runner, idx),)
+    print(f"torch {torch.__version__}, 1 thread; litgpt Llama-2 config, {args.layers} layers, "
+          f"n_embd {args.width}, batch 1x64; AdamW; 2N method with N = {args.iters}")
+    eager = results["eager"]
+    print(f"  {'system':<14} {'compile+warmup':>15} {'step (median)':>15} {'vs eager':>9} "
+          f"{'saved for bw':>14} {'vs eager':>9}")
+    for name, r in results.items():
+        saved = f"{r[3] / 2**20:10.2f} MiB" if len(r) > 3 else f"{'n/a':>14}"
+        saved_ratio = f"{r[3] / eager[3]:8.2f}x" if len(r) > 3 else f"{'':>9}"
+        print(f"  {name:<14} {r[0]:13.3f} s {r[1] * 1e3:12.2f} ms {r[1] / eager[1]:8.2f}x "
+              f"{saved} {saved_ratio}")
+    if "torch.compile" in results:
+        print(f"  compile+warmup, keraunos / torch.compile: "
+              f"{results['keraunos'][0] / results['torch.compile'][0]:.3f}")
+    print(f"  loss after {2 * args.iters + 1} steps: " +
+          ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Testing helpers: keraunos compared with eager PyTorch on PyTorch's own OpInfo database."""

@@ -1,0 +1,683 @@
+"""Autograd through keraunos: a forward trace, a backward trace, and eager PyTorch's gradients.
+
+When grad mode is on and an input of the computation requires grad, a cache entry holds a forward
+trace (``keraunos.last_traces(j)[-1]``) that returns its outputs and the tensors the backward
+needs, and a backward trace (``keraunos.last_backward_traces(j)[-1]``); a
+``torch.autograd.Function`` connects them to the user's graph. Every test here compares against
+eager PyTorch.
+
+If keraunos cannot split a computation it warns "keraunos: no backward trace" and lets torch's
+autograd record the forward instead; that fallback would make every gradient test below pass
+without testing keraunos' backward at all, so the warning is an error in this file.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import keraunos
+
+# (the message regex cannot contain ":", the separator of warning filters, hence the ".")
+pytestmark = pytest.mark.filterwarnings("error:keraunos. no backward trace")
+
+
+# ----------------------------------------------------------------------------------- helpers
+def leaf(*shape, requires_grad=True, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)
+
+
+def clones(*tensors):
+    """Independent copies of leaf tensors, keeping requires_grad, for an eager reference run."""
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def has_backward(jitted) -> bool:
+    return len(keraunos.last_backward_traces(jitted)) > 0
+
+
+def forward_trace(jitted):
+    return keraunos.last_traces(jitted)[-1]
+
+
+def backward_trace(jitted):
+    return keraunos.last_backward_traces(jitted)[-1]
+
+
+def was_split(jitted) -> bool:
+    return any("Autograd Split" in line for line in forward_trace(jitted).header)
+
+
+def assert_grads_match(model, ref):
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref_params[name]
+        if q.grad is None:
+            assert p.grad is None, f"{name}: eager has no grad, keraunos has one"
+            continue
+        assert p.grad is not None, f"{name}: no grad"
+        assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+class MLP(nn.Module):
+    def __init__(self, d=16, hidden=32):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.norm(self.fc1(x)))) + x
+
+
+def mlp_pair(**kwargs):
+    model = MLP(**kwargs)
+    return model, copy.deepcopy(model)
+
+
+def tanh_matmul(x, w):
+    return torch.tanh(x @ w).sum()
+
+
+# ------------------------------------------------------------- when there is a backward trace
+def test_backward_trace_when_an_input_requires_grad():
+    jf = keraunos.jit(tanh_matmul)
+    y = jf(leaf(3, 4), leaf(4, 5))
+    assert has_backward(jf)
+    assert was_split(jf)
+    assert y.requires_grad
+    assert "KeraunosFunction" in type(y.grad_fn).__name__
+
+
+def test_backward_trace_is_a_program_returning_a_grad_per_input():
+    jf = keraunos.jit(tanh_matmul)
+    jf(leaf(3, 4), leaf(4, 5))
+    text = str(backward_trace(jf))
+    assert text.count("def backward(") == 1
+    assert "return (" in text
+
+
+def test_last_backward_traces_follow_cache_hits():
+    jf = keraunos.jit(tanh_matmul)
+    jf(leaf(3, 4), leaf(4, 5))
+    backward_a = backward_trace(jf)
+    jf(leaf(6, 4), leaf(4, 7))
+    backward_b = backward_trace(jf)
+    assert backward_b is not backward_a
+    assert "[6, 4]" in str(backward_b) and "[6, 4]" not in str(backward_a)
+    jf(leaf(3, 4), leaf(4, 5))  # a hit on the first entry
+    assert keraunos.cache_misses(jf) == 2 and keraunos.cache_hits(jf) == 1
+    assert backward_trace(jf) is backward_a
+    assert "[3, 4]" in str(backward_trace(jf)) and "[6, 4]" not in str(backward_trace(jf))
+
+
+def test_no_backward_trace_under_no_grad():
+    jf = keraunos.jit(tanh_matmul)
+    with torch.no_grad():
+        y = jf(leaf(3, 4), leaf(4, 5))
+    assert not y.requires_grad
+    assert keraunos.last_backward_traces(jf) == []
+    assert not was_split(jf)
+
+
+def test_no_backward_trace_when_nothing_requires_grad():
+    jf = keraunos.jit(tanh_matmul)
+    y = jf(leaf(3, 4, requires_grad=False), leaf(4, 5, requires_grad=False))
+    assert not y.requires_grad
+    assert keraunos.last_backward_traces(jf) == []
+    assert not was_split(jf)
+
+
+def test_no_backward_trace_for_module_under_no_grad():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        out = jmodel(x)
+        assert_close(out, ref(x))
+    assert not out.requires_grad
+    assert keraunos.last_backward_traces(jmodel) == []
+    assert not was_split(jmodel)
+
+
+def test_forward_saves_nothing_without_backward():
+    jf = keraunos.jit(tanh_matmul)
+    with torch.no_grad():
+        jf(leaf(3, 4), leaf(4, 5))
+    fn = forward_trace(jf).python_callable()
+    result = fn(torch.randn(3, 4), torch.randn(4, 5))
+    # the plain computation returns its outputs only; a split forward returns (outputs, saved)
+    assert len(result) == 1 and isinstance(result[0], torch.Tensor)
+
+
+def test_grad_mode_switch_gives_entry_with_backward():
+    jf = keraunos.jit(tanh_matmul)
+    x, w = leaf(3, 4), leaf(4, 5)
+    with torch.no_grad():
+        jf(x, w)
+    assert not has_backward(jf)
+    y = jf(x, w)
+    assert has_backward(jf) and keraunos.cache_misses(jf) == 2
+    y.backward()
+    xe, we = clones(x, w)
+    tanh_matmul(xe, we).backward()
+    assert_close(x.grad, xe.grad)
+    assert_close(w.grad, we.grad)
+
+
+# -------------------------------------------------------------- connected to the user's graph
+def test_function_backward_matches_eager():
+    def f(x, w, b):
+        return (F.silu(x @ w + b) * x.sum(-1, keepdim=True)).softmax(-1)
+
+    args = [leaf(4, 6), leaf(6, 6), leaf(6)]
+    ref_args = clones(*args)
+    jf = keraunos.jit(f)
+    out = jf(*args)
+    ref_out = f(*ref_args)
+    assert_close(out, ref_out)
+    g = torch.randn_like(ref_out)
+    out.backward(g)
+    ref_out.backward(g)
+    assert has_backward(jf)
+    for a, r in zip(args, ref_args):
+        assert_close(a.grad, r.grad)
+
+
+def test_module_backward_matches_eager():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    x = torch.randn(4, 16)
+    jmodel(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert has_backward(jmodel)
+    assert_grads_match(model, ref)
+
+
+def test_module_backward_matches_eager_on_cache_hit():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    for step in range(3):
+        x = torch.randn(4, 16)
+        model.zero_grad()
+        ref.zero_grad()
+        jmodel(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        assert_grads_match(model, ref)
+    assert keraunos.cache_misses(jmodel) == 1 and keraunos.cache_hits(jmodel) == 2
+
+
+def test_backward_to_input_of_module():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    x = leaf(4, 16)
+    (xe,) = clones(x)
+    jmodel(x).sum().backward()
+    ref(xe).sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_torch_autograd_grad_matches_eager():
+    x, w = leaf(3, 4), leaf(4, 5)
+    xe, we = clones(x, w)
+    jf = keraunos.jit(tanh_matmul)
+    gx, gw = torch.autograd.grad(jf(x, w), (x, w))
+    ex, ew = torch.autograd.grad(tanh_matmul(xe, we), (xe, we))
+    assert_close(gx, ex)
+    assert_close(gw, ew)
+    assert x.grad is None and w.grad is None
+
+
+def test_torch_autograd_grad_with_grad_outputs_matches_eager():
+    f = lambda x: torch.sin(x) * x  # noqa: E731
+    x = leaf(5, 3)
+    (xe,) = clones(x)
+    v = torch.randn(5, 3)
+    (g,) = torch.autograd.grad(keraunos.jit(f)(x), x, grad_outputs=v)
+    (e,) = torch.autograd.grad(f(xe), xe, grad_outputs=v)
+    assert_close(g, e)
+
+
+def test_gradient_accumulation_sums_like_eager():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    for step in range(3):
+        x = torch.randn(4, 16)
+        jmodel(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    assert_grads_match(model, ref)
+    assert keraunos.cache_hits(jmodel) == 2
+
+
+def test_retain_graph_allows_second_backward():
+    x, w = leaf(3, 4), leaf(4, 5)
+    xe, we = clones(x, w)
+    y = keraunos.jit(tanh_matmul)(x, w)
+    y.backward(retain_graph=True)
+    y.backward()
+    ye = tanh_matmul(xe, we)
+    ye.backward(retain_graph=True)
+    ye.backward()
+    assert_close(x.grad, xe.grad)
+    assert_close(w.grad, we.grad)
+
+
+def test_second_backward_without_retain_graph_raises_like_eager():
+    x, w = leaf(3, 4), leaf(4, 5)
+    y = keraunos.jit(tanh_matmul)(x, w)
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+
+
+def test_integer_outputs_are_not_differentiable():
+    def f(x):
+        y = x.softmax(-1)
+        return y, y.argmax(-1)
+
+    x = leaf(4, 5)
+    (xe,) = clones(x)
+    y, idx = keraunos.jit(f)(x)
+    ye, idxe = f(xe)
+    assert idx.dtype == idxe.dtype == torch.int64
+    assert idx.requires_grad is idxe.requires_grad is False
+    assert y.requires_grad
+    assert torch.equal(idx, idxe)
+    (y * torch.arange(5.0)).sum().backward()
+    (ye * torch.arange(5.0)).sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_value_computed_under_no_grad_inside_function_is_not_differentiable():
+    def f(x):
+        with torch.no_grad():
+            scale = x.abs().max()
+        return x * scale, scale
+
+    x = leaf(4, 5)
+    (xe,) = clones(x)
+    y, scale = keraunos.jit(f)(x)
+    ye, scalee = f(xe)
+    assert scale.requires_grad is scalee.requires_grad is False
+    y.sum().backward()
+    ye.sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_detached_output_is_not_differentiable():
+    def f(x):
+        y = x.exp()
+        return y, y.detach() * 2
+
+    x = leaf(3, 3)
+    (xe,) = clones(x)
+    y, d = keraunos.jit(f)(x)
+    ye, de = f(xe)
+    assert d.requires_grad is de.requires_grad is False
+    assert_close(d, de)
+    (y + d).sum().backward()
+    (ye + de).sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_detach_inside_stops_gradient_like_eager():
+    def f(x):
+        return x * x.detach().sigmoid()
+
+    x = leaf(4, 4)
+    (xe,) = clones(x)
+    keraunos.jit(f)(x).sum().backward()
+    f(xe).sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_inputs_not_requiring_grad_get_no_grad():
+    x, w = leaf(3, 4, requires_grad=False), leaf(4, 5)
+    xe, we = clones(x, w)
+    keraunos.jit(tanh_matmul)(x, w).backward()
+    tanh_matmul(xe, we).backward()
+    assert x.grad is None
+    assert_close(w.grad, we.grad)
+
+
+def test_only_some_of_several_inputs_require_grad():
+    def f(a, b, c, d, e):
+        return ((a * b).sin() + c @ d - e.exp()).pow(2).sum()
+
+    args = [leaf(3, 3), leaf(3, 3, requires_grad=False), leaf(3, 3),
+            leaf(3, 3, requires_grad=False), leaf(3, 3)]
+    ref_args = clones(*args)
+    jf = keraunos.jit(f)
+    jf(*args).backward()
+    f(*ref_args).backward()
+    assert has_backward(jf)
+    for i, (a, r) in enumerate(zip(args, ref_args)):
+        if r.grad is None:
+            assert a.grad is None, f"input {i} got a grad"
+        else:
+            assert_close(a.grad, r.grad, msg=lambda m, i=i: f"input {i}: {m}")
+
+
+def test_input_requiring_grad_that_is_unused_gets_no_grad():
+    def f(x, unused):
+        return (x * 3).sum()
+
+    x, u = leaf(3), leaf(3)
+    keraunos.jit(f)(x, u).backward()
+    assert_close(x.grad, torch.full((3,), 3.0))
+    assert u.grad is None
+
+
+def test_frozen_parameter_recompiles_and_gets_no_grad():
+    model, ref = mlp_pair()
+    jmodel = keraunos.jit(model)
+    x = torch.randn(4, 16)
+    jmodel(x).sum().backward()
+    assert model.fc1.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+    model.fc1.weight.requires_grad_(False)
+    ref.fc1.weight.requires_grad_(False)
+    jmodel(x).sum().backward()
+    ref(x).sum().backward()
+    assert keraunos.cache_misses(jmodel) == 2
+    assert has_backward(jmodel)
+    assert model.fc1.weight.grad is None
+    assert model.fc1.bias.grad is not None
+    assert_grads_match(model, ref)
+
+
+def test_double_backward_raises_clear_error():
+    x, w = leaf(3, 4), leaf(4, 5)
+    y = keraunos.jit(tanh_matmul)(x, w)
+    (gx,) = torch.autograd.grad(y, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|double backward|once_differentiable"):
+        torch.autograd.grad(gx.sum(), w)
+
+
+def test_inplace_change_to_saved_tensor_raises_in_backward_like_eager():
+    x, w = leaf(3, 4), leaf(4, 5)
+    y = keraunos.jit(tanh_matmul)(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_multiple_outputs_from_split_get_grads():
+    def f(x, w):
+        a, b, c = torch.split(x @ w, [2, 3, 1], dim=-1)
+        return a.sin(), b * 2, c
+
+    x, w = leaf(4, 5), leaf(5, 6)
+    xe, we = clones(x, w)
+    outs = keraunos.jit(f)(x, w)
+    refs = f(xe, we)
+    assert_close(outs, refs)
+    sum((o.pow(2) * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    sum((o.pow(2) * (i + 1)).sum() for i, o in enumerate(refs)).backward()
+    assert_close(x.grad, xe.grad)
+    assert_close(w.grad, we.grad)
+
+
+def test_unused_output_of_chunk_gets_zero_grad_like_eager():
+    def f(x):
+        return (x.exp()).chunk(3, dim=0)
+
+    x = leaf(6, 2)
+    (xe,) = clones(x)
+    outs = keraunos.jit(f)(x)
+    refs = f(xe)
+    assert len(outs) == 3
+    outs[1].sum().backward()  # only the middle chunk reaches the loss
+    refs[1].sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_chunk_inside_function_grads_match_eager():
+    def f(x, w):
+        q, k = (x @ w).chunk(2, dim=-1)
+        return (q.softmax(-1) * k).sum()
+
+    x, w = leaf(3, 4), leaf(4, 8)
+    xe, we = clones(x, w)
+    keraunos.jit(f)(x, w).backward()
+    f(xe, we).backward()
+    assert_close(x.grad, xe.grad)
+    assert_close(w.grad, we.grad)
+
+
+def test_inplace_ops_on_intermediates_grads_match_eager():
+    def f(x):
+        y = x * 2
+        y.add_(1)
+        y.mul_(x)
+        return y.sin().sum()
+
+    x = leaf(4, 3)
+    (xe,) = clones(x)
+    jf = keraunos.jit(f)
+    assert_close(jf(x), f(xe))
+    jf(x).backward()
+    f(xe).backward()
+    assert has_backward(jf)
+    assert_close(x.grad, xe.grad)
+
+
+def test_output_that_is_an_input_view_gets_grad():
+    def f(x):
+        return x.view(-1), x.sum()
+
+    x = leaf(2, 3)
+    (xe,) = clones(x)
+    v, s = keraunos.jit(f)(x)
+    ve, se = f(xe)
+    (v * torch.arange(6.0)).sum().backward()
+    (ve * torch.arange(6.0)).sum().backward()
+    assert_close(x.grad, xe.grad)
+
+
+def test_output_that_is_an_input_gets_grad():
+    def f(x, y):
+        return x, (x * y).sum()
+
+    x, y = leaf(3), leaf(3)
+    xe, ye = clones(x, y)
+    a, b = keraunos.jit(f)(x, y)
+    ae, be = f(xe, ye)
+    (a.pow(2).sum() + b).backward()
+    (ae.pow(2).sum() + be).backward()
+    assert_close(x.grad, xe.grad)
+    assert_close(y.grad, ye.grad)
+
+
+class CountingNorm(nn.Module):
+    """A module whose training forward updates buffers in place: a step counter and a running
+    mean, as a normalisation layer does."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("running_mean", torch.zeros(d))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training:
+            self.steps.add_(1)
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return (h - self.running_mean).tanh()
+
+
+def test_buffer_updated_in_place_during_training_forward():
+    model = CountingNorm(6)
+    ref = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    for step in range(2):
+        x = torch.randn(5, 6)
+        jmodel(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert_close(model.running_mean, ref.running_mean)
+        assert model.steps.item() == ref.steps.item() == step + 1
+    assert has_backward(jmodel)
+    assert_grads_match(model, ref)
+
+
+def test_batchnorm_training_grads_and_running_stats_match_eager():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    for step in range(2):
+        x = torch.randn(10, 6)
+        jmodel(x).sum().backward()
+        ref(x).sum().backward()
+    assert has_backward(jmodel)
+    assert_grads_match(model, ref)
+    for (name, b), (_, be) in zip(model.named_buffers(), ref.named_buffers()):
+        assert_close(b, be, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+# --------------------------------------------------------------------- saved for backward
+def saved_bytes(fn):
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` builds a graph;
+    returns them with ``fn``'s result (which keeps the graph alive)."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return sum(storages.values()), result
+
+
+def test_mlp_saves_no_more_than_eager():
+    model, ref = mlp_pair(d=64, hidden=256)
+    jmodel = keraunos.jit(model)
+    x = torch.randn(32, 64)
+    jmodel(x)  # compile outside the measurement
+    got, out = saved_bytes(lambda: jmodel(x))
+    want, ref_out = saved_bytes(lambda: ref(x))
+    assert got > 0
+    assert got <= want, f"keraunos saves {got} bytes for backward, eager {want}"
+    out.sum().backward()
+    ref_out.sum().backward()
+    assert_grads_match(model, ref)
+
+
+def test_small_litgpt_saves_no_more_than_eager():
+    litgpt = pytest.importorskip("litgpt")
+    config = litgpt.Config.from_name("Llama-2-7b-hf", n_layer=2, n_embd=64, n_head=4,
+                                     n_query_groups=4, head_size=16, intermediate_size=176,
+                                     vocab_size=256, padded_vocab_size=256, block_size=64)
+    model = litgpt.GPT(config)
+    ref = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    idx = torch.randint(0, 256, (2, 16))
+    jmodel(idx)
+    got, out = saved_bytes(lambda: jmodel(idx))
+    want, ref_out = saved_bytes(lambda: ref(idx))
+    assert got > 0
+    assert got <= want, f"keraunos saves {got} bytes for backward, eager {want}"
+
+
+def test_forward_and_backward_traces_delete_intermediates():
+    model, _ = mlp_pair()
+    jmodel = keraunos.jit(model)
+    jmodel(torch.randn(4, 16))
+    forward_lines = str(forward_trace(jmodel)).splitlines()
+    backward_lines = str(backward_trace(jmodel)).splitlines()
+    assert any(line.strip().startswith("del ") for line in forward_lines)
+    assert any(line.strip().startswith("del ") for line in backward_lines)
+
+
+# ---------------------------------------------------------------------------- random and checkpoint
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+def test_dropout_in_training_values_and_grads_match_eager():
+    model = DropoutNet().train()
+    ref = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    x = torch.randn(6, 8)
+    for step in range(2):  # a miss, then a hit
+        torch.manual_seed(1234 + step)
+        out = jmodel(x)
+        torch.manual_seed(1234 + step)
+        ref_out = ref(x)
+        assert_close(out, ref_out)
+        out.pow(2).sum().backward()
+        ref_out.pow(2).sum().backward()
+        assert_grads_match(model, ref)
+    assert has_backward(jmodel)
+
+
+def test_dropout_advances_rng_like_eager():
+    model = DropoutNet().train()
+    jmodel = keraunos.jit(model)
+    x = torch.randn(6, 8)
+    jmodel(x)
+    torch.manual_seed(7)
+    jmodel(x).sum().backward()
+    after_jitted = torch.rand(3)
+    torch.manual_seed(7)
+    model(x).sum().backward()
+    after_eager = torch.rand(3)
+    assert_close(after_jitted, after_eager)
+
+
+def test_functional_dropout_on_input_grads_match_eager():
+    def f(x):
+        return F.dropout(x.exp(), p=0.3, training=True).sum()
+
+    x = leaf(20, 5)
+    (xe,) = clones(x)
+    jf = keraunos.jit(f)
+    torch.manual_seed(3)
+    jf(x).backward()
+    torch.manual_seed(3)
+    f(xe).backward()
+    assert_close(x.grad, xe.grad)
+    assert has_backward(jf)
+
+
+class CheckpointedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return self.out(h + x)
+
+
+def test_activation_checkpoint_inside_module_grads_match_eager():
+    model = CheckpointedBlock()
+    ref = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    x = leaf(5, 8)
+    (xe,) = clones(x)
+    out = jmodel(x)
+    ref_out = ref(xe)
+    assert_close(out, ref_out)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    assert has_backward(jmodel)
+    assert_grads_match(model, ref)
+    assert_close(x.grad, xe.grad)
