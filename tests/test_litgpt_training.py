@@ -97,7 +97,7 @@ def test_training_loss_and_every_grad_match_eager(family):
     assert names == list(ref_params)
     for name, p in model.named_parameters():
         assert p.grad is not None, f"no grad for {name}"
-        assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-5,
+        assert_close(p.grad, ref_params[name].grad,
                      msg=lambda m, name=name: f"grad of {name}: {m}")
 
 

@@ -26,6 +26,13 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
             if isinstance(t, torch.Tensor):
                 producer.setdefault(id(t), call)
     inputs = {id(t) for t in joint.inputs}
+    # Memory some forward op writes in place: recomputing from it would read other values.
+    written = set()
+    for call in joint.forward_calls:
+        if call.func._schema.is_mutable:
+            for x in pytree.tree_leaves((call.args, call.kwargs)):
+                if isinstance(x, torch.Tensor):
+                    written.add(x.untyped_storage()._cdata)
     saved = list(saved)
     lines: list[BoundSymbol] = []
     changed = True
@@ -34,7 +41,10 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
         for name in list(saved):
             fake = namer.fakes[name]
             call = producer.get(id(fake))
-            if call is None or not _is_cheap_pointwise(call.func):
+            if call is None or not _is_cheap_pointwise(call.func) or \
+                    not isinstance(call.out, torch.Tensor):
+                continue
+            if fake.untyped_storage()._cdata in written:
                 continue
             reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
                      if isinstance(x, torch.Tensor)]

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
-from ..core.tags import INPUT_TENSOR, MUTATION, RANDOM, STATIC_MEMORY_LOCATION
+from ..core.tags import INPUT_TENSOR, MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
 from .naming import is_inplace_by_name, is_random, torch_symbol
@@ -403,7 +403,25 @@ class CaptureContext:
                                               user_source(), {MUTATION, RANDOM}))
         return result
 
-    def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor]):
+    def run_opaque(self, func, args, kwargs):
+        """Run ``func`` on real zero tensors shaped like the fakes; return fakes of its outputs."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        def real(x):
+            if isinstance(x, torch.Tensor):
+                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                return t.zero_().requires_grad_(x.requires_grad) if x.dtype.is_floating_point \
+                    else t.zero_()
+            return x
+        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+            real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
+            out = func(*real_args, **real_kwargs)
+            return pytree.tree_map(
+                lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                out)
+
+    def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor],
+               opaque: bool = False):
         def to_proxy(x):
             return self.proxy(x) if isinstance(x, torch.Tensor) else x
         p_args, p_kwargs = pytree.tree_map(to_proxy, (args, kwargs))
@@ -420,8 +438,12 @@ class CaptureContext:
                     torch.is_grad_enabled()
         if is_random(symbol):
             tags.add(RANDOM)
+        info = {}
+        if opaque:
+            tags |= {OPAQUE, MUTATION}  # unknown effects: never removed or merged
+            info["comment"] = "opaque: no fake kernel; output metadata from a run on zeros"
         self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
-                                              user_source(), tags))
+                                              user_source(), tags, info=info))
 
 
 MODULE_INTERNALS = frozenset({
@@ -571,17 +593,19 @@ class Recorder(TorchFunctionMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise _data_dependent_error(symbol, e) from None
-        except (CaptureError, UnsupportedOperatorException):
+        except CaptureError:
             raise
         except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
+            if _no_fake_kernel(e):
+                # No kernel can describe its output without running it: run it once for real,
+                # on zeros, for the output's metadata; the trace calls it like any other op.
+                out = ctx.run_opaque(func, args, kwargs)
+                ctx.record(symbol, args, kwargs, out, [], opaque=True)
+                return out
             source = user_source()
             if source is not None and hasattr(e, "add_note"):
                 e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
             raise
-        except UnsupportedOperatorException as e:
-            raise CaptureError(
-                f"keraunos: `{symbol.name}` at {user_source()} has no kernel that works on fake "
-                f"tensors ({e}), so its output cannot be described without running it.") from None
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
@@ -589,6 +613,12 @@ class Recorder(TorchFunctionMode):
         if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+def _no_fake_kernel(e: Exception) -> bool:
+    text = str(e)
+    return isinstance(e, UnsupportedOperatorException) or "no fake impl" in text or (
+        "Meta" in text and ("Could not run" in text or "not implemented" in text.lower()))
 
 
 def _version(t: torch.Tensor):

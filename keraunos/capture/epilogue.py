@@ -94,6 +94,11 @@ def _unpack_formatter(bsym, w):
 
 def _copy_back_formatter(bsym, w):
     copy = f"{bsym.args[0].name}.copy_({bsym.args[1].name})"
+    meta = bsym.info.get("new_metadata")
+    if meta is not None:  # the program changed the input's shape or strides in place
+        shape, stride, offset, resized = meta
+        prefix = f"{bsym.args[0].name}.resize_({shape}); " if resized else ""
+        copy = f"{prefix}{bsym.args[0].name}.as_strided_({shape}, {stride}, {offset}); {copy}"
     if not bsym.info.get("with_grad", True):
         return [f"with torch.no_grad(): {copy}  # written in place by the program, under no_grad"]
     return [f"{copy}  # written in place by the program"]
@@ -154,7 +159,7 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
     body: list[BoundSymbol] = []
     for g in groups:
         body.append(BoundSymbol(COPY_BACK, (want(g.base), g.updated),
-                                info={"with_grad": g.with_grad}))
+                                info={"with_grad": g.with_grad, "new_metadata": g.new_metadata}))
 
     def mark_inputs(node):
         if isinstance(node, FromInput):

@@ -26,6 +26,7 @@ from ..core.tags import INPUT_TENSOR, MUTATION
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ..errors import CaptureError
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .context import _data_dependent_error, global_state, restore_global_state
 from .context import CaptureContext, Recorder, _active, recording_rng_state
@@ -132,7 +133,13 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             renames[base.name] = clone
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
                                     clone, info={"comment": "written in place: work on a copy"}))
-            groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key]))
+            final = first.fake
+            meta = (tuple(final.shape), tuple(final.stride()), final.storage_offset())
+            new_metadata = None
+            if meta != (tuple(real.shape), tuple(real.stride()), real.storage_offset()):
+                new_metadata = meta + (final.numel() != real.numel(),)
+            groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
+                                       new_metadata))
         else:
             storage = real.untyped_storage()
             n = storage.nbytes() // real.element_size()
@@ -149,6 +156,13 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                     TorchSymbol(torch.Tensor.as_strided, "as_strided", "method"),
                     (clone, tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()), {},
                     m.proxy))
+            for m in members:
+                if (tuple(m.fake.shape), tuple(m.fake.stride()), m.fake.storage_offset()) != (
+                        tuple(m.real.shape), tuple(m.real.stride()), m.real.storage_offset()):
+                    raise CaptureError(
+                        f"keraunos: the program changes the shape or strides of {m.path} in place "
+                        f"(t_(), squeeze_(), resize_()) while other inputs share its memory; "
+                        f"this is not supported. Use the out-of-place op (t(), squeeze()).")
             groups.append(MutableGroup(base, clone, members, True, ctx.mutated_with_grad[key]))
     mutable_members = {m.proxy.name for g in groups for m in g.members}
     body += [b.substitute(renames) if renames and not _reads_tensor_state(b) else b

@@ -91,9 +91,10 @@ class TorchSymbol(Symbol):
         expr = self.expression(bsym, w)
         if self.style == "setitem":
             return [f"{expr} = {w.value(bsym.args[2])}"]
+        comment = f"  # {bsym.info['comment']}" if bsym.info.get("comment") else ""
         if self.style == "operator" and self.name.strip("_")[0] == "i" and self.name.strip("_")[1:] in _BINARY:
-            return [expr]  # `a += b` rebinds a to itself
-        return [w.assignment(bsym, expr)]
+            return [expr + comment]  # `a += b` rebinds a to itself
+        return [w.assignment(bsym, expr) + comment]
 
 
 class GlueSymbol(Symbol):

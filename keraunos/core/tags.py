@@ -39,3 +39,5 @@ RANDOM = Tag.register("RANDOM")
 MUTATION = Tag.register("MUTATION")
 # A prologue check derived only from the module (parameters, buffers, attributes, submodule types).
 MODULE_CHECK = Tag.register("MODULE_CHECK")
+# A bound symbol for an op no fake kernel describes: run as is, its effects unknown to passes.
+OPAQUE = Tag.register("OPAQUE")

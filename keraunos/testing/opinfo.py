@@ -153,7 +153,10 @@ def _check_sample(op, kind: str, sample) -> int:
             return 1
         torch.manual_seed(99)
         weights = [torch.randn_like(t) for t in e_out]
-        e_grads = torch.autograd.grad(e_out, e_inputs, weights, allow_unused=True)
+        try:
+            e_grads = torch.autograd.grad(e_out, e_inputs, weights, allow_unused=True)
+        except Exception:  # noqa: BLE001 - eager has no gradient for this sample
+            return 1
         j_grads = torch.autograd.grad(j_out, j_inputs, weights, allow_unused=True)
         _compare([g for g in j_grads if g is not None], [g for g in e_grads if g is not None],
                  "gradient")
