@@ -13,6 +13,40 @@ from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import RANDOM
 
 
+def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set[int]):
+    """A saved value that is a view (``t(weight)``, ``view``) of values the forward names anyway
+    is recomputed in the backward, for free: the torch-level op that made it (``linear``) then
+    need not run as its ATen ops just to hand the view over."""
+    producer = {}
+    for call in joint.forward_calls:
+        for t in pytree.tree_leaves(call.out):
+            if isinstance(t, torch.Tensor):
+                producer.setdefault(id(t), call)
+    saved = list(saved)
+    lines: list[BoundSymbol] = []
+    for name in list(saved):
+        fake = namer.fakes[name]
+        call = producer.get(id(fake))
+        if (call is None or id(fake) in torch_level or not getattr(call.func, "is_view", False)
+                or not isinstance(call.out, torch.Tensor)):
+            continue
+        reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
+                 if isinstance(x, torch.Tensor)]
+        if not all(id(x) in torch_level for x in reads):
+            continue
+        saved.remove(name)
+        for x in reads:
+            if namer.name_of[id(x)] not in saved:
+                saved.append(namer.name_of[id(x)])
+        args, kwargs = pytree.tree_map(
+            lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor) else x,
+            (call.args, call.kwargs))
+        lines.append(BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}", "function"),
+                                 tuple(args), dict(kwargs), namer.proxies[name],
+                                 info={"comment": "a view, recomputed rather than saved"}))
+    return saved, lines
+
+
 def _is_cheap_pointwise(func) -> bool:
     return torch.Tag.pointwise in getattr(func, "tags", ()) and not func._schema.is_mutable
 
@@ -49,13 +83,12 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
             reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
                      if isinstance(x, torch.Tensor)]
             read_names = [namer.name_of.get(id(x)) for x in reads]
-            # Only when it saves memory: every value it reads is kept anyway (saved already, or
-            # an input of the computation, which its caller holds).
-            if None in read_names or not all(n in saved or id(namer.fakes[n]) in inputs
-                                             for n in read_names):
+            # Only when it saves memory: every value it reads is saved anyway. (Not an input
+            # that is not saved: the caller may change it in place before the backward, which
+            # eager, having saved only the result, allows.)
+            if None in read_names or not all(n in saved for n in read_names):
                 continue
             saved.remove(name)
-            saved.extend(n for n in dict.fromkeys(read_names) if n not in saved)
             args, kwargs = pytree.tree_map(
                 lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
                 else x, (call.args, call.kwargs))

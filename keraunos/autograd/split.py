@@ -22,9 +22,9 @@ from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from ..passes import dead_code_elimination
+from ..passes import common_subexpression_elimination, dead_code_elimination
 from .joint import Joint, record_joint
-from .rules import recompute_in_backward
+from .rules import recompute_in_backward, recompute_views_in_backward
 
 
 @dataclass
@@ -152,7 +152,9 @@ def split_forward_backward(computation: Trace) -> Split:
         backward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
                                           outputs, tags=tags))
 
-    # Saved values that exist only inside a torch-level op: run that op as its ATen ops.
+    # Views of named values are recomputed; other saved values that exist only inside a
+    # torch-level op make that op run as its ATen ops.
+    saved, view_lines = recompute_views_in_backward(saved, joint, namer, torch_level)
     lowered = {parent_of[id(namer.fakes[n])] for n in saved
                if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
     forward_lines: list[BoundSymbol] = []
@@ -178,7 +180,7 @@ def split_forward_backward(computation: Trace) -> Split:
                                              outputs, bsym.source, tags))
     # Cheap elementwise values are recomputed in the backward rather than saved.
     saved, recomputed = recompute_in_backward(saved, joint, namer, parent_of, lowered)
-    backward_lines = recomputed + backward_lines
+    backward_lines = recomputed + view_lines + backward_lines  # views may read recomputed values
 
     outputs = list(computation.bound_symbols[-1].args[0])
     saved_proxies = [namer.proxies[n] for n in saved]
@@ -196,7 +198,7 @@ def split_forward_backward(computation: Trace) -> Split:
     backward = Trace("backward", saved_proxies + [namer.proxies[n] for n in grad_names],
                      backward_lines, [f"Constructed by Autograd Split (backward) "
                                       f"(took {seconds * 1e3:.2f} ms)"])
-    backward = dead_code_elimination(backward)
+    backward = dead_code_elimination(common_subexpression_elimination(backward))
     return Split(forward, backward, joint.differentiable, len(outputs), saved)
 
 
