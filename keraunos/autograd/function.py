@@ -4,15 +4,14 @@ The forward trace runs inside ``Function.forward`` (grad mode off, as for any Fu
 returns the outputs and the tensors the backward needs, which are saved with
 ``ctx.save_for_backward`` (so in-place changes to them after the call are caught as in eager).
 Outputs that do not get gradients (integer tensors, values computed under ``no_grad``) are marked
-non-differentiable. The backward is ``once_differentiable``: asking for a double backward raises
-PyTorch's clear error instead of returning a wrong answer.
+non-differentiable. The backward is not itself differentiable: with ``create_graph=True`` it raises
+a clear error instead of returning gradients that silently lack their own graph.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 
 class KeraunosFunction(torch.autograd.Function):
@@ -26,8 +25,12 @@ class KeraunosFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: a double backward was asked for
+            raise RuntimeError(
+                "keraunos: differentiating twice (create_graph=True, a gradient penalty, "
+                "higher-order grads) through a jitted function is not supported yet: its backward "
+                "trace is not itself differentiable. Compute this part without keraunos.jit.")
         compiled = ctx.compiled
         saved = ctx.saved_tensors
         grads = [grads[i] for i in compiled.differentiable]

@@ -82,6 +82,8 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
                 continue
             reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
                      if isinstance(x, torch.Tensor)]
+            if any(x.untyped_storage()._cdata in written for x in reads):
+                continue  # what it reads is overwritten later in the forward
             read_names = [namer.name_of.get(id(x)) for x in reads]
             # Only when it saves memory: every value it reads is saved anyway. (Not an input
             # that is not saved: the caller may change it in place before the backward, which

@@ -501,18 +501,41 @@ def _rng_recorder(name: str):
 _rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
 
 
+_function_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
+
+
+def _guarded_apply(cls, *args, **kwargs):
+    ctx = active_context()
+    if ctx is not None and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)):
+        raise CaptureError(
+            f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
+            f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "
+            f"backward would be lost (torch.utils.checkpoint with use_reentrant=True and module "
+            f"backward hooks work this way).\n  What to do: use "
+            f"torch.utils.checkpoint(..., use_reentrant=False), register backward hooks outside "
+            f"the jitted module, or call the Function outside the jitted function.")
+    return _function_apply.__func__(cls, *args, **kwargs)
+
+
+_guarded_apply_descriptor = classmethod(_guarded_apply)
+
+
 class recording_rng_state:
-    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders."""
+    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders, and guard
+    ``torch.autograd.Function.apply`` (custom Functions would lose their backward)."""
 
     def __enter__(self):
         for name, fn in _rng_recorders.items():
             setattr(torch, name, fn)
             setattr(torch.random, name, fn)
+        torch.autograd.Function.apply = _guarded_apply_descriptor
 
     def __exit__(self, *exc):
         for name, fn in _rng_originals.items():
             setattr(torch, name, fn)
             setattr(torch.random, name, fn)
+        torch.autograd.Function.apply = _function_apply
 
 
 _recording_classes: dict[type, type] = {}
@@ -575,6 +598,12 @@ class Recorder(TorchFunctionMode):
             and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
         symbol = torch_symbol(func)
+        if symbol.name in _HOOKS:
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` registers an autograd "
+                f"hook on a tensor inside the program; the compiled backward would not call it.\n"
+                f"  What to do: register the hook on the jitted function's output, or on a "
+                f"parameter, outside the jitted function.")
         if symbol.name in _TO_PYTHON:
             raise _data_dependent_error(symbol, DataDependentOutputException(func))
         if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
@@ -628,6 +657,7 @@ def _version(t: torch.Tensor):
         return None
 
 
+_HOOKS = {"register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
 _TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
               "numpy", "__array__"}
 
