@@ -678,10 +678,6 @@ def test_output_that_is_an_input_gets_grad():
     assert_close(y.grad, ye.grad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keraunos bug: the output is a view made inside KeraunosFunction.forward, so modifying it "
-    "in place raises 'Output 0 of KeraunosFunction is a view and is being modified inplace. "
-    "This view was created inside a custom Function ...'; eager allows it"))
 def test_output_that_is_a_view_of_an_intermediate_can_be_modified_in_place():
     class Head(nn.Module):
         def __init__(self):
@@ -704,9 +700,6 @@ def test_output_that_is_a_view_of_an_intermediate_can_be_modified_in_place():
     assert_grads_match(model, ref)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keraunos bug: same as above for a view of an input: f(h) = h[0] returns a view made "
-    "inside KeraunosFunction.forward, and v.mul_(2) raises where eager records CopySlices"))
 def test_output_that_is_a_view_of_an_input_can_be_modified_in_place():
     def f(h):
         return h[0]

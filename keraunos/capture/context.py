@@ -286,6 +286,8 @@ class CaptureContext:
 
     def module_getattr(self, module, name: str) -> Any:
         d = object.__getattribute__(module, "__dict__")
+        if "_parameters" not in d:  # a module being constructed (ModuleList slicing, say)
+            return object.__getattribute__(module, name)
         overlay = self._overlay.get(id(module))
         if overlay is not None and name in overlay:
             return overlay[name]
@@ -319,6 +321,10 @@ class CaptureContext:
             raise
 
     def module_setattr(self, module, name: str, value: Any) -> None:
+        if id(module) not in self.module_paths:  # created by the program: an ordinary write
+            self.original_classes.get(id(module), type(module)).__mro__[1].__setattr__(
+                module, name, value)
+            return
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
         if not (isinstance(value, FakeTensor) or is_plain(value)):
@@ -347,6 +353,13 @@ class CaptureContext:
 
     def object_getattr(self, obj, name: str) -> Any:
         d = object.__getattribute__(obj, "__dict__")
+        cls = self.original_classes[id(obj)]
+        if cls.__getattribute__ is not object.__getattribute__:
+            # The object resolves names itself (a config's attribute_map, say): read through it.
+            value = cls.__getattribute__(obj, name)
+            if name in d or is_plain(value):
+                return self.value_input(value, Path(self._object_paths[id(obj)], "attr", name))
+            return value
         if name in d:
             return self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
         return object.__getattribute__(obj, name)

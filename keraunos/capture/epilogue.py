@@ -41,6 +41,18 @@ class FromInput:
     offset: int
 
 
+@dataclass
+class ViewOf:
+    """A returned view of a value the computation returns: rebuilt here, outside the
+    computation, so that it is an ordinary view (autograd forbids changing in place a view made
+    inside a custom Function)."""
+
+    base: TensorProxy
+    size: tuple
+    stride: tuple
+    offset: int
+
+
 def template_of(value: Any, leaf) -> Any:
     """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes."""
     if isinstance(value, torch.Tensor):
@@ -80,6 +92,8 @@ def _code(node: Any, w) -> str:
     if isinstance(node, FromInput):
         if node.member is not None:
             return node.member.name
+        return f"{node.base.name}.as_strided({node.size}, {node.stride}, {node.offset})"
+    if isinstance(node, ViewOf):
         return f"{node.base.name}.as_strided({node.size}, {node.stride}, {node.offset})"
     return w.value(node)
 

@@ -32,7 +32,7 @@ from .context import _data_dependent_error, global_state, restore_global_state
 from .context import CaptureContext, Recorder, _active, recording_rng_state
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .epilogue import FromInput, build_epilogue, template_of
+from .epilogue import FromInput, ViewOf, build_epilogue, template_of
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -48,6 +48,11 @@ class Program:
     stages: dict[str, float] = field(default_factory=dict)
     # For each flat computation input that is a tensor: its position, for the storage-alias pattern.
     alias_pattern: tuple = ()
+
+
+def _plain_view(t) -> bool:
+    """Whether a view's layout is known numbers (not sizes that depend on data)."""
+    return all(type(v) is int for v in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def _changed(now, before) -> bool:
@@ -175,6 +180,10 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     seen: set[str] = set()
 
     members_by_name = {m.proxy.name: g for g in groups for m in g.members}
+    input_names = {e.proxy.name for e in ctx.inputs}
+    input_by_storage: dict[int, TensorProxy] = {}
+    for e in ctx.inputs:
+        input_by_storage.setdefault(ctx.storage_of[e.proxy.name], e.proxy)
 
     def collect(tensor):
         if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
@@ -187,6 +196,18 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             base = group.base if group.whole_storage else group.members[0].proxy
             return FromInput(member, base, tuple(tensor.shape), tuple(tensor.stride()),
                              tensor.storage_offset())
+        if proxy.name not in input_names and _plain_view(tensor):
+            # A view is returned as a view of what it views: of the input itself (so that
+            # writing to it writes to the input, as in eager), or of a returned intermediate.
+            owner = input_by_storage.get(key)
+            if owner is not None and owner.dtype == tensor.dtype:
+                return FromInput(None, owner, tuple(tensor.shape), tuple(tensor.stride()),
+                                 tensor.storage_offset())
+            base = tensor._base
+            if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
+                    ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
+                return ViewOf(collect(base), tuple(tensor.shape), tuple(tensor.stride()),
+                              tensor.storage_offset())
         proxy = renames.get(proxy.name, proxy)
         if proxy.name not in seen:
             seen.add(proxy.name)

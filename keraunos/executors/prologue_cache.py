@@ -315,7 +315,9 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     entries = []  # (dict index, key, expected object, description, check index)
     lines: list[BoundSymbol] = []
     for b in part:
-        if b.symbol.name == "unpack" and b.info["path"].kind == "attr" and b.args[0] in source_of:
+        if b.symbol.name == "unpack" and b.info["path"].kind == "attr" and b.args[0] in source_of \
+                and (source_of[b.args[0]] < len(dict_vars) or b.info["path"].key in
+                     object_dicts[source_of[b.args[0]] - len(dict_vars)]):
             out, key, index = b.outputs.name, b.info["path"].key, source_of[b.args[0]]
             var_of_path[b.info["path"]] = out
             read_from[out] = (index, key)
