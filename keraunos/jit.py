@@ -359,7 +359,7 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     computation_fn = computation.python_callable()
     if backward is not None:
         computation_fn = make_autograd_computation(computation_fn, backward.python_callable(),
-                                                   split.differentiable, split.n_outputs)
+                                                   split)
     epilogue_fn = epilogue.python_callable()
     stages["codegen"] = time.perf_counter() - t0
     return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,

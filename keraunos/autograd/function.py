@@ -19,6 +19,7 @@ class KeraunosFunction(torch.autograd.Function):
     def forward(ctx, compiled, *inputs):
         outputs, saved = compiled.forward_fn(*inputs)
         ctx.compiled = compiled
+        ctx.set_materialize_grads(False)  # an output the loss ignores gets None, not zeros
         ctx.save_for_backward(*saved)
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outputs[i] for i in compiled.non_differentiable])
@@ -34,21 +35,34 @@ class KeraunosFunction(torch.autograd.Function):
         compiled = ctx.compiled
         saved = ctx.saved_tensors
         grads = [grads[i] for i in compiled.differentiable]
-        return (None, *compiled.backward_fn(*saved, *grads))
+        present = {i for i, g in enumerate(grads) if g is not None}
+        if not present:
+            return (None,) * (1 + len(compiled.grad_dependencies))
+        grads = [g if g is not None else torch.zeros(*compiled.grad_metadata[i][:1],
+                                                     dtype=compiled.grad_metadata[i][1],
+                                                     device=compiled.grad_metadata[i][2])
+                 for i, g in enumerate(grads)]
+        results = compiled.backward_fn(*saved, *grads)
+        # An input reached only through outputs that got no gradient gets None, as in eager
+        # (an optimizer skips it rather than stepping it with zeros).
+        return (None, *(r if deps & present or not deps else None
+                        for r, deps in zip(results, compiled.grad_dependencies)))
 
 
 class _Compiled:
-    def __init__(self, forward_fn, backward_fn, differentiable, n_outputs):
+    def __init__(self, forward_fn, backward_fn, split):
         self.forward_fn = forward_fn
         self.backward_fn = backward_fn
-        self.differentiable = list(differentiable)
-        self.non_differentiable = [i for i in range(n_outputs) if i not in differentiable]
+        self.differentiable = list(split.differentiable)
+        self.non_differentiable = [i for i in range(split.n_outputs)
+                                   if i not in split.differentiable]
+        self.grad_dependencies = split.grad_dependencies
+        self.grad_metadata = split.grad_metadata
 
 
-def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, differentiable,
-                              n_outputs: int) -> Callable:
+def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split) -> Callable:
     """The computation callable of a cache entry with a backward."""
-    compiled = _Compiled(forward_fn, backward_fn, differentiable, n_outputs)
+    compiled = _Compiled(forward_fn, backward_fn, split)
     apply = KeraunosFunction.apply
 
     def computation_with_autograd(*inputs):

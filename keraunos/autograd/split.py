@@ -34,6 +34,11 @@ class Split:
     differentiable: list[int]   # which forward outputs get gradients
     n_outputs: int
     saved_names: list[str]
+    # For each computation input: which gradients of outputs (indices into ``differentiable``)
+    # its gradient depends on; an input none of whose outputs got a gradient gets None, as eager.
+    grad_dependencies: list[set[int]]
+    # (shape, dtype, device) of each differentiable output, for zeros where no gradient came.
+    grad_metadata: list[tuple]
 
 
 class _Names:
@@ -199,7 +204,22 @@ def split_forward_backward(computation: Trace) -> Split:
                      backward_lines, [f"Constructed by Autograd Split (backward) "
                                       f"(took {seconds * 1e3:.2f} ms)"])
     backward = dead_code_elimination(common_subexpression_elimination(backward))
-    return Split(forward, backward, joint.differentiable, len(outputs), saved)
+    dependencies = _grad_dependencies(backward, grad_names)
+    metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
+    return Split(forward, backward, joint.differentiable, len(outputs), saved, dependencies,
+                 metadata)
+
+
+def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]:
+    depends: dict[str, set[int]] = {n: {i} for i, n in enumerate(grad_names)}
+    for b in backward.bound_symbols[:-1]:
+        reads = set()
+        for p in b.input_proxies():
+            reads |= depends.get(p.name, set())
+        for p in b.output_proxies():
+            depends[p.name] = depends.get(p.name, set()) | reads
+    grads = backward.bound_symbols[-1].args[0]
+    return [depends.get(g.name, set()) if g is not None else set() for g in grads]
 
 
 def _size_expression(x, namer: _Namer, available: set[int]):

@@ -12,6 +12,7 @@ share storage become fakes that share storage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -112,6 +113,7 @@ class CaptureContext:
         self.mutated_storages: set[int] = set()
         self.mutated_with_grad: dict[int, bool] = {}
         self.attribute_writes: list[AttributeWrite] = []
+        self.in_vmap = False
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
@@ -133,6 +135,7 @@ class CaptureContext:
         self.root_objects: dict[str, Any] = {}
         if module is not None:
             self._index_module_tree(module)
+        self.tree_modules = set(self.module_paths)
 
     # ----------------------------------------------------------------------------- inputs
     def _index_module_tree(self, module: torch.nn.Module) -> None:
@@ -249,6 +252,12 @@ class CaptureContext:
         self.root_objects[key] = t
         return Path(None, "root", key)
 
+    def saw_before_the_call(self, obj) -> bool:
+        """Whether ``obj`` existed before the program ran, as far as capture can tell."""
+        return (id(obj) in self._object_paths or id(obj) in self.module_paths
+                or any(v is obj for v in self.root_objects.values())
+                or any(g.kind == "identity" and g.expected is obj for g in self.guards))
+
     def guard_function_scope(self) -> None:
         """Python values the function reads from its globals and closure are compiled in as
         constants: guard them (``SCALE = 3.0`` after compiling must recompile)."""
@@ -286,7 +295,9 @@ class CaptureContext:
 
     def module_getattr(self, module, name: str) -> Any:
         d = object.__getattribute__(module, "__dict__")
-        if "_parameters" not in d:  # a module being constructed (ModuleList slicing, say)
+        if "_parameters" not in d or id(module) not in self.tree_modules:
+            # A module the program made (a ModuleList slice of the tree's modules, say): a
+            # temporary whose reads are not state; the tree modules it holds are watched.
             return object.__getattribute__(module, name)
         overlay = self._overlay.get(id(module))
         if overlay is not None and name in overlay:
@@ -321,7 +332,7 @@ class CaptureContext:
             raise
 
     def module_setattr(self, module, name: str, value: Any) -> None:
-        if id(module) not in self.module_paths:  # created by the program: an ordinary write
+        if id(module) not in self.tree_modules:  # created by the program: an ordinary write
             self.original_classes.get(id(module), type(module)).__mro__[1].__setattr__(
                 module, name, value)
             return
@@ -401,6 +412,51 @@ class CaptureContext:
                                                   source=None if final else user_source()))
             self.state = state
             self.grad_enabled = state[0]
+
+    def record_vmap(self, batched, args, kwargs):
+        """Run a ``torch.vmap``-ed function on the fakes, recording the ATen ops its batching
+        rules run (functorch's batched tensors never reach the torch function level we record)."""
+        from ..autograd.joint import _AtenRecorder
+        self.record_global_state()
+        recorder = _AtenRecorder()
+        self.in_vmap = True
+        try:
+            with recorder:
+                out = batched(*args, **kwargs)
+        finally:
+            self.in_vmap = False
+        source = user_source()
+
+        def arg(x):
+            if isinstance(x, torch.Tensor):
+                proxy = self.proxy_of.get(id(x))
+                if proxy is None:
+                    raise CaptureError(f"keraunos: a tensor of unknown origin inside torch.vmap "
+                                       f"at {source}; pass it to the vmapped function instead.")
+                return proxy
+            if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise CaptureError(f"keraunos: a size that depends on data inside torch.vmap at "
+                                   f"{source}")
+            return x
+        for call in recorder.calls:
+            call_args, call_kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
+            outputs = pytree.tree_map(
+                lambda t: self.output_proxy(t) if isinstance(t, torch.Tensor) else t, call.out)
+            tags = set()
+            if call.func._schema.is_mutable:
+                tags.add(MUTATION)
+                for t in pytree.tree_leaves((call.args, call.kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        self.mutated_storages.add(t.untyped_storage()._cdata)
+                        self.mutated_with_grad.setdefault(t.untyped_storage()._cdata,
+                                                          torch.is_grad_enabled())
+            self.bound_symbols.append(BoundSymbol(
+                TorchSymbol(call.func, f"torch.ops.{call.func}", "function"), tuple(call_args),
+                dict(call_kwargs), outputs, source, tags))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                arg(t)  # every result must be a value the trace defines
+        return out
 
     def record_rng(self, name: str, original, args, kwargs):
         symbol = TorchSymbol(original, f"torch.{name}", "function")
@@ -534,6 +590,28 @@ def _guarded_apply(cls, *args, **kwargs):
 _guarded_apply_descriptor = classmethod(_guarded_apply)
 
 
+_vmap_original = torch.vmap
+_is_compiling_original = torch.compiler.is_compiling
+
+
+def _recording_vmap(func, *vmap_args, **vmap_kwargs):
+    """``torch.vmap`` during capture: the batched call is recorded as the ATen ops it runs."""
+    batched = _vmap_original(func, *vmap_args, **vmap_kwargs)
+
+    @functools.wraps(batched)
+    def run(*args, **kwargs):
+        ctx = active_context()
+        if ctx is None or ctx.in_vmap:
+            return batched(*args, **kwargs)
+        return ctx.record_vmap(batched, args, kwargs)
+    return run
+
+
+def _is_compiling() -> bool:
+    # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture.
+    return active_context() is not None or _is_compiling_original()
+
+
 class recording_rng_state:
     """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders, and guard
     ``torch.autograd.Function.apply`` (custom Functions would lose their backward)."""
@@ -543,12 +621,16 @@ class recording_rng_state:
             setattr(torch, name, fn)
             setattr(torch.random, name, fn)
         torch.autograd.Function.apply = _guarded_apply_descriptor
+        torch.vmap = torch.func.vmap = _recording_vmap
+        torch.compiler.is_compiling = _is_compiling
 
     def __exit__(self, *exc):
         for name, fn in _rng_originals.items():
             setattr(torch, name, fn)
             setattr(torch.random, name, fn)
         torch.autograd.Function.apply = _function_apply
+        torch.vmap = torch.func.vmap = _vmap_original
+        torch.compiler.is_compiling = _is_compiling_original
 
 
 _recording_classes: dict[type, type] = {}
@@ -605,6 +687,8 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         ctx = self.ctx
         kwargs = kwargs or {}
+        if ctx.in_vmap:  # recorded below, at the ATen level (see CaptureContext.record_vmap)
+            return func(*args, **kwargs)
         args, kwargs = pytree.tree_map(
             lambda x: ctx.real_tensor_reached_program(x)
             if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)

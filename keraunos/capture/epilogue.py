@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..core.proxies import ObjectProxy, Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
+from ..errors import CaptureError
 from .provenance import Path
 
 
@@ -53,22 +54,53 @@ class ViewOf:
     offset: int
 
 
-def template_of(value: Any, leaf) -> Any:
-    """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes."""
+def new_object(cls, state: dict):
+    """An object of ``cls`` with this ``__dict__``, made without calling its ``__init__``."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: True,
+                _building: set | None = None) -> Any:
+    """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes.
+
+    An object the program made (``known(obj)`` is false: it existed before the call in no form
+    the capture saw), such as a cache object it returns, is rebuilt on every call from its
+    ``__dict__``, so that no call shares it and no capture-time tensor leaks out in it."""
     if isinstance(value, torch.Tensor):
         return leaf(value)
+    if _building is None:
+        _building = set()
+
+    def child(v):
+        return template_of(v, leaf, known, _building)
+    if (not known(value) and hasattr(value, "__dict__") and not isinstance(value, type)
+            and not callable(value) and not isinstance(value, torch.nn.Module)
+            and type(value).__module__ != "builtins" and not dataclasses.is_dataclass(value)):
+        if id(value) in _building:
+            raise CaptureError(f"keraunos: the program returns a {type(value).__qualname__} that "
+                               f"contains itself; such objects cannot be rebuilt per call.")
+        _building.add(id(value))
+        state = {k: child(v) for k, v in vars(value).items()}
+        _building.discard(id(value))
+        return Build(type(value), "object", state)
+    return _template_containers(value, child)
+
+
+def _template_containers(value: Any, child) -> Any:
     if type(value) in (tuple, list):
-        return Build(type(value), type(value).__name__, [template_of(v, leaf) for v in value])
+        return Build(type(value), type(value).__name__, [child(v) for v in value])
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return Build(type(value), "namedtuple", [template_of(v, leaf) for v in value])
+        return Build(type(value), "namedtuple", [child(v) for v in value])
     if isinstance(value, tuple) and hasattr(type(value), "n_fields"):  # torch.return_types.*
-        return Build(type(value), "structseq", [template_of(v, leaf) for v in value])
+        return Build(type(value), "structseq", [child(v) for v in value])
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: template_of(getattr(value, f.name), leaf)
+        fields = {f.name: child(getattr(value, f.name))
                   for f in dataclasses.fields(value) if f.init}
         return Build(type(value), "dataclass", fields)
     if isinstance(value, dict):
-        return Build(type(value), "dict", {k: template_of(v, leaf) for k, v in value.items()})
+        return Build(type(value), "dict", {k: child(v) for k, v in value.items()})
     return value
 
 
@@ -76,6 +108,11 @@ def _code(node: Any, w) -> str:
     if isinstance(node, Build):
         if node.kind in ("tuple", "list"):
             return w.value(node.python_type(Code(_code(c, w)) for c in node.children))
+        if node.kind == "object":
+            w.namespace["new_object"] = new_object
+            items = ", ".join(f"{w.value(k)}: {_code(c, w)}" for k, c in node.children.items())
+            return f"new_object({w.constant(node.python_type, node.python_type.__name__)}, " \
+                   f"{{{items}}})"
         if node.kind == "structseq":
             return f"{w.constant(node.python_type, node.python_type.__name__)}((" + \
                 "".join(f"{_code(c, w)}, " for c in node.children) + "))"
@@ -180,6 +217,9 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
             want(node.base)
             if node.member is not None:
                 want(node.member)
+        elif isinstance(node, Build) and node.kind == "object":
+            for c in node.children.values():
+                mark_inputs(c)
         elif isinstance(node, Build):
             children = node.children.values() if isinstance(node.children, dict) else node.children
             for c in children:

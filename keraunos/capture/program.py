@@ -214,7 +214,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             flat.append(proxy)
         return proxy
 
-    out_template = template_of(out, collect)
+    out_template = template_of(out, collect, ctx.saw_before_the_call)
     writes = [(w, template_of(w.value, collect)) for w in ctx.attribute_writes]
     container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect))
                         for path, now, before in ctx.containers if _changed(now, before)]
