@@ -716,10 +716,8 @@ def test_output_that_is_a_view_of_an_input_can_be_modified_in_place():
     assert_close(x.grad, xe.grad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keraunos bug: a hook registered inside the function (y.register_hook) is registered on a "
-    "fake tensor during capture and silently dropped: the gradient misses the hook's * 10 "
-    "(neither applied nor refused)"))
+@pytest.mark.xfail(strict=True, raises=keraunos.CaptureError, reason=(
+    'not supported: a tensor hook registered inside the function would not be called by the compiled backward, so keraunos refuses it with a CaptureError (see test_tensor_hook_inside_function_is_refused)'))
 def test_tensor_hook_registered_inside_function_applies_like_eager():
     def f(x):
         y = x * 2
@@ -743,11 +741,8 @@ def test_hook_on_parameter_applies_like_eager():
     assert_grads_match(model, ref)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keraunos bug: with a full backward hook on a submodule, capture records the hook's "
-    "view_as calls under no_grad (t3 = t2.view_as(t2)) without BackwardHookFunction, so the "
-    "split's backward returns grads only through the residual path: the hook never fires and "
-    "every parameter's grad stays None, silently"))
+@pytest.mark.xfail(strict=True, raises=keraunos.CaptureError, reason=(
+    'not supported: module backward hooks run a custom autograd.Function inside the program, whose backward a trace cannot keep; keraunos refuses it with a CaptureError'))
 def test_module_full_backward_hook_fires_and_grads_match_eager():
     model, ref = mlp_pair()
     calls, ref_calls = [], []
@@ -991,10 +986,8 @@ class ReentrantCheckpointedBlock(CheckpointedBlock):
         return self.out(h + x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keraunos bug: with use_reentrant=True, capture records the checkpointed region's ops as "
-    "not requiring grad (CheckpointFunction runs them under no_grad) and drops the Function: "
-    "no warning, and the inner block's parameters silently get no grad (eager gives them one)"))
+@pytest.mark.xfail(strict=True, raises=keraunos.CaptureError, reason=(
+    'not supported: checkpoint(use_reentrant=True) is a custom autograd.Function; keraunos refuses it with a CaptureError that suggests use_reentrant=False (which works)'))
 def test_reentrant_activation_checkpoint_inside_module_grads_match_eager():
     model = ReentrantCheckpointedBlock()
     ref = copy.deepcopy(model)
@@ -1007,3 +1000,22 @@ def test_reentrant_activation_checkpoint_inside_module_grads_match_eager():
     ref_out.pow(2).sum().backward()
     assert_grads_match(model, ref)
     assert_close(x.grad, xe.grad)
+
+
+def test_tensor_hook_inside_function_is_refused():
+    def f(x):
+        y = x * 2
+        y.register_hook(lambda g: g * 10)
+        return y.sin().sum()
+    with pytest.raises(keraunos.CaptureError, match="register_hook"):
+        keraunos.jit(f)(leaf(3))
+
+
+def test_reentrant_checkpoint_is_refused_with_advice():
+    lin = nn.Linear(4, 4)
+    f = keraunos.jit(lambda x: torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=True).sum())
+    with pytest.raises(keraunos.CaptureError, match="use_reentrant=False"):
+        f(leaf(2, 4))
+    # the jitted function still works for a program it can capture
+    g = keraunos.jit(lambda x: torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum())
+    assert_close(g(torch.ones(2, 4)), lin(torch.ones(2, 4)).sum())
