@@ -29,7 +29,8 @@ from .capture.context import active_context
 from .capture.program import capture_program
 from .errors import user_source
 from .core.trace import Trace
-from .executors.prologue_cache import fast_prologue
+from .core.tags import STATIC_MEMORY_LOCATION
+from .executors.prologue_cache import _tree_token, fast_prologue
 from .autograd import make_autograd_computation, split_forward_backward
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .transforms import Transform
@@ -61,6 +62,12 @@ class CacheEntry:
     alias_pattern: tuple | None  # None: every tensor input has memory of its own
     stages: dict[str, float]
     hits: int = 0
+    # Which inputs the alias check compares (None: nothing can alias), which are parameters
+    # and buffers, and their storages as of the module-structure token.
+    alias_positions: tuple | None = None
+    static_positions: tuple = ()
+    static_storages: frozenset = frozenset()
+    static_token: object = None
 
 
 @dataclass
@@ -145,23 +152,52 @@ def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
     return _miss(state, args, kwargs, start)
 
 
+_is_alias_of = torch._C._is_alias_of
+
+
 def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
-    """Whether the tensor inputs share memory exactly as they did when ``entry`` was compiled."""
-    return storage_alias_pattern(inputs) == entry.alias_pattern
+    """Whether the tensor inputs share memory exactly as they did when ``entry`` was compiled.
+
+    Parameters and buffers are not compared with each other on every call (that is the module's
+    structure, see executors/prologue_cache.py); the other inputs are, with each other and with
+    the parameters' and buffers' storages."""
+    positions = entry.alias_positions
+    if positions is None:  # at most one tensor that could alias anything
+        return True
+    if len(positions) == 2 and not entry.static_positions and entry.alias_pattern is None:
+        return not _is_alias_of(inputs[positions[0]], inputs[positions[1]])
+    return _alias_pattern(entry, inputs) == entry.alias_pattern
 
 
-def storage_alias_pattern(inputs: Sequence) -> tuple | None:
-    """For each tensor input, the index of the first input sharing its storage; ``None`` when no
-    two inputs share one (the common case, compared cheaply)."""
+def _alias_pattern(entry: CacheEntry, inputs: Sequence):
+    checked = [inputs[i] for i in entry.alias_positions]
+    statics = ()
+    if entry.static_positions:
+        if entry.static_token is not _tree_token[0]:
+            entry.static_storages = frozenset(
+                inputs[i].untyped_storage().data_ptr() for i in entry.static_positions
+                if inputs[i].numel())
+            entry.static_token = _tree_token[0]
+        statics = entry.static_storages
+    return storage_alias_pattern(checked, statics)
+
+
+def storage_alias_pattern(inputs: Sequence, static_storages=frozenset()) -> tuple | None:
+    """For each tensor, the index of the first one sharing its storage (and its offset in it),
+    and which share a storage with a parameter or buffer; ``None`` when nothing is shared (the
+    common case, compared cheaply)."""
+    if not static_storages and len(inputs) <= 4:  # a few arguments: compare them pairwise
+        if not any(_is_alias_of(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1:]):
+            return None
     pointers = [t.untyped_storage().data_ptr() if t.numel() else -i - 1
                 for i, t in enumerate(inputs)]
-    if len(set(pointers)) == len(pointers):
+    hits = tuple(i for i, p in enumerate(pointers) if p in static_storages)
+    if not hits and len(set(pointers)) == len(pointers):
         return None
     first: dict[int, int] = {}
-    # Which input each shares memory with, and where in that memory it starts: views at other
-    # offsets are different programs when the inputs are rebuilt from one storage.
+    # Views at other offsets are different programs when the inputs are rebuilt from one storage.
     return tuple((first.setdefault(p, i), inputs[i].storage_offset() if p >= 0 else 0)
-                 for i, p in enumerate(pointers))
+                 for i, p in enumerate(pointers)), hits
 
 
 def maybe_connect_to_autograd(entry: CacheEntry, result):
@@ -229,7 +265,7 @@ def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
         return f"check failed: {r}"
     if not check_storage_aliases(entry, r[0]):
         return (f"inputs share memory differently: compiled for alias pattern "
-                f"{entry.alias_pattern}, called with {storage_alias_pattern(r[0])}")
+                f"{entry.alias_pattern}, called with {_alias_pattern(entry, r[0])}")
     return None
 
 
@@ -254,7 +290,8 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
                                  f"the call it was compiled for ({explain(entry, args, kwargs)})")
-        entry.alias_pattern = storage_alias_pattern(r[0])
+        if entry.alias_positions is not None:
+            entry.alias_pattern = _alias_pattern(entry, r[0])
         if state.cache_mode is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
@@ -362,9 +399,14 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
                                                    split)
     epilogue_fn = epilogue.python_callable()
     stages["codegen"] = time.perf_counter() - t0
+    params = program.computation.params
+    static = tuple(i for i, p in enumerate(params) if STATIC_MEMORY_LOCATION in p.tags)
+    others = tuple(i for i in range(len(params)) if i not in static)
+    alias_positions = others if (len(others) > 1 or (others and static)) else None
     return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
                       computation_traces, epilogue_traces, backward_traces,
-                      program.check_descriptions, None, stages)
+                      program.check_descriptions, None, stages, alias_positions=alias_positions,
+                      static_positions=static)
 
 
 def _needs_backward(computation: Trace) -> bool:
