@@ -33,6 +33,7 @@ from .core.tags import STATIC_MEMORY_LOCATION
 from .executors.prologue_cache import _tree_token, fast_prologue
 from .autograd import make_autograd_computation, split_forward_backward
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
+from .passes.reinplace import can_reinplace, reinplace
 from .transforms import Transform
 
 
@@ -360,6 +361,13 @@ def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
             computation, backward = split.forward, split.backward
             computation_traces.append(computation)
             stages["autograd split"] = _took(computation)
+    if backward is None and can_reinplace(computation):
+        computation, new_epilogue = reinplace(computation, epilogue)
+        if new_epilogue is not epilogue:
+            epilogue = new_epilogue
+            computation_traces.append(computation)
+            epilogue_traces.append(epilogue)
+            stages["reinplace"] = _took(computation)
     computation = executors_module.claim(computation, state.executors)
     computation_traces.append(computation)
     stages["executor claims"] = _took(computation)

@@ -137,7 +137,8 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             clone = TensorProxy(names.fresh(base.name + "_updated"), first.fake)
             renames[base.name] = clone
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone, info={"comment": "written in place: work on a copy"}))
+                                    clone, info={"comment": "written in place: work on a copy",
+                                                 "copy_of_written_input": True}))
             final = first.fake
             meta = (tuple(final.shape), tuple(final.stride()), final.storage_offset())
             new_metadata = None
@@ -154,7 +155,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                                set(first.proxy.tags), f"storage of {first.path}")
             clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone))
+                                    clone, info={"copy_of_written_input": True}))
             for m in members:
                 fake = m.fake
                 body.append(BoundSymbol(

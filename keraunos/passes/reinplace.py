@@ -1,0 +1,47 @@
+"""Reinplace: write inputs in place directly when autograd cannot be involved.
+
+Capture makes the computation pure: an input the program writes in place is cloned first and the
+epilogue copies the new value back. When no input of the computation requires grad, or grad mode is
+off, nothing can record those writes for autograd, and writing the input itself is exactly what
+eager does: the clone becomes an alias and the copy-back goes. A KV cache updated with
+``index_copy_`` then costs its update, not two copies of the whole cache per step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..core.symbols import BoundSymbol, GlueSymbol
+from ..core.trace import Trace
+
+
+def _alias_formatter(bsym, w):
+    return [f"{bsym.outputs.name} = {bsym.args[0].name}  # written in place, directly: "
+            f"nothing here records autograd"]
+
+
+ALIAS = GlueSymbol("alias", _alias_formatter)
+
+
+def can_reinplace(computation: Trace) -> bool:
+    return not torch.is_grad_enabled() or not any(
+        getattr(p, "requires_grad", False) for p in computation.params)
+
+
+def reinplace(computation: Trace, epilogue: Trace) -> tuple[Trace, Trace]:
+    start = time.perf_counter()
+    direct: set[str] = set()
+    lines = []
+    for b in computation.bound_symbols:
+        if b.info.get("copy_of_written_input"):
+            direct.add(b.outputs.name)
+            b = BoundSymbol(ALIAS, b.args, outputs=b.outputs, source=b.source, tags=set(b.tags))
+        lines.append(b)
+    if not direct:
+        return computation, epilogue
+    seconds = time.perf_counter() - start
+    epilogue_lines = [b for b in epilogue.bound_symbols
+                      if not (b.symbol.name == "copy_back" and b.args[1].name in direct)]
+    return (computation.derive(lines, "Reinplace", seconds),
+            epilogue.derive(epilogue_lines, "Reinplace", seconds))
