@@ -12,6 +12,7 @@ from . import executors
 from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
 from .errors import CaptureError, KeraunosError, UnsupportedInputError
+from .executors.prologue_cache import invalidate_module_structure
 from .jit import CacheMode, CompileStats, JittedFunction, JittedModule, jit, state_of
 from .transforms import Transform
 
@@ -73,4 +74,5 @@ __all__ = [
     "UnsupportedInputError", "CacheMode", "CompileStats", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
+    "invalidate_module_structure",
 ]

@@ -95,9 +95,12 @@ class CompileStats:
 class _JitState:
     """What a jitted callable holds: its program, options and cache."""
 
-    def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile):
+    def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile,
+                 specialize_data=False):
         self.options = dict(executors=executors, transforms=transforms, cache=cache,
-                            max_cache_entries=max_cache_entries, profile=profile)
+                            max_cache_entries=max_cache_entries, profile=profile,
+                            specialize_data=specialize_data)
+        self.specialize_data = bool(specialize_data)
         self.fn = fn
         self.module = module
         self.executors = executors_module.resolve(executors)
@@ -330,7 +333,8 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
 def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     check_values = state.cache_mode is not CacheMode.SAME_INPUT
     target = state.module if state.module is not None else state.fn
-    program = capture_program(target, state.module, args, kwargs, check_values)
+    program = capture_program(target, state.module, args, kwargs, check_values,
+                              state.specialize_data)
     stages = dict(program.stages)
     prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
     prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
@@ -562,7 +566,8 @@ def _rejit(module, options):
 
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
         transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
-        max_cache_entries: int = 8, profile: bool | None = None):
+        max_cache_entries: int = 8, profile: bool | None = None,
+        specialize_data: bool = False):
     """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
 
     The first call captures the program into traces, transforms and compiles them, and caches the
@@ -582,11 +587,16 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         cache: ``"constant values"`` (default), ``"same input"`` or ``"no caching"``.
         max_cache_entries: entries kept per jitted callable; past it the least recently used goes.
         profile: wrap each call step in a profiler range (default: ``KERAUNOS_PROFILE=1``).
+        specialize_data: instead of raising ``CaptureError`` when the program reads a Python value
+            from tensor data (``.item()``, ``if t.any():``), compute it from the inputs, compile
+            it in as a constant and check it in the prologue on every call (a new value
+            recompiles). Right for values that rarely change, such as a position in a KV cache.
     """
     options = dict(executors=executors, transforms=transforms,
                    cache=cache.value if isinstance(cache, CacheMode) else cache,
                    max_cache_entries=max_cache_entries,
-                   profile=_profile_default() if profile is None else profile)
+                   profile=_profile_default() if profile is None else profile,
+                   specialize_data=specialize_data)
     if isinstance(fn_or_module, (JittedFunction, JittedModule)):
         raise TypeError("keraunos.jit: this callable is already jitted")
     if isinstance(fn_or_module, torch.nn.Module):

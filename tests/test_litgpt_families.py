@@ -21,9 +21,10 @@ For every family, against an identical deep copy run eagerly:
   logits at every step and every buffer afterwards.
 
 litgpt's sliding-window KV cache (a ring buffer) calls ``input_pos.max().item()`` to decide how much
-of the cache to return: control flow on tensor data, which keraunos documents as a ``CaptureError``.
-Those generation tests are ``xfail(raises=CaptureError, strict=True)``; the same families also run
-generation with the window switched off, which exercises the rest of their decode path.
+of the cache to return: control flow on tensor data. By default keraunos refuses it with a
+``CaptureError`` (tested); with ``keraunos.jit(model, specialize_data=True)`` the value is compiled
+in and checked by the prologue on every call, and generation matches eager (tested). The same
+families also run generation with the window switched off.
 """
 from __future__ import annotations
 
@@ -211,12 +212,12 @@ def test_training_backward_matches_eager(family):
     _assert_grads_equal(model, ref)
 
 
-def _generate_and_compare(model, ref, seed: int = 3):
+def _generate_and_compare(model, ref, seed: int = 3, **options):
     """Prefill P prompt tokens, then N_DECODE single-token steps; compare logits at every step
     and every buffer (KV caches included) afterwards."""
     model.eval()
     ref.eval()
-    jmodel = keraunos.jit(model)
+    jmodel = keraunos.jit(model, **options)
     with torch.no_grad():
         jmodel.set_kv_cache(batch_size=B, max_seq_length=MAX_SEQ)
         ref.set_kv_cache(batch_size=B, max_seq_length=MAX_SEQ)
@@ -261,6 +262,14 @@ def _kv_params():
 def test_kv_cache_generation(family):
     model, ref = make_models(family)
     _generate_and_compare(model, ref)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_kv_cache_generation_with_sliding_window_specialized_on_data(family):
+    """With specialize_data=True the ring buffer's `input_pos.max().item()` is a guarded
+    constant: each decode step recompiles (a new position), and every step matches eager."""
+    model, ref = make_models(family)
+    _generate_and_compare(model, ref, specialize_data=True)
 
 
 @pytest.mark.parametrize("family", SLIDING)

@@ -114,6 +114,7 @@ class CaptureContext:
         self.mutated_with_grad: dict[int, bool] = {}
         self.attribute_writes: list[AttributeWrite] = []
         self.in_vmap = False
+        self.specialize_data = False
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
@@ -413,6 +414,44 @@ class CaptureContext:
             self.state = state
             self.grad_enabled = state[0]
 
+    def specialize_on_data(self, symbol, func, args, kwargs):
+        """``jit(..., specialize_data=True)``: a Python value read from tensor data (``.item()``,
+        ``bool(t)``) is computed now from the real inputs and compiled in as a constant; the
+        prologue recomputes it on every call and checks it is the same (else: recompile)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        tensor = args[0]
+        target = self.proxy(tensor)
+        lines = self._slice(target.name)
+        if any(b.tags & {MUTATION, RANDOM, OPAQUE} for b in lines):
+            raise CaptureError(
+                f"keraunos cannot specialize on `{symbol.name}` at {user_source()}: the value "
+                f"depends on random or in-place ops, which the prologue cannot rerun.")
+        env = {e.proxy.name: e.real for e in self.inputs}
+        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+            for b in lines:
+                fn_args, fn_kwargs = pytree.tree_map(
+                    lambda x: env[x.name] if isinstance(x, TensorProxy) else x, (b.args, b.kwargs))
+                out = b.symbol.fn(*fn_args, **fn_kwargs)
+                for p, v in zip(pytree.tree_leaves(b.outputs), pytree.tree_leaves(out)):
+                    if isinstance(p, TensorProxy):
+                        env[p.name] = v
+            real = env[target.name]
+            value = func(real, *args[1:], **kwargs)
+        source = user_source()
+        guard = Guard("data", None, value, expression=f"{target.name}.{symbol.name}()")
+        guard.lines, guard.target, guard.method, guard.source = lines, target, symbol.name, source
+        self.guards.append(guard)
+        return value
+
+    def _slice(self, name: str) -> list[BoundSymbol]:
+        """The recorded lines that compute ``name`` from the inputs, in order."""
+        needed, lines = {name}, []
+        for b in reversed(self.bound_symbols):
+            if any(p.name in needed for p in b.output_proxies()):
+                lines.append(b)
+                needed.update(p.name for p in b.input_proxies())
+        return list(reversed(lines))
+
     def record_vmap(self, batched, args, kwargs):
         """Run a ``torch.vmap``-ed function on the fakes, recording the ATen ops its batching
         rules run (functorch's batched tensors never reach the torch function level we record)."""
@@ -702,6 +741,8 @@ class Recorder(TorchFunctionMode):
                 f"  What to do: register the hook on the jitted function's output, or on a "
                 f"parameter, outside the jitted function.")
         if symbol.name in _TO_PYTHON:
+            if ctx.specialize_data:
+                return ctx.specialize_on_data(symbol, func, args, kwargs)
             raise _data_dependent_error(symbol, DataDependentOutputException(func))
         if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
                for x in pytree.tree_leaves((args, kwargs))):

@@ -44,6 +44,9 @@ class Guard:
     @property
     def description(self) -> str:
         where = self.expression if self.path is None else str(self.path)
+        if self.kind == "data":
+            return (f"{where} == {self.expected!r}, a value read from tensor data at "
+                    f"{self.source} (specialize_data=True)")
         if self.kind == "value" or self.kind == "global":
             return f"{where} == {self.expected!r} ({type(self.expected).__name__})"
         if self.kind == "identity":

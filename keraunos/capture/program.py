@@ -77,10 +77,11 @@ RETURN = GlueSymbol("return", _return_formatter)
 
 
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
-                    check_values: bool = True) -> Program:
+                    check_values: bool = True, specialize_data: bool = False) -> Program:
     t0 = time.perf_counter()
     names = NameGenerator()
     ctx = CaptureContext(names, module, fn)
+    ctx.specialize_data = specialize_data
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()

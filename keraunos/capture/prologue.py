@@ -126,6 +126,8 @@ class _Builder:
             "subject": subject}))
 
     def guard(self, g: Guard) -> None:
+        if g.kind == "data":
+            return  # after the tensors are extracted: see data_guard
         if g.kind == "global":
             expected = g.expected
             self.check(g.description, lambda w: f"{g.expression} is not {w.value(expected)}"
@@ -180,6 +182,22 @@ class _Builder:
             raise AssertionError(g.kind)
 
 
+def data_guard(b: _Builder, g: Guard) -> None:
+    """Recompute a value read from tensor data, with the ops that made it, and check it."""
+    for line in g.lines:
+        b.bsyms.append(line.replace(info={**line.info, "after_structure": True}))
+    expected = g.expected
+    b.check(g.description, lambda w: f"{g.target.name}.{g.method}() != {w.value(expected)}"
+            if is_plain_value(expected) else
+            f"{g.target.name}.{g.method}() != {w.constant(expected, 'expected')}", False,
+            uses=(g.target.name,))
+    b.bsyms[-1].info["after_structure"] = True
+
+
+def is_plain_value(v) -> bool:
+    return v is None or type(v) in (bool, int, float, str)
+
+
 def _value_condition(v: str, expected: Any, w) -> str:
     if expected is None or type(expected) is bool:
         return f"{v} is not {expected!r}"
@@ -201,6 +219,10 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
             b.guard(g)
     for entry in ctx.inputs:
         b.var(entry.path, entry.proxy)
+    if check_values:
+        for g in ctx.guards:
+            if g.kind == "data":
+                data_guard(b, g)
     for g in groups:
         if g.whole_storage:
             first = g.members[0]

@@ -133,10 +133,13 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     walk: list[BoundSymbol] = []
     rest: list[BoundSymbol] = []
     checks: list[BoundSymbol] = []
+    late: list[BoundSymbol] = []  # checks of values read from tensor data: need every tensor
     for b in bsyms[:-1]:
         name = b.symbol.name
         path = b.info.get("path") if name == "unpack" else b.info.get("subject")
-        if name == "check_tensor":
+        if b.info.get("after_structure"):
+            late.append(b)
+        elif name == "check_tensor":
             checks.append(b)
         elif path is not None and not isinstance(path, str) and all(
                 p.is_structural() for p in b.info.get("paths", (path,))):
@@ -146,7 +149,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         else:
             rest.append(b)
     if not walk:
-        return _finish(trace, rest, checks, ret, None, [], [], start), None
+        return _finish(trace, rest + late, checks, ret, None, [], [], start), None
 
     # Which structural values the rest of the prologue needs.
     params = list(ret.args[0])
@@ -177,7 +180,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
                 "return result"]
     call_part = [b for b in rest if not _from_module(b)]
     keep = {p.name for p in ret.args[0]} | set(_names_in(ret.args[1])) | {
-        b.args[0].name for b in checks}
+        b.args[0].name for b in checks} | _names_used(late)
     module_part, entries, object_dicts = _module_attributes(
         [b for b in rest if _from_module(b)], dict_vars, keep)
     object_dicts_box.append(object_dicts)
@@ -201,7 +204,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
                  f"if _s[0] is not {token}[0]:  # the module tree changed",
                  "  _s = refresh_module_structure()",
                  "  if type(_s) is not tuple: return _s"]
-        if static_names and _needs_locals(static_names, rest, checks, ret):
+        if static_names and _needs_locals(static_names, rest + late, checks, ret):
             lines.append(f"{_targets(static_names)} = _s[1]")
         if dict_vars:
             lines.append("_attribute_dicts = _s[2]")
@@ -216,7 +219,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
                     f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
                     f"checked by identity in one C++ call"]
         lines.append(_glue("check module attributes", check_attributes))
-    lines += module_part
+    lines += module_part + late
     return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk, start), walk_trace
 
 

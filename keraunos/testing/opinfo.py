@@ -122,7 +122,9 @@ def check_op(op, kind: str, max_samples: int | None = None) -> Result:
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if isinstance(e, keraunos.CaptureError) and len(text) > 1:
+        return text[1][:200]  # the line that says what could not be captured
     return text[0][:200] if text else ""
 
 
