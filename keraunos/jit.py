@@ -13,62 +13,23 @@ share memory exactly as they did when it was compiled. On a miss it compiles a n
 """
 from __future__ import annotations
 
-import enum
 import functools
 import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from . import executors as executors_module
-from .capture.context import active_context
-from .capture.program import capture_program
+from .cache import CacheEntry, CacheMode
+from .capture.state import active_context
 from .errors import user_source
-from .core.trace import Trace
-from .core.tags import STATIC_MEMORY_LOCATION
-from .executors.prologue_cache import _tree_token, fast_prologue
-from .autograd import make_autograd_computation, split_forward_backward
-from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
-from .passes.reinplace import can_reinplace, reinplace
+from .executors.prologue_cache import _tree_token
+from .pipeline import compile_entry
 from .transforms import Transform
-
-
-class CacheMode(enum.Enum):
-    """How cache entries are checked against a call."""
-
-    CONSTANT_VALUES = "constant values"  # numbers and shapes baked in, every one checked
-    SYMBOLIC_VALUES = "symbolic values"  # not implemented yet
-    SAME_INPUT = "same input"            # the user promises identical metadata: no checks
-    NO_CACHING = "no caching"            # compile on every call
-
-
-# The computation's passes, in order. Each takes a trace and returns a new one.
-PIPELINE = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
-
-
-@dataclass
-class CacheEntry:
-    prologue_fn: Callable
-    computation_fn: Callable
-    epilogue_fn: Callable
-    prologue_traces: list[Trace]
-    computation_traces: list[Trace]
-    epilogue_traces: list[Trace]
-    backward_traces: list[Trace]
-    check_descriptions: list[str]
-    alias_pattern: tuple | None  # None: every tensor input has memory of its own
-    stages: dict[str, float]
-    hits: int = 0
-    # Which inputs the alias check compares (None: nothing can alias), which are parameters
-    # and buffers, and their storages as of the module-structure token.
-    alias_positions: tuple | None = None
-    static_positions: tuple = ()
-    static_storages: frozenset = frozenset()
-    static_token: object = None
 
 
 @dataclass
@@ -330,118 +291,6 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
     state.entries = entries
 
 
-def compile_entry(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
-    check_values = state.cache_mode is not CacheMode.SAME_INPUT
-    target = state.module if state.module is not None else state.fn
-    program = capture_program(target, state.module, args, kwargs, check_values,
-                              state.specialize_data)
-    stages = dict(program.stages)
-    prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
-    prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
-    for t in state.transforms:
-        t0 = time.perf_counter()
-        prologue, computation, epilogue = t.transform_traces_pre_prologue(
-            prologue, computation, epilogue)
-        seconds = time.perf_counter() - t0
-        stages[f"transform {t.name}"] = seconds
-        prologue = prologue.derive(prologue.bound_symbols, t.name, seconds)
-        computation = computation.derive(computation.bound_symbols, t.name, seconds)
-        prologue_traces.append(prologue)
-        computation_traces.append(computation)
-        epilogue_traces.append(epilogue)
-    for p in PIPELINE:
-        computation = p(computation)
-        stages[computation.header[-1].split(" (")[0].removeprefix("Constructed by ")] = \
-            stages.get(p.__name__, 0.0) + _took(computation)
-        computation_traces.append(computation)
-    backward = None
-    split = None
-    if _needs_backward(computation):
-        try:
-            split = split_forward_backward(computation)
-        except Exception as e:  # noqa: BLE001 - any op the split cannot handle
-            _warn_no_backward(state, e)
-        else:
-            computation, backward = split.forward, split.backward
-            computation_traces.append(computation)
-            stages["autograd split"] = _took(computation)
-    if backward is None and can_reinplace(computation):
-        computation, new_epilogue = reinplace(computation, epilogue)
-        if new_epilogue is not epilogue:
-            epilogue = new_epilogue
-            computation_traces.append(computation)
-            epilogue_traces.append(epilogue)
-            stages["reinplace"] = _took(computation)
-    computation = executors_module.claim(computation, state.executors)
-    computation_traces.append(computation)
-    stages["executor claims"] = _took(computation)
-    backward_traces = []
-    if backward is not None:
-        backward_traces.append(backward)
-        backward = executors_module.claim(backward, state.executors)
-        backward_traces.append(backward)
-    for t in state.transforms:
-        t0 = time.perf_counter()
-        computation = t.transform_trace_post_optimization(computation)
-        computation = computation.derive(computation.bound_symbols, t.name,
-                                         time.perf_counter() - t0)
-        computation_traces.append(computation)
-        if backward is not None:
-            t0 = time.perf_counter()
-            backward = t.transform_trace_post_optimization(backward)
-            backward = backward.derive(backward.bound_symbols, t.name, time.perf_counter() - t0)
-            backward_traces.append(backward)
-        stages[f"transform {t.name} (post optimization)"] = time.perf_counter() - t0
-    computation = delete_last_used(computation)
-    computation_traces.append(computation)
-    stages["delete last used"] = _took(computation)
-    if backward is not None:
-        backward = delete_last_used(backward)
-        backward_traces.append(backward)
-    prologue, structure_walk = fast_prologue(prologue)
-    if structure_walk is not None:
-        prologue_traces.append(structure_walk)
-    prologue_traces.append(prologue)
-    stages["fast prologue"] = _took(prologue)
-    t0 = time.perf_counter()
-    prologue_fn = prologue.python_callable()
-    computation_fn = computation.python_callable()
-    if backward is not None:
-        computation_fn = make_autograd_computation(computation_fn, backward.python_callable(),
-                                                   split)
-    epilogue_fn = epilogue.python_callable()
-    stages["codegen"] = time.perf_counter() - t0
-    params = program.computation.params
-    static = tuple(i for i, p in enumerate(params) if STATIC_MEMORY_LOCATION in p.tags)
-    others = tuple(i for i in range(len(params)) if i not in static)
-    alias_positions = others if (len(others) > 1 or (others and static)) else None
-    return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
-                      computation_traces, epilogue_traces, backward_traces,
-                      program.check_descriptions, None, stages, alias_positions=alias_positions,
-                      static_positions=static)
-
-
-def _needs_backward(computation: Trace) -> bool:
-    """Grad mode on and some input requires grad: the entry gets a backward trace."""
-    return torch.is_grad_enabled() and any(
-        getattr(p, "requires_grad", False) for p in computation.params)
-
-
-def _warn_no_backward(state: _JitState, error: Exception) -> None:
-    if not state.warned_no_backward:
-        state.warned_no_backward = True
-        warnings.warn(f"keraunos: no backward trace for {state.name} ({type(error).__name__}: "
-                      f"{error}); its gradients come from PyTorch's autograd recording the "
-                      f"forward's torch ops as they run.", stacklevel=5)
-
-
-def _took(trace: Trace) -> float:
-    header = trace.header[-1]
-    if "(took " not in header:
-        return 0.0
-    return float(header.rsplit("(took ", 1)[1].split(" ms")[0]) / 1e3
-
-
 # ------------------------------------------------------------------------- public wrappers
 def _profile_default() -> bool:
     return os.environ.get("KERAUNOS_PROFILE", "0") not in ("", "0")
@@ -615,3 +464,4 @@ def state_of(jitted) -> _JitState:
         return jitted._keraunos
     except AttributeError:
         raise TypeError(f"expected a callable returned by keraunos.jit, got {jitted!r}") from None
+

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.proxies import Proxy, TensorProxy
-from ..core.symbols import GlueSymbol, TorchSymbol
+from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
 
 

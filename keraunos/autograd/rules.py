@@ -10,7 +10,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.symbols import BoundSymbol, TorchSymbol
-from ..core.tags import RANDOM
 
 
 def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set[int]):
@@ -59,7 +58,6 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
         for t in pytree.tree_leaves(call.out):
             if isinstance(t, torch.Tensor):
                 producer.setdefault(id(t), call)
-    inputs = {id(t) for t in joint.inputs}
     # Memory some forward op writes in place: recomputing from it would read other values.
     written = set()
     for call in joint.forward_calls:

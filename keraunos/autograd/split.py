@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.proxies import Proxy, TensorProxy
+from ..core.proxies import TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
-from ..core.tags import MUTATION, RANDOM
+from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
-from .joint import Joint, record_joint
+from .joint import record_joint
 from .rules import recompute_in_backward, recompute_views_in_backward
 
 

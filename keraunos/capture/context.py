@@ -12,32 +12,24 @@ share storage become fakes that share storage.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensor,
-                                           FakeTensorMode, UnsupportedOperatorException)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..core.proxies import NameGenerator, TensorProxy
-from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
-from ..core.tags import INPUT_TENSOR, MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
+from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
-from .naming import is_inplace_by_name, is_random, torch_symbol
+from .naming import is_inplace_by_name, is_random
 from .provenance import Path, root
 
-_active = threading.local()
-
-
-def active_context() -> "CaptureContext | None":
-    return getattr(_active, "ctx", None)
+from .recording import _recording_module_class, _recording_object_class
+from .state import SET_GLOBAL_STATE, global_state
 
 
 @dataclass
@@ -57,41 +49,6 @@ class AttributeWrite:
     module_path: Path
     name: str
     value: Any  # a fake tensor or a plain Python value
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-
-
-def global_state() -> tuple:
-    """Grad mode, then (enabled, dtype) of autocast for each device type."""
-    state = [torch.is_grad_enabled()]
-    for device in _AUTOCAST_DEVICES:
-        state += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
-    return tuple(state)
-
-
-def restore_global_state(state: tuple) -> None:
-    torch._C._set_grad_enabled(state[0])
-    for i, device in enumerate(_AUTOCAST_DEVICES):
-        torch.set_autocast_enabled(device, state[1 + 2 * i])
-        torch.set_autocast_dtype(device, state[2 + 2 * i])
-
-
-def _set_global_state_formatter(bsym, w):
-    lines = []
-    for i, value in bsym.args[0]:
-        if i == 0:
-            lines.append(f"torch._C._set_grad_enabled({value!r})")
-        else:
-            device = _AUTOCAST_DEVICES[(i - 1) // 2]
-            if (i - 1) % 2 == 0:
-                lines.append(f"torch.set_autocast_enabled({device!r}, {value!r})")
-            else:
-                lines.append(f"torch.set_autocast_dtype({device!r}, {w.value(value)})")
-    return lines
-
-
-SET_GLOBAL_STATE = GlueSymbol("set_global_state", _set_global_state_formatter)
 
 
 class CaptureContext:
@@ -582,235 +539,3 @@ def _positional_names(fn) -> dict[int, str]:
 
 def _is_namedtuple(value) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
-# ------------------------------------------------------------------------ random state
-# ``torch.manual_seed`` and ``torch.get_rng_state``/``set_rng_state`` are no torch functions (no
-# __torch_function__), so the mode cannot see them; during capture they are swapped for recorders
-# (in this thread only) so that a program that seeds or saves and restores the generator does so
-# at the same points when the trace runs.
-_RNG_FUNCTIONS = ("manual_seed", "get_rng_state", "set_rng_state")
-_rng_originals = {name: getattr(torch, name) for name in _RNG_FUNCTIONS}
-
-
-def _rng_recorder(name: str):
-    original = _rng_originals[name]
-
-    def recorder(*args, **kwargs):
-        ctx = active_context()
-        if ctx is None:
-            return original(*args, **kwargs)
-        return ctx.record_rng(name, original, args, kwargs)
-    recorder.__name__ = name
-    recorder.__wrapped__ = original
-    return recorder
-
-
-_rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
-
-
-_function_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
-
-
-def _guarded_apply(cls, *args, **kwargs):
-    ctx = active_context()
-    if ctx is not None and torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)):
-        raise CaptureError(
-            f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
-            f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "
-            f"backward would be lost (torch.utils.checkpoint with use_reentrant=True and module "
-            f"backward hooks work this way).\n  What to do: use "
-            f"torch.utils.checkpoint(..., use_reentrant=False), register backward hooks outside "
-            f"the jitted module, or call the Function outside the jitted function.")
-    return _function_apply.__func__(cls, *args, **kwargs)
-
-
-_guarded_apply_descriptor = classmethod(_guarded_apply)
-
-
-_vmap_original = torch.vmap
-_is_compiling_original = torch.compiler.is_compiling
-
-
-def _recording_vmap(func, *vmap_args, **vmap_kwargs):
-    """``torch.vmap`` during capture: the batched call is recorded as the ATen ops it runs."""
-    batched = _vmap_original(func, *vmap_args, **vmap_kwargs)
-
-    @functools.wraps(batched)
-    def run(*args, **kwargs):
-        ctx = active_context()
-        if ctx is None or ctx.in_vmap:
-            return batched(*args, **kwargs)
-        return ctx.record_vmap(batched, args, kwargs)
-    return run
-
-
-def _is_compiling() -> bool:
-    # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture.
-    return active_context() is not None or _is_compiling_original()
-
-
-class recording_rng_state:
-    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders, and guard
-    ``torch.autograd.Function.apply`` (custom Functions would lose their backward)."""
-
-    def __enter__(self):
-        for name, fn in _rng_recorders.items():
-            setattr(torch, name, fn)
-            setattr(torch.random, name, fn)
-        torch.autograd.Function.apply = _guarded_apply_descriptor
-        torch.vmap = torch.func.vmap = _recording_vmap
-        torch.compiler.is_compiling = _is_compiling
-
-    def __exit__(self, *exc):
-        for name, fn in _rng_originals.items():
-            setattr(torch, name, fn)
-            setattr(torch.random, name, fn)
-        torch.autograd.Function.apply = _function_apply
-        torch.vmap = torch.func.vmap = _vmap_original
-        torch.compiler.is_compiling = _is_compiling_original
-
-
-_recording_classes: dict[type, type] = {}
-
-
-def _recording_module_class(cls: type) -> type:
-    """A subclass of ``cls`` whose attribute reads and writes go through the active capture."""
-    sub = _recording_classes.get(cls)
-    if sub is None:
-        def __getattribute__(self, name):
-            ctx = getattr(_active, "ctx", None)
-            if ctx is None or name.startswith("__"):
-                return cls.__getattribute__(self, name)
-            return ctx.module_getattr(self, name)
-
-        def __setattr__(self, name, value):
-            ctx = getattr(_active, "ctx", None)
-            if ctx is None:
-                return cls.__setattr__(self, name, value)
-            ctx.module_setattr(self, name, value)
-
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                          "__setattr__": __setattr__,
-                                          "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _recording_classes[cls] = sub
-    return sub
-
-
-def _recording_object_class(cls: type) -> type:
-    sub = _recording_classes.get(cls)
-    if sub is None:
-        def __getattribute__(self, name):
-            ctx = getattr(_active, "ctx", None)
-            if ctx is None or name.startswith("__"):
-                return cls.__getattribute__(self, name)
-            return ctx.object_getattr(self, name)
-
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                          "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _recording_classes[cls] = sub
-    return sub
-
-
-class Recorder(TorchFunctionMode):
-    """Records every torch call the program makes (the mode is off inside a call, so only the
-    outermost, user-level call is recorded: ``F.layer_norm``, not what it calls)."""
-
-    def __init__(self, ctx: CaptureContext):
-        super().__init__()
-        self.ctx = ctx
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        ctx = self.ctx
-        kwargs = kwargs or {}
-        if ctx.in_vmap:  # recorded below, at the ATen level (see CaptureContext.record_vmap)
-            return func(*args, **kwargs)
-        args, kwargs = pytree.tree_map(
-            lambda x: ctx.real_tensor_reached_program(x)
-            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
-            and id(x) not in ctx.proxy_of else x,
-            (args, kwargs))
-        symbol = torch_symbol(func)
-        if symbol.name in _HOOKS:
-            raise CaptureError(
-                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` registers an autograd "
-                f"hook on a tensor inside the program; the compiled backward would not call it.\n"
-                f"  What to do: register the hook on the jitted function's output, or on a "
-                f"parameter, outside the jitted function.")
-        if symbol.name in _TO_PYTHON:
-            if ctx.specialize_data:
-                return ctx.specialize_on_data(symbol, func, args, kwargs)
-            raise _data_dependent_error(symbol, DataDependentOutputException(func))
-        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-               for x in pytree.tree_leaves((args, kwargs))):
-            raise CaptureError(
-                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
-                f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
-                f"as a Python number.\n  What to do: keep working with the tensor itself, or "
-                f"compute that part outside the jitted function.")
-        if symbol.name == "__iter__":  # iterating a tensor is unbinding it
-            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        versions = [_version(t) for t in tensors]
-        ctx.record_global_state()
-        try:
-            out = func(*args, **kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            raise _data_dependent_error(symbol, e) from None
-        except CaptureError:
-            raise
-        except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
-            if _no_fake_kernel(e):
-                # No kernel can describe its output without running it: run it once for real,
-                # on zeros, for the output's metadata; the trace calls it like any other op.
-                out = ctx.run_opaque(func, args, kwargs)
-                ctx.record(symbol, args, kwargs, out, [], opaque=True)
-                return out
-            source = user_source()
-            if source is not None and hasattr(e, "add_note"):
-                e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
-            raise
-        mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
-        if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
-            mutated = [tensors[0]]  # inference tensors keep no version counter
-        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
-        if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
-            ctx.record(symbol, args, kwargs, out, mutated)
-        return out
-
-
-def _no_fake_kernel(e: Exception) -> bool:
-    text = str(e)
-    return isinstance(e, UnsupportedOperatorException) or "no fake impl" in text or (
-        "Meta" in text and ("Could not run" in text or "not implemented" in text.lower()))
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor
-        return None
-
-
-_HOOKS = {"register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
-_TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-              "numpy", "__array__"}
-
-
-def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
-                          source=None) -> CaptureError:
-    source = source or user_source()
-    where = f"{source.filename}:{source.lineno}: {source.code}" if source else "an unknown line"
-    if isinstance(error, DynamicOutputShapeException):
-        what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
-    elif symbol is None:
-        what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
-    else:
-        what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
-    return CaptureError(
-        f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
-        f"  What to do: keep the decision in tensors (torch.where, masking), pass the value in as a "
-        f"Python argument, or move this part outside the jitted function.")

@@ -18,18 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
-from ..core.tags import INPUT_TENSOR, MUTATION
+from ..core.tags import INPUT_TENSOR
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import CaptureError
 from ..errors import user_source_from_traceback as _innermost_user_source
-from .context import _data_dependent_error, global_state, restore_global_state
-from .context import CaptureContext, Recorder, _active, recording_rng_state
+from .recorder import _data_dependent_error
+from .state import global_state, restore_global_state
+from .context import CaptureContext
+from .interceptors import intercepting_torch
+from .recorder import Recorder
+from .state import _active
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .epilogue import FromInput, ViewOf, build_epilogue, template_of
@@ -99,7 +102,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     log_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:
-        with ctx.fake_mode, Recorder(ctx), recording_rng_state():
+        with ctx.fake_mode, Recorder(ctx), intercepting_torch():
             out = fn(*fake_args, **fake_kwargs)
         ctx.record_global_state()
     except GuardOnDataDependentSymNode as e:

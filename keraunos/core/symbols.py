@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from .proxies import Proxy, TensorProxy
+from .proxies import Proxy
 from .tags import Tag
 
 

@@ -1,0 +1,38 @@
+"""Cache entries and cache modes: what a jitted callable keeps per compiled program."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+from .core.trace import Trace
+
+
+class CacheMode(enum.Enum):
+    """How cache entries are checked against a call."""
+
+    CONSTANT_VALUES = "constant values"  # numbers and shapes baked in, every one checked
+    SYMBOLIC_VALUES = "symbolic values"  # not implemented yet
+    SAME_INPUT = "same input"            # the user promises identical metadata: no checks
+    NO_CACHING = "no caching"            # compile on every call
+
+
+@dataclass
+class CacheEntry:
+    prologue_fn: Callable
+    computation_fn: Callable
+    epilogue_fn: Callable
+    prologue_traces: list[Trace]
+    computation_traces: list[Trace]
+    epilogue_traces: list[Trace]
+    backward_traces: list[Trace]
+    check_descriptions: list[str]
+    alias_pattern: tuple | None  # None: every tensor input has memory of its own
+    stages: dict[str, float]
+    hits: int = 0
+    # Which inputs the alias check compares (None: nothing can alias), which are parameters
+    # and buffers, and their storages as of the module-structure token.
+    alias_positions: tuple | None = None
+    static_positions: tuple = ()
+    static_storages: frozenset = frozenset()
+    static_token: object = None

@@ -1,0 +1,107 @@
+"""Functions of ``torch`` swapped during capture, in the capturing thread's eyes only.
+
+``torch.manual_seed``/``get_rng_state``/``set_rng_state`` and ``torch.vmap`` have no
+``__torch_function__``, so the recording mode cannot see them: during capture they are recorders.
+``torch.autograd.Function.apply`` is guarded (a custom Function's own backward would be lost), and
+``torch.compiler.is_compiling()`` is true, so that libraries take their trace-friendly paths.
+Other threads calling these meanwhile get the originals.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError, user_source
+from .state import active_context
+
+
+# ``torch.manual_seed`` and ``torch.get_rng_state``/``set_rng_state`` are no torch functions (no
+# __torch_function__), so the mode cannot see them; during capture they are swapped for recorders
+# (in this thread only) so that a program that seeds or saves and restores the generator does so
+# at the same points when the trace runs.
+_RNG_FUNCTIONS = ("manual_seed", "get_rng_state", "set_rng_state")
+_rng_originals = {name: getattr(torch, name) for name in _RNG_FUNCTIONS}
+
+
+def _rng_recorder(name: str):
+    original = _rng_originals[name]
+
+    def recorder(*args, **kwargs):
+        ctx = active_context()
+        if ctx is None:
+            return original(*args, **kwargs)
+        return ctx.record_rng(name, original, args, kwargs)
+    recorder.__name__ = name
+    recorder.__wrapped__ = original
+    return recorder
+
+
+_rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
+
+
+_function_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
+
+
+def _guarded_apply(cls, *args, **kwargs):
+    ctx = active_context()
+    if ctx is not None and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)):
+        raise CaptureError(
+            f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
+            f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "
+            f"backward would be lost (torch.utils.checkpoint with use_reentrant=True and module "
+            f"backward hooks work this way).\n  What to do: use "
+            f"torch.utils.checkpoint(..., use_reentrant=False), register backward hooks outside "
+            f"the jitted module, or call the Function outside the jitted function.")
+    return _function_apply.__func__(cls, *args, **kwargs)
+
+
+_guarded_apply_descriptor = classmethod(_guarded_apply)
+
+
+_vmap_original = torch.vmap
+_is_compiling_original = torch.compiler.is_compiling
+
+
+def _recording_vmap(func, *vmap_args, **vmap_kwargs):
+    """``torch.vmap`` during capture: the batched call is recorded as the ATen ops it runs."""
+    batched = _vmap_original(func, *vmap_args, **vmap_kwargs)
+
+    @functools.wraps(batched)
+    def run(*args, **kwargs):
+        ctx = active_context()
+        if ctx is None or ctx.in_vmap:
+            return batched(*args, **kwargs)
+        return ctx.record_vmap(batched, args, kwargs)
+    return run
+
+
+def _is_compiling() -> bool:
+    # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture.
+    return active_context() is not None or _is_compiling_original()
+
+
+class intercepting_torch:
+    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders, and guard
+    ``torch.autograd.Function.apply`` (custom Functions would lose their backward)."""
+
+    def __enter__(self):
+        for name, fn in _rng_recorders.items():
+            setattr(torch, name, fn)
+            setattr(torch.random, name, fn)
+        torch.autograd.Function.apply = _guarded_apply_descriptor
+        torch.vmap = torch.func.vmap = _recording_vmap
+        torch.compiler.is_compiling = _is_compiling
+
+    def __exit__(self, *exc):
+        for name, fn in _rng_originals.items():
+            setattr(torch, name, fn)
+            setattr(torch.random, name, fn)
+        torch.autograd.Function.apply = _function_apply
+        torch.vmap = torch.func.vmap = _vmap_original
+        torch.compiler.is_compiling = _is_compiling_original
+
+
+_recording_classes: dict[type, type] = {}

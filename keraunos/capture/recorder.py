@@ -1,0 +1,114 @@
+"""The torch function mode that records every torch call of the program as a bound symbol."""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensor,
+                                           UnsupportedOperatorException)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..core.symbols import TorchSymbol
+from ..errors import CaptureError, user_source
+from .naming import is_inplace_by_name, is_random, torch_symbol
+
+
+class Recorder(TorchFunctionMode):
+    """Records every torch call the program makes (the mode is off inside a call, so only the
+    outermost, user-level call is recorded: ``F.layer_norm``, not what it calls)."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        ctx = self.ctx
+        kwargs = kwargs or {}
+        if ctx.in_vmap:  # recorded below, at the ATen level (see CaptureContext.record_vmap)
+            return func(*args, **kwargs)
+        args, kwargs = pytree.tree_map(
+            lambda x: ctx.real_tensor_reached_program(x)
+            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
+            and id(x) not in ctx.proxy_of else x,
+            (args, kwargs))
+        symbol = torch_symbol(func)
+        if symbol.name in _HOOKS:
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` registers an autograd "
+                f"hook on a tensor inside the program; the compiled backward would not call it.\n"
+                f"  What to do: register the hook on the jitted function's output, or on a "
+                f"parameter, outside the jitted function.")
+        if symbol.name in _TO_PYTHON:
+            if ctx.specialize_data:
+                return ctx.specialize_on_data(symbol, func, args, kwargs)
+            raise _data_dependent_error(symbol, DataDependentOutputException(func))
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+               for x in pytree.tree_leaves((args, kwargs))):
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
+                f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
+                f"as a Python number.\n  What to do: keep working with the tensor itself, or "
+                f"compute that part outside the jitted function.")
+        if symbol.name == "__iter__":  # iterating a tensor is unbinding it
+            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        versions = [_version(t) for t in tensors]
+        ctx.record_global_state()
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise _data_dependent_error(symbol, e) from None
+        except CaptureError:
+            raise
+        except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
+            if _no_fake_kernel(e):
+                # No kernel can describe its output without running it: run it once for real,
+                # on zeros, for the output's metadata; the trace calls it like any other op.
+                out = ctx.run_opaque(func, args, kwargs)
+                ctx.record(symbol, args, kwargs, out, [], opaque=True)
+                return out
+            source = user_source()
+            if source is not None and hasattr(e, "add_note"):
+                e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
+            raise
+        mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
+        if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
+            mutated = [tensors[0]]  # inference tensors keep no version counter
+        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
+        if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
+            ctx.record(symbol, args, kwargs, out, mutated)
+        return out
+
+
+def _no_fake_kernel(e: Exception) -> bool:
+    text = str(e)
+    return isinstance(e, UnsupportedOperatorException) or "no fake impl" in text or (
+        "Meta" in text and ("Could not run" in text or "not implemented" in text.lower()))
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
+_HOOKS = {"register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
+_TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+              "numpy", "__array__"}
+
+
+def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
+                          source=None) -> CaptureError:
+    source = source or user_source()
+    where = f"{source.filename}:{source.lineno}: {source.code}" if source else "an unknown line"
+    if isinstance(error, DynamicOutputShapeException):
+        what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
+    elif symbol is None:
+        what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
+    else:
+        what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
+    return CaptureError(
+        f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
+        f"  What to do: keep the decision in tensors (torch.where, masking), pass the value in as a "
+        f"Python argument, or move this part outside the jitted function.")
