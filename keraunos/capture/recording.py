@@ -7,17 +7,21 @@ from __future__ import annotations
 
 from .state import _active
 
-_recording_classes: dict[type, type] = {}
+_recording_classes: dict[tuple[type, str], type] = {}
 
-def _recording_module_class(cls: type) -> type:
-    """A subclass of ``cls`` whose attribute reads and writes go through the active capture."""
-    sub = _recording_classes.get(cls)
+
+def _recording_class(cls: type, kind: str) -> type:
+    """A subclass of ``cls`` whose attribute reads (and, for modules, writes) go through the
+    active capture: ``CaptureContext.module_getattr``/``object_getattr``/``module_setattr``."""
+    sub = _recording_classes.get((cls, kind))
     if sub is None:
+        read = "module_getattr" if kind == "module" else "object_getattr"
+
         def __getattribute__(self, name):
             ctx = getattr(_active, "ctx", None)
             if ctx is None or name.startswith("__"):
                 return cls.__getattribute__(self, name)
-            return ctx.module_getattr(self, name)
+            return getattr(ctx, read)(self, name)
 
         def __setattr__(self, name, value):
             ctx = getattr(_active, "ctx", None)
@@ -25,25 +29,17 @@ def _recording_module_class(cls: type) -> type:
                 return cls.__setattr__(self, name, value)
             ctx.module_setattr(self, name, value)
 
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                          "__setattr__": __setattr__,
-                                          "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _recording_classes[cls] = sub
+        namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__}
+        if kind == "module":
+            namespace["__setattr__"] = __setattr__
+        sub = _recording_classes[(cls, kind)] = type(cls.__name__, (cls,), namespace)
     return sub
+
+
+def _recording_module_class(cls: type) -> type:
+    return _recording_class(cls, "module")
 
 
 def _recording_object_class(cls: type) -> type:
-    sub = _recording_classes.get(cls)
-    if sub is None:
-        def __getattribute__(self, name):
-            ctx = getattr(_active, "ctx", None)
-            if ctx is None or name.startswith("__"):
-                return cls.__getattribute__(self, name)
-            return ctx.object_getattr(self, name)
-
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                          "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
-        _recording_classes[cls] = sub
-    return sub
+    return _recording_class(cls, "object")
