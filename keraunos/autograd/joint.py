@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
+from .rules import DERIVATIVE_RULES
 
 
 @dataclass
@@ -99,7 +100,7 @@ def record_joint(computation: Trace) -> Joint:
                     args, kwargs = pytree.tree_map(
                         lambda x: env[x.name] if isinstance(x, Proxy) else x,
                         (bsym.args, bsym.kwargs))
-                    fn = symbol.fn
+                    fn = DERIVATIVE_RULES.get(symbol.name, symbol.fn)
                     if symbol.style == "setitem":
                         fn(*args, **kwargs)
                         continue

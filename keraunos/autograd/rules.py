@@ -1,8 +1,11 @@
-"""Our own derivative rules, beside the mechanism that derives the rest from PyTorch.
+"""Our own rules, beside the mechanism that derives everything else from PyTorch.
 
-One table. Today it holds one rule, and it is about memory rather than a formula: a saved tensor
-made by a pointwise op (``torch.Tag.pointwise``) whose inputs the backward has anyway is
-recomputed at the start of the backward instead of being kept alive between forward and backward.
+- ``DERIVATIVE_RULES`` (at the end): one table, torch-level op name -> a derivative of ours that
+  replaces PyTorch's where it is better (today: ``layer_norm``, which then saves fewer tensors
+  and keeps the forward at the torch level).
+- Memory rules the split applies to every op: a saved view of values the forward names anyway is
+  recomputed in the backward (free); a saved value a pointwise op (``torch.Tag.pointwise``) made
+  from saved values is recomputed at the start of the backward instead of kept alive.
 """
 from __future__ import annotations
 
@@ -117,3 +120,43 @@ def _ordered(lines, namer):
             result.extend(pending)
             break
     return result
+
+
+# ----------------------------------------------------------------------- derivative rules
+# Torch-level op name -> a function with the op's signature that computes it through an
+# autograd.Function of ours. The joint recording calls it in place of the op, so the backward it
+# records is ours. A rule earns its place by being better than PyTorch's formula: simpler or
+# fewer saved tensors.
+
+
+class _LayerNorm(torch.autograd.Function):
+    """layer_norm saving only its input, weight and bias. PyTorch's formula also saves the mean
+    and the reciprocal standard deviation, which exist only inside ``native_layer_norm``: the
+    forward would have to run as ATen ops to hand them over. Recomputing them in the backward is
+    one cheap reduction, and the forward stays ``torch.nn.functional.layer_norm``."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return torch.nn.functional.layer_norm(x, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        shape = list(ctx.normalized_shape)
+        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, shape, weight, bias, ctx.eps)
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                bias is not None and ctx.needs_input_grad[3]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward.default(
+            grad, x, shape, mean, rstd, weight, bias, mask)
+        return gx, None, gw, gb, None
+
+
+def _layer_norm_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return _LayerNorm.apply(input, tuple(normalized_shape), weight, bias, eps)
+
+
+DERIVATIVE_RULES = {
+    "torch.nn.functional.layer_norm": _layer_norm_rule,
+}

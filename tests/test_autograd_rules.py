@@ -1,0 +1,42 @@
+"""Our own derivative rules (keraunos/autograd/rules.py) against PyTorch's."""
+import copy
+
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+
+import keraunos
+
+
+def test_layer_norm_rule_keeps_the_forward_readable_and_saves_less():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU())
+    ref = copy.deepcopy(model)
+    jm = keraunos.jit(model)
+    x = torch.randn(4, 8)
+    jm(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad)
+    forward = str(keraunos.last_traces(jm)[-1])
+    assert "torch.nn.functional.layer_norm(" in forward
+    assert "native_layer_norm" not in forward  # no ATen lowering to hand over mean and rstd
+    backward = keraunos.last_backward_traces(jm)[-1]
+    assert "native_layer_norm_backward" in str(backward)
+    # mean and rstd are recomputed in the backward, not saved: fewer tensors kept than eager
+    counts = {}
+    for name, run in (("eager", ref), ("keraunos", jm)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            run(x)
+        counts[name] = len({t.untyped_storage().data_ptr() for t in saved})
+    assert counts["keraunos"] < counts["eager"], counts
+
+
+def test_layer_norm_rule_without_affine_parameters():
+    def f(x):
+        return torch.nn.functional.layer_norm(x, (6,)).exp().sum()
+    x = torch.randn(3, 6, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    keraunos.jit(f)(x).backward()
+    f(xe).backward()
+    assert_close(x.grad, xe.grad)
