@@ -36,3 +36,5 @@ class CacheEntry:
     static_positions: tuple = ()
     static_storages: frozenset = frozenset()
     static_token: object = None
+    # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
+    alias_check: Callable = lambda inputs: True

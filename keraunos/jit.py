@@ -126,12 +126,18 @@ def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
     Parameters and buffers are not compared with each other on every call (that is the module's
     structure, see executors/prologue_cache.py); the other inputs are, with each other and with
     the parameters' and buffers' storages."""
+    return entry.alias_check(inputs)
+
+
+def _alias_check_for(entry: CacheEntry) -> Callable:
+    """The cheapest check that is exact for this entry, decided once instead of on every call."""
     positions = entry.alias_positions
     if positions is None:  # at most one tensor that could alias anything
-        return True
+        return lambda inputs: True
     if len(positions) == 2 and not entry.static_positions and entry.alias_pattern is None:
-        return not _is_alias_of(inputs[positions[0]], inputs[positions[1]])
-    return _alias_pattern(entry, inputs) == entry.alias_pattern
+        a, b = positions
+        return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
+    return lambda inputs: _alias_pattern(entry, inputs) == entry.alias_pattern
 
 
 def _alias_pattern(entry: CacheEntry, inputs: Sequence):
@@ -257,6 +263,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
                                  f"the call it was compiled for ({explain(entry, args, kwargs)})")
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
+        entry.alias_check = _alias_check_for(entry)
         if state.cache_mode is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry

@@ -42,8 +42,8 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
         epilogue_traces.append(epilogue)
     for p in PIPELINE:
         computation = p(computation)
-        stages[computation.header[-1].split(" (")[0].removeprefix("Constructed by ")] = \
-            stages.get(p.__name__, 0.0) + _took(computation)
+        label = computation.header[-1].split(" (")[0].removeprefix("Constructed by ")
+        stages[label] = stages.get(label, 0.0) + computation.seconds  # DCE runs twice: summed
         computation_traces.append(computation)
     backward = None
     split = None
@@ -55,17 +55,17 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
         else:
             computation, backward = split.forward, split.backward
             computation_traces.append(computation)
-            stages["autograd split"] = _took(computation)
+            stages["autograd split"] = computation.seconds
     if backward is None and can_reinplace(computation):
         computation, new_epilogue = reinplace(computation, epilogue)
         if new_epilogue is not epilogue:
             epilogue = new_epilogue
             computation_traces.append(computation)
             epilogue_traces.append(epilogue)
-            stages["reinplace"] = _took(computation)
+            stages["reinplace"] = computation.seconds
     computation = executors_module.claim(computation, state.executors)
     computation_traces.append(computation)
-    stages["executor claims"] = _took(computation)
+    stages["executor claims"] = computation.seconds
     backward_traces = []
     if backward is not None:
         backward_traces.append(backward)
@@ -85,7 +85,7 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
         stages[f"transform {t.name} (post optimization)"] = time.perf_counter() - t0
     computation = delete_last_used(computation)
     computation_traces.append(computation)
-    stages["delete last used"] = _took(computation)
+    stages["delete last used"] = computation.seconds
     if backward is not None:
         backward = delete_last_used(backward)
         backward_traces.append(backward)
@@ -93,7 +93,7 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
     if structure_walk is not None:
         prologue_traces.append(structure_walk)
     prologue_traces.append(prologue)
-    stages["fast prologue"] = _took(prologue)
+    stages["fast prologue"] = prologue.seconds
     t0 = time.perf_counter()
     prologue_fn = prologue.python_callable()
     computation_fn = computation.python_callable()
@@ -124,10 +124,3 @@ def _warn_no_backward(state, error: Exception) -> None:
         warnings.warn(f"keraunos: no backward trace for {state.name} ({type(error).__name__}: "
                       f"{error}); its gradients come from PyTorch's autograd recording the "
                       f"forward's torch ops as they run.", stacklevel=5)
-
-
-def _took(trace: Trace) -> float:
-    header = trace.header[-1]
-    if "(took " not in header:
-        return 0.0
-    return float(header.rsplit("(took ", 1)[1].split(" ms")[0]) / 1e3

@@ -63,7 +63,7 @@ class Joint:
     grad_outputs: list[torch.Tensor]           # fakes standing for those gradients
     needs_grad: list[int]                      # indices into inputs that get a gradient
     grads: list[Any]                           # fakes of those gradients (None when unused)
-    keep_alive: list = field(default_factory=list)
+    keep_alive: list = field(default_factory=list)  # the fake mode, while its fakes are in use
 
 
 def _is_differentiable(t) -> bool:

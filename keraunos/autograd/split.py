@@ -32,7 +32,6 @@ class Split:
     backward: Trace
     differentiable: list[int]   # which forward outputs get gradients
     n_outputs: int
-    saved_names: list[str]
     # For each computation input: which gradients of outputs (indices into ``differentiable``)
     # its gradient depends on; an input none of whose outputs got a gradient gets None, as eager.
     grad_dependencies: list[set[int]]
@@ -201,12 +200,11 @@ def split_forward_backward(computation: Trace) -> Split:
     forward = computation.derive(forward_lines, "Autograd Split (forward)", seconds)
     backward = Trace("backward", saved_proxies + [namer.proxies[n] for n in grad_names],
                      backward_lines, [f"Constructed by Autograd Split (backward) "
-                                      f"(took {seconds * 1e3:.2f} ms)"])
+                                      f"(took {seconds * 1e3:.2f} ms)"], seconds=seconds)
     backward = dead_code_elimination(common_subexpression_elimination(backward))
     dependencies = _grad_dependencies(backward, grad_names)
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
-    return Split(forward, backward, joint.differentiable, len(outputs), saved, dependencies,
-                 metadata)
+    return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata)
 
 
 def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]:

@@ -75,8 +75,6 @@ class CaptureContext:
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
-        self.grad_enabled = torch.is_grad_enabled()
-        self.initial_grad_enabled = self.grad_enabled
         self.state = self.initial_state = global_state()
         # Where each module, parameter and buffer of the tree lives, for values that reach the
         # program without an attribute read we saw (ModuleList iteration, self.parameters()).
@@ -369,7 +367,6 @@ class CaptureContext:
             self.bound_symbols.append(BoundSymbol(SET_GLOBAL_STATE, (changes,), tags={MUTATION},
                                                   source=None if final else user_source()))
             self.state = state
-            self.grad_enabled = state[0]
 
     def specialize_on_data(self, symbol, func, args, kwargs):
         """``jit(..., specialize_data=True)``: a Python value read from tensor data (``.item()``,

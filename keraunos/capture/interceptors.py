@@ -83,25 +83,23 @@ def _is_compiling() -> bool:
     return active_context() is not None or _is_compiling_original()
 
 
+# (owner, attribute, stand-in during capture, original)
+_SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
+          for name in _RNG_FUNCTIONS for owner in (torch, torch.random)] + [
+    (torch.autograd.Function, "apply", _guarded_apply_descriptor, _function_apply),
+    (torch, "vmap", _recording_vmap, _vmap_original),
+    (torch.func, "vmap", _recording_vmap, _vmap_original),
+    (torch.compiler, "is_compiling", _is_compiling, _is_compiling_original),
+]
+
+
 class intercepting_torch:
-    """Swap the RNG-state functions of ``torch`` and ``torch.random`` for recorders, and guard
-    ``torch.autograd.Function.apply`` (custom Functions would lose their backward)."""
+    """Swap the functions above for their stand-ins for the duration of a capture."""
 
     def __enter__(self):
-        for name, fn in _rng_recorders.items():
-            setattr(torch, name, fn)
-            setattr(torch.random, name, fn)
-        torch.autograd.Function.apply = _guarded_apply_descriptor
-        torch.vmap = torch.func.vmap = _recording_vmap
-        torch.compiler.is_compiling = _is_compiling
+        for owner, name, stand_in, _ in _SWAPS:
+            setattr(owner, name, stand_in)
 
     def __exit__(self, *exc):
-        for name, fn in _rng_originals.items():
-            setattr(torch, name, fn)
-            setattr(torch.random, name, fn)
-        torch.autograd.Function.apply = _function_apply
-        torch.vmap = torch.func.vmap = _vmap_original
-        torch.compiler.is_compiling = _is_compiling_original
-
-
-_recording_classes: dict[type, type] = {}
+        for owner, name, _, original in _SWAPS:
+            setattr(owner, name, original)

@@ -47,10 +47,7 @@ class Program:
     epilogue: Trace
     # Prologue-check index -> words, for explaining cache misses.
     check_descriptions: list[str]
-    tensor_input_paths: list[str]
     stages: dict[str, float] = field(default_factory=dict)
-    # For each flat computation input that is a tensor: its position, for the storage-alias pattern.
-    alias_pattern: tuple = ()
 
 
 def _plain_view(t) -> bool:
@@ -241,5 +238,4 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes)
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
                                             check_values)
-    return Program(prologue, computation, epilogue.trace, descriptions,
-                   [str(e.path) for e in ctx.inputs])
+    return Program(prologue, computation, epilogue.trace, descriptions)

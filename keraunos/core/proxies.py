@@ -101,8 +101,6 @@ class NameGenerator:
                 self._used.add(name)
                 return name
 
-    def reserve(self, name: str) -> None:
-        self._used.add(name)
 
 
 _RESERVED = {

@@ -34,13 +34,16 @@ class Trace:
     header: list[str] = field(default_factory=list)
     # Objects the generated code refers to by name, beyond ``torch`` and what symbols add.
     namespace: dict[str, Any] = field(default_factory=dict)
+    # How long the pass that made this trace took (the last header line says so too).
+    seconds: float = 0.0
 
     def derive(self, bound_symbols: list[BoundSymbol], label: str, seconds: float | None = None,
                params: list[Any] | None = None) -> "Trace":
         """A new trace with these lines, its header extended by ``label`` (the pass that made it)."""
         timing = f" (took {seconds * 1e3:.2f} ms)" if seconds is not None else ""
         return Trace(self.name, list(self.params if params is None else params), bound_symbols,
-                     self.header + [f"Constructed by {label}{timing}"], dict(self.namespace))
+                     self.header + [f"Constructed by {label}{timing}"], dict(self.namespace),
+                     seconds or 0.0)
 
     def with_bound_symbols(self, bound_symbols: list[BoundSymbol]) -> "Trace":
         """A copy of this trace with other lines; for a ``Transform`` (``jit`` labels the result
