@@ -12,6 +12,19 @@ from .core.symbols import Source
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _KERAUNOS_DIR = os.path.dirname(__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
+# Programs shipped with keraunos (the example GPT) are user code: their lines are what a trace
+# should attribute ops to, even though they live inside the package.
+_USER_DIRS_INSIDE_KERAUNOS = (os.path.join(_KERAUNOS_DIR, "examples") + os.sep,)
+
+
+def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
+    """Whether a frame of this file is machinery (torch, keraunos, generated traces), not the
+    user's program."""
+    if filename.startswith(_KERAUNOS_DIR):
+        return not filename.startswith(_USER_DIRS_INSIDE_KERAUNOS)
+    return (filename.startswith(_TORCH_DIR) or filename.startswith("<frozen")
+            or filename.startswith("<keraunos")
+            or (skip_stdlib and filename.startswith(_STDLIB_DIR)))
 
 
 class KeraunosError(Exception):
@@ -32,9 +45,7 @@ def user_source(skip_frames: int = 1) -> Source | None:
     frame = sys._getframe(skip_frames)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_KERAUNOS_DIR)
-                or filename.startswith(_STDLIB_DIR) or filename.startswith("<frozen")
-                or filename.startswith("<keraunos")):
+        if not is_internal(filename):
             code = linecache.getline(filename, frame.f_lineno).strip()
             return Source(filename, frame.f_lineno, code)
         frame = frame.f_back
@@ -46,8 +57,7 @@ def user_source_from_traceback(tb) -> Source | None:
     found = None
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_KERAUNOS_DIR)
-                or filename.startswith("<frozen") or filename.startswith("<keraunos")):
+        if not is_internal(filename, skip_stdlib=False):
             code = linecache.getline(filename, tb.tb_lineno).strip()
             found = Source(filename, tb.tb_lineno, code)
         tb = tb.tb_next

@@ -217,7 +217,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
             g = w.constant(guards, "attribute_guards")
             return [f"if not {g}.check(_attribute_dicts):",
                     f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
-                    f"checked by identity in one C++ call"]
+                    f"checked by identity in one C++ call"] + _attribute_comments(entries)
         lines.append(_glue("check module attributes", check_attributes))
     lines += module_part + late
     return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk, start), walk_trace
@@ -245,7 +245,7 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) 
             n = w.constant(names, "tensor_names")
             return [f"if not {g}.check({arg_list}):",
                     f"  return {g}.check_verbose({arg_list}, tensor_check_names={n})"
-                    f"  # {len(checks)} tensors checked in one C++ call"]
+                    f"  # {len(checks)} tensors checked in one C++ call"] + _tensor_comments(checks)
         lines = lines + [_glue("check tensors", fused)]
     inputs, pro_to_epi = ret.args
     input_names = [p.name for p in inputs]
@@ -255,6 +255,24 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) 
         return [f"return ({spliced + ',' if spliced else ''}), {w.value(tuple(pro_to_epi))}"]
     lines = lines + [_glue("return", returned)]
     return trace.derive(lines, "Fast Prologue (python executor)", time.perf_counter() - start)
+
+
+# The batched checks name what they check in comments, in the words of the unbatched prologue, so
+# that the prologue that runs stays readable; comments cost nothing per call.
+def _attribute_comments(entries) -> list[str]:
+    return ["# it checks, each by identity with the value compiled for:"] + [
+        f"#   {description}" for _, _, _, description, _ in entries]
+
+
+def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
+    rows = [(f"{b.args[0].name} from {b.info['path']}:", b.info["expected"]) for b in checks]
+    width = max(len(who) for who, _ in rows)
+    shape_width = max(len(str(tuple(e["shape"]))) for _, e in rows) + 1
+    stride_width = max(len(str(tuple(e["stride"]))) for _, e in rows) + 1
+    return ["# it checks, per tensor:"] + [
+        f"#   {who:<{width}} shape {str(tuple(e['shape'])) + ',':<{shape_width}} "
+        f"stride {str(tuple(e['stride'])) + ',':<{stride_width}} dtype {e['dtype']}, "
+        f"device {e['device']}, requires_grad {e['requires_grad']}" for who, e in rows]
 
 
 def _splice(names: list[str], static_names: list[str], statics_expr: str | None) -> str:
