@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
 from .capture.state import active_context
@@ -257,6 +258,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         state.last_miss_reasons = reasons
         state.misses += 1
         entry = compile_entry(state, args, kwargs)
+        debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
         r = entry.prologue_fn(*args, **kwargs)
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "

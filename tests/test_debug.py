@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import keraunos
+from keraunos import debug
+from keraunos.jit import state_of
 from keraunos.examples.gpt import GPT, GPTConfig
 
 
@@ -100,3 +102,93 @@ def test_keraunos_machinery_is_not_user_code():
     assert errors.is_internal(torch.nn.functional.linear.__module__ and torch.__file__)
     assert not errors.is_internal(GPT.forward.__code__.co_filename)
     assert not errors.is_internal(__file__)
+
+
+# ------------------------------------------------------------------------- KERAUNOS_DEBUG
+def _sin_plus_one(x):
+    return x.sin() + 1
+
+
+def _run_twice_with_new_shape():
+    jf = keraunos.jit(_sin_plus_one)
+    for n in (3, 4):
+        x = torch.randn(n)
+        torch.testing.assert_close(jf(x), _sin_plus_one(x))
+    return jf
+
+
+def test_debug_level_comes_from_the_environment(monkeypatch):
+    for raw, expected in (("", 0), ("0", 0), ("1", 1), ("2", 2), ("3", 3), ("9", 3), ("yes", 1)):
+        monkeypatch.setenv("KERAUNOS_DEBUG", raw)
+        assert debug.level() == expected, raw
+    monkeypatch.delenv("KERAUNOS_DEBUG")
+    assert debug.level() is debug.DebugLevel.OFF
+
+
+def test_debug_1_logs_each_compilation_with_why_and_stage_times(monkeypatch, caplog):
+    monkeypatch.setenv("KERAUNOS_DEBUG", "1")
+    with caplog.at_level(logging.INFO, logger="keraunos"):
+        jf = _run_twice_with_new_shape()
+    messages = [r.getMessage() for r in caplog.records if r.name == "keraunos"]
+    assert len(messages) == 2  # two compilations, nothing logged for hits
+    first, second = messages
+    assert "compiled _sin_plus_one (compilation 1)" in first and 'x: "cpu f32[3]"' in first
+    assert "first call" in first
+    assert "compilation 2" in second and "size mismatch" in second
+    for stage in keraunos.compile_stats(jf).stages:
+        assert stage in second
+    assert re.search(r"capture\s+\d+\.\d+ ms", second)
+    with caplog.at_level(logging.INFO, logger="keraunos"):
+        jf(torch.randn(4))
+    assert len([r for r in caplog.records if r.name == "keraunos"]) == 2  # a hit logs nothing
+
+
+def test_debug_off_logs_nothing(monkeypatch, caplog):
+    monkeypatch.delenv("KERAUNOS_DEBUG", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="keraunos"):
+        _run_twice_with_new_shape()
+    assert not [r for r in caplog.records if r.name == "keraunos"]
+
+
+def test_debug_2_writes_every_trace_after_every_pass(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("KERAUNOS_DEBUG", "2")
+    monkeypatch.setenv("KERAUNOS_DEBUG_DIR", str(tmp_path))
+    monkeypatch.setattr(debug, "_folder", [])
+    with caplog.at_level(logging.INFO, logger="keraunos"):
+        jf = _run_twice_with_new_shape()
+    assert any(str(tmp_path) in r.getMessage() and "writes every trace" in r.getMessage()
+               for r in caplog.records)
+    folders = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(folders) == 2
+    written = sorted(p.name for p in folders[-1].glob("*.py"))
+    histories = debug.trace_histories(state_of(jf).last_entry)
+    assert len(written) == sum(len(traces) for traces in histories.values())
+    # Each file is the trace's text, and runs as Python.
+    last = keraunos.last_traces(jf)[-1]
+    (name,) = [n for n in written if n.startswith(f"computation_{len(histories['computation']) - 1:02d}")]
+    assert (folders[-1] / name).read_text() == str(last)
+    compile((folders[-1] / name).read_text(), name, "exec")
+    assert "size mismatch" in (folders[-1] / "compilation.txt").read_text()
+
+
+def test_debug_3_writes_fusion_kernels_when_an_entry_has_them(tmp_path):
+    # No fusion executor exists yet: the code path is exercised with an entry that carries regions.
+    class Region:
+        name, source = "fusion0 (add, mul)", "def fusion0(a, b):\n  return (a + b) * b\n"
+
+    class Entry:
+        fusion_regions = [Region()]
+    debug.write_fusion_kernels(str(tmp_path), Entry())
+    (kernel,) = (tmp_path / "fusion").iterdir()
+    assert kernel.read_text() == Region.source
+    debug.write_fusion_kernels(str(tmp_path / "none"), object())
+    assert not (tmp_path / "none").exists()
+
+
+def test_compilations_are_remembered_with_their_miss_reasons():
+    jf = _run_twice_with_new_shape()
+    records = debug.compilations(state_of(jf))
+    assert [r.number for r in records] == [1, 2]
+    assert records[0].miss_reasons == []
+    assert "size mismatch" in records[1].miss_reasons[0]
+    assert records[1].entry is state_of(jf).last_entry

@@ -1,0 +1,194 @@
+"""One knob for inspection: ``KERAUNOS_DEBUG``.
+
+- ``KERAUNOS_DEBUG=1``: every compilation is logged through ``logging`` (logger ``"keraunos"``):
+  what was compiled (the callable, its inputs), why the cache missed (one reason per existing
+  entry), and how long each compile stage took.
+- ``KERAUNOS_DEBUG=2``: also writes every trace after every pass as a ``.py`` file into a folder,
+  one subfolder per compilation. The folder is logged when the first file is written; set
+  ``KERAUNOS_DEBUG_DIR`` to choose it.
+- ``KERAUNOS_DEBUG=3``: also the generated kernels of fusion regions. keraunos has no fusion
+  executor yet, so today 3 writes what 2 writes; an entry that carries ``fusion_regions``
+  (objects with ``name`` and ``source``) gets them written under ``fusion/``.
+
+Nothing here runs on a cache hit: ``compiled`` is called once per compilation, at the end of the
+miss path. Every compilation is also remembered (the last ``HISTORY`` per jitted callable), with
+its miss reasons, for ``keraunos.report``.
+
+    >>> import os, torch, keraunos
+    >>> os.environ["KERAUNOS_DEBUG"] = "1"   # or set it in the shell
+    >>> jf = keraunos.jit(lambda x: x.sin() + 1)
+    >>> _ = jf(torch.randn(3))               # logs "keraunos: compiled <lambda> ..."  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import re
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("keraunos")
+
+HISTORY = 64  # compilations remembered per jitted callable (each holds its entry's traces)
+
+
+class DebugLevel(enum.IntEnum):
+    OFF = 0
+    COMPILATIONS = 1  # log each compilation
+    TRACES = 2        # and write every trace after every pass
+    KERNELS = 3       # and the fusion regions' kernels (once fusion exists)
+
+
+def level() -> DebugLevel:
+    """The level ``KERAUNOS_DEBUG`` asks for now (read on every compilation, so it can be changed
+    while a program runs)."""
+    raw = os.environ.get("KERAUNOS_DEBUG", "0").strip() or "0"
+    try:
+        return DebugLevel(max(0, min(int(raw), int(DebugLevel.KERNELS))))
+    except ValueError:
+        return DebugLevel.COMPILATIONS  # KERAUNOS_DEBUG=yes: the user wants something
+
+
+@dataclass
+class Compilation:
+    """One compilation of a jitted callable: the entry it made and why it was needed."""
+
+    number: int               # 1 for the callable's first compilation
+    entry: object             # the CacheEntry
+    miss_reasons: list[str]   # why each entry cached before it did not fit the call
+    wall_time: float          # time.time() when it finished
+    folder: str | None = None  # where KERAUNOS_DEBUG=2 wrote its traces
+    extra: dict = field(default_factory=dict)
+
+
+_history: "weakref.WeakKeyDictionary[object, list[Compilation]]" = weakref.WeakKeyDictionary()
+_folder: list[str] = []  # the session's debug folder, made on first use
+_folder_numbers = itertools.count(1)
+
+
+def compilations(state) -> list[Compilation]:
+    """The remembered compilations of a jitted callable's state, oldest first."""
+    return list(_history.get(state, ()))
+
+
+def compiled(state, entry) -> None:
+    """Called by the miss path once ``entry`` is compiled for ``state``: remember it, and log and
+    write it as ``KERAUNOS_DEBUG`` asks."""
+    records = _history.setdefault(state, [])
+    record = Compilation(state.misses, entry, list(state.last_miss_reasons), time.time())
+    records.append(record)
+    del records[:-HISTORY]
+    wanted = level()
+    if wanted >= DebugLevel.TRACES:
+        record.folder = write_traces(state.name, record, wanted)
+    if wanted >= DebugLevel.COMPILATIONS:
+        _ensure_visible()
+        logger.info("%s", describe(state.name, record))
+
+
+def describe(name: str, record: Compilation) -> str:
+    """The log message of one compilation: what, why, and where the time went."""
+    entry = record.entry
+    lines = [f"keraunos: compiled {name} (compilation {record.number}): "
+             f"{_inputs_summary(entry)}"]
+    if record.miss_reasons:
+        lines.append("  why: no cached entry fits the call:")
+        lines += [f"    entry {i}: {reason}" for i, reason in enumerate(record.miss_reasons)]
+    else:
+        lines.append("  why: first call (the cache was empty)")
+    stages = entry.stages
+    total = sum(stages.values())
+    lines.append(f"  stages ({total * 1e3:.2f} ms in all):")
+    width = max((len(s) for s in stages), default=0)
+    lines += [f"    {stage:<{width}}  {seconds * 1e3:8.2f} ms" for stage, seconds in stages.items()]
+    if record.folder:
+        lines.append(f"  traces written to {record.folder}")
+    return "\n".join(lines)
+
+
+def _inputs_summary(entry) -> str:
+    traces = entry.computation_traces
+    if not traces:
+        return "no traces"
+    params = [p for p in traces[0].params if hasattr(p, "name")]
+    described = [f"{p.name}: {p.describe()}" for p in params[:6] if hasattr(p, "describe")]
+    more = f", and {len(params) - 6} more" if len(params) > 6 else ""
+    ops = sum(1 for b in traces[-1].bound_symbols if b.symbol.name not in ("del", "return"))
+    backward = ", with a backward trace" if entry.backward_traces else ""
+    return f"{len(params)} inputs ({', '.join(described)}{more}), {ops} ops{backward}"
+
+
+# ------------------------------------------------------------------------- traces on disk
+def debug_folder() -> str:
+    """The folder ``KERAUNOS_DEBUG=2`` writes into, made (and logged) on first use."""
+    if not _folder:
+        chosen = os.environ.get("KERAUNOS_DEBUG_DIR")
+        if chosen:
+            os.makedirs(chosen, exist_ok=True)
+        else:
+            chosen = tempfile.mkdtemp(prefix="keraunos-debug-")
+        _folder.append(chosen)
+        _ensure_visible()
+        logger.info("keraunos: KERAUNOS_DEBUG=%d writes every trace after every pass into %s",
+                    int(level()), chosen)
+    return _folder[0]
+
+
+def trace_label(trace) -> str:
+    """What made this trace: the pass named on its last header line ("capture" for the first)."""
+    if not trace.header:
+        return trace.name
+    return trace.header[-1].removeprefix("Constructed by ").split(" (took ")[0]
+
+
+def trace_histories(entry) -> dict[str, list]:
+    """The traces of a cache entry by kind, each list in pass order."""
+    return {"prologue": list(entry.prologue_traces), "computation": list(entry.computation_traces),
+            "epilogue": list(entry.epilogue_traces), "backward": list(entry.backward_traces)}
+
+
+def write_traces(name: str, record: Compilation, wanted: DebugLevel) -> str:
+    folder = os.path.join(debug_folder(),
+                          f"{next(_folder_numbers):03d}_{_slug(name)}_compilation{record.number}")
+    os.makedirs(folder, exist_ok=True)
+    for kind, traces in trace_histories(record.entry).items():
+        for i, trace in enumerate(traces):
+            path = os.path.join(folder, f"{kind}_{i:02d}_{_slug(trace_label(trace))}.py")
+            with open(path, "w") as f:
+                f.write(str(trace))
+    if wanted >= DebugLevel.KERNELS:
+        write_fusion_kernels(folder, record.entry)
+    with open(os.path.join(folder, "compilation.txt"), "w") as f:
+        f.write(describe(name, record) + "\n")
+    return folder
+
+
+def write_fusion_kernels(folder: str, entry) -> None:
+    """Each fusion region's generated kernel source, once a fusion executor provides them."""
+    regions = getattr(entry, "fusion_regions", None) or ()
+    if not regions:
+        return
+    fusion = os.path.join(folder, "fusion")
+    os.makedirs(fusion, exist_ok=True)
+    for i, region in enumerate(regions):
+        name = _slug(getattr(region, "name", f"region{i}"))
+        with open(os.path.join(fusion, f"{i:02d}_{name}.py"), "w") as f:
+            f.write(str(getattr(region, "source", region)))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()[:60] or "trace"
+
+
+def _ensure_visible() -> None:
+    """Make the log visible when the user asked for it but configured no logging."""
+    if logger.level == logging.NOTSET:  # a level the user set is theirs
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
