@@ -136,7 +136,10 @@ _RNG_STATE = {"torch.manual_seed", "torch.get_rng_state", "torch.set_rng_state"}
 
 def _bind(proxies, values, env) -> None:
     if isinstance(proxies, Proxy):
-        env[proxies.name] = values
+        # An in-place op's output keeps the name of the input the capture saw (``x`` for
+        # ``x.clamp_()`` even when the line writes the working copy ``x_updated``): a name
+        # already bound keeps its value, or the input's fake would be lost.
+        env.setdefault(proxies.name, values)
         return
     if isinstance(proxies, (tuple, list)) and isinstance(values, (tuple, list)):
         for p, v in zip(proxies, values):

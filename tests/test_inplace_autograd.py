@@ -1,0 +1,184 @@
+"""In-place writes to inputs under autograd, compared with eager PyTorch.
+
+A program that writes an input in place works on a copy inside the computation and the epilogue
+copies the new value back. When something requires grad, that copy is recorded for autograd, the
+forward saves what the backward needs, and the copy-back connects the input to the result. Each
+test runs the same program eagerly and jitted (twice: the compiling call and a cache hit) on
+fresh, identical inputs and compares the outputs, the inputs' contents after the call, their
+``requires_grad``, and the gradients of every leaf.
+
+The inputs a program writes are never leaves that require grad (eager refuses that); they are
+clones or views of clones of such leaves ("base" requires grad), plain tensors while another
+input requires grad ("other"), or both. Their layouts cover dense inputs, slices of a larger
+storage, transposed and strided views, and inputs that share memory with another argument.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import keraunos
+
+# Without a backward trace the gradients would come from torch's own recording of the forward,
+# and these tests would not test keraunos' autograd at all.
+pytestmark = pytest.mark.filterwarnings("error:keraunos. no backward trace")
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _loss(outputs, inputs):
+    """A loss that reaches every output and every input the program wrote, with weights that
+    tell the elements apart (a sum would hide a gradient in the wrong place)."""
+    gen = torch.Generator().manual_seed(1)
+    total = 0
+    for t in list(outputs) + list(inputs):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            total = total + (t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum()
+    return total
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _run(fn, make_inputs):
+    """Outputs, the inputs after the call, and the leaves' gradients of one run."""
+    leaves, inputs = make_inputs()
+    outputs = _as_tuple(fn(*inputs))
+    loss = _loss(outputs, inputs)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    return outputs, inputs, leaves
+
+
+def assert_matches_eager(fn, make_inputs, calls=2):
+    """``make_inputs()`` returns (leaves, inputs), fresh and identical on every call."""
+    jitted = keraunos.jit(fn)
+    expected_outputs, expected_inputs, expected_leaves = _run(fn, make_inputs)
+    for call in range(calls):
+        outputs, inputs, leaves = _run(jitted, make_inputs)
+        where = f"call {call}"
+        assert len(outputs) == len(expected_outputs)
+        for got, want in zip(outputs, expected_outputs):
+            assert_close(got, want, msg=lambda m: f"{where}, output: {m}")
+            assert got.requires_grad == want.requires_grad, f"{where}: output requires_grad"
+        for i, (got, want) in enumerate(zip(inputs, expected_inputs)):
+            if isinstance(want, torch.Tensor):
+                assert_close(got, want, msg=lambda m, i=i: f"{where}, input {i} after the call: {m}")
+                assert got.requires_grad == want.requires_grad, f"{where}: input {i} requires_grad"
+        for i, (got, want) in enumerate(zip(leaves, expected_leaves)):
+            if want.grad is None:
+                assert got.grad is None, f"{where}: leaf {i} got a gradient eager does not give"
+            else:
+                assert got.grad is not None, f"{where}: leaf {i} got no gradient"
+                assert_close(got.grad, want.grad, msg=lambda m, i=i: f"{where}, grad of leaf {i}: {m}")
+    return jitted
+
+
+def _seeded(make):
+    """``make`` run under a fixed seed, so that every call builds the same values."""
+    def make_inputs():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return make()
+    return make_inputs
+
+
+def _leaf(*shape, requires_grad=True):
+    return torch.randn(*shape).requires_grad_(requires_grad)
+
+
+# ------------------------------------------------------------------ the op x layout x grad matrix
+# Each op writes ``t`` in place, possibly reading ``w`` (same shape, may require grad) and the
+# boolean mask ``m``; it returns what the in-place op returns.
+OPS = {
+    "add_": lambda t, w, m: t.add_(w),
+    "mul_": lambda t, w, m: t.mul_(w),
+    "clamp_": lambda t, w, m: t.clamp_(-0.5, 0.5),
+    "abs_": lambda t, w, m: t.abs_(),
+    "pow_": lambda t, w, m: t.pow_(2),
+    "sigmoid_": lambda t, w, m: t.sigmoid_(),
+    "relu_": lambda t, w, m: t.relu_(),
+    "tanh_": lambda t, w, m: t.tanh_(),
+    "exp_": lambda t, w, m: t.exp_(),
+    "copy_": lambda t, w, m: t.copy_(w * 2),
+    "masked_fill_": lambda t, w, m: t.masked_fill_(m, 0.5),
+    "masked_scatter_": lambda t, w, m: t.masked_scatter_(m, w * 3),
+    "index_put_": lambda t, w, m: t.index_put_((torch.tensor([0, 2]),), w[:2] + 1),
+    "setitem": lambda t, w, m: t.__setitem__(1, w[0] * 4) or t,
+}
+UNARY = ["add_", "mul_", "clamp_", "abs_", "pow_", "sigmoid_", "relu_", "tanh_", "exp_"]
+
+
+def _written(x, layout):
+    """The input the program writes, a (4, 3) tensor made from ``x`` in ``layout``, and the
+    read-only second input ``z`` (sharing memory with it when ``layout`` is "aliased")."""
+    if layout == "dense":
+        return x.clone(), None
+    if layout == "slice":  # rows 1..4 of a (6, 3) storage
+        return torch.cat([x[:1], x, x[:1]]).clone()[1:5], None
+    if layout == "transposed":
+        return x.t().clone().t(), None
+    if layout == "strided":  # every other column of a (4, 6) storage
+        return torch.stack([x, -x], dim=2).reshape(4, 6).clone()[:, ::2], None
+    if layout == "aliased":  # z overlaps the last two rows of x
+        storage = torch.cat([x, x[:2] * 2]).clone()
+        return storage[:4], storage[2:6]
+    raise ValueError(layout)
+
+
+LAYOUTS = ["dense", "transposed"]
+GRADS = ["base", "other", "both"]  # which requires grad: the written input's base, w, or both
+
+
+def _matrix_inputs(layout, grad):
+    def make():
+        x = _leaf(4, 3, requires_grad=grad in ("base", "both"))
+        w = _leaf(4, 3, requires_grad=grad in ("other", "both"))
+        m = torch.rand(4, 3) > 0.5
+        written, z = _written(x, layout)
+        if z is None:
+            z = torch.randn(4, 3)
+        return [x, w], [written, w, z, m]
+    return _seeded(make)
+
+
+def _program(op):
+    def program(x, w, z, m):
+        y = op(x, w, m)
+        return y * 2, x * w + z
+    return program
+
+
+def _program_through_view(op):
+    def program(x, w, z, m):
+        y = op(x.unsqueeze(0), w.unsqueeze(0), m.unsqueeze(0))
+        return y * 2, x * w + z
+    return program
+
+
+@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(OPS))
+def test_inplace_write_to_input_matches_eager(name, layout, grad):
+    assert_matches_eager(_program(OPS[name]), _matrix_inputs(layout, grad))
+
+
+@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize("name", ["add_", "mul_", "clamp_", "abs_", "pow_"])
+def test_inplace_write_through_a_view_of_the_input_matches_eager(name, grad):
+    assert_matches_eager(_program_through_view(OPS[name]), _matrix_inputs("dense", grad))
+
+
+# ------------------------------------------------------------------------- defect 5 (issue 8)
+@pytest.mark.parametrize("name", ["clamp_", "abs_", "pow_"])
+def test_inplace_op_that_saves_its_input_is_not_lost(name):
+    # These ops save the input's value before the write for their backward, so the joint
+    # recording sees the input's working copy twice; the write once went to the input instead.
+    ops = {"clamp_": lambda x: x.clamp_(-1, 1) * 1, "abs_": lambda x: x.abs_() * 1,
+           "pow_": lambda x: x.pow_(3) * 1}
+
+    def make():
+        leaf = (torch.randn(5) * 3).requires_grad_()
+        return [leaf], [leaf.clone()]
+    assert_matches_eager(ops[name], _seeded(make))
