@@ -243,8 +243,11 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
                 b.check(f"{', '.join(str(m.path) for m in g.members)} share one storage of "
                         f"{nbytes} bytes at offsets {offsets}", same_storage, False,
                         uses=tuple(names))
+                # A member may be a buffer, which the fast prologue loads with the module
+                # structure: this check and the view must come after that.
+                b.bsyms[-1].info["after_structure"] = True
             b.bsyms.append(BoundSymbol(STORAGE_VIEW, (first.proxy,), outputs=g.base,
-                                       info={"numel": n}))
+                                       info={"numel": n, "after_structure": True}))
     if check_values:
         for entry in ctx.inputs:
             real = entry.real

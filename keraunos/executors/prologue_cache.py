@@ -156,7 +156,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     statics = [p for p in params if isinstance(p, Proxy) and p.name in structural_vars]
     attribute_parents = _attribute_parents(rest, structural_vars)
     uses_by_rest = _names_used([b for b in rest if not _is_dict_unpack(b, attribute_parents)]) | {
-        v for v in _names_in(ret.args[1])}
+        v for v in _names_in(ret.args[1])} | _names_used(late)
     module_vars = [n for n in structural_vars if n in uses_by_rest and n not in
                    {p.name for p in statics}]
     dict_vars = [n for n in structural_vars if n in attribute_parents]
