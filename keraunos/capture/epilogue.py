@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
 
 import torch
 
-from ..core.proxies import ObjectProxy, Proxy, TensorProxy
+from ..core.proxies import ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
 from ..errors import CaptureError
@@ -30,28 +31,43 @@ class Build:
     children: Any  # list for sequences, dict for mappings and dataclasses
 
 
-@dataclass
+class ViewGrad(Enum):
+    """How autograd saw a returned view when the program made it; the epilogue makes it so."""
+
+    TRACKED = "tracked"    # an ordinary view: gradients flow to what it views
+    DETACHED = "detached"  # x.detach() (and views of it): no grad, no gradient flow
+    NO_GRAD = "no_grad"    # a view made under torch.no_grad(): no grad_fn, as in eager
+
+
+@dataclass(eq=False)
 class FromInput:
-    """A returned tensor that lives in the memory of an input written in place: after the
-    copy-back it is that input itself, or a view of it."""
+    """A returned tensor that lives in the memory of an input: the input itself (``member``), or
+    a view of ``base`` rebuilt on every call (after the copy-back when the program wrote there).
+
+    ``offset`` counts from the base's storage offset *at call time*: the same program serves a
+    slice of a larger tensor at another offset, and its returned views must follow."""
 
     member: TensorProxy | None  # the input itself
-    base: TensorProxy           # the original memory (the input, or a flat view of its storage)
+    base: TensorProxy           # what the view is of: the input, or a flat view of its storage
     size: tuple
     stride: tuple
     offset: int
+    grad: ViewGrad = ViewGrad.TRACKED
+    name: str | None = None     # the epilogue variable holding the view, once bound
 
 
-@dataclass
+@dataclass(eq=False)
 class ViewOf:
     """A returned view of a value the computation returns: rebuilt here, outside the
     computation, so that it is an ordinary view (autograd forbids changing in place a view made
     inside a custom Function)."""
 
-    base: TensorProxy
+    base: Any  # a proxy the computation returns, or another node
     size: tuple
     stride: tuple
     offset: int
+    grad: ViewGrad = ViewGrad.TRACKED
+    name: str | None = None
 
 
 def new_object(cls, state: dict):
@@ -126,13 +142,22 @@ def _code(node: Any, w) -> str:
         if node.python_type is dict:
             return "{" + items + "}"
         return f"{w.constant(node.python_type, node.python_type.__name__)}({{{items}}})"
-    if isinstance(node, FromInput):
-        if node.member is not None:
-            return node.member.name
-        return f"{node.base.name}.as_strided({node.size}, {node.stride}, {node.offset})"
-    if isinstance(node, ViewOf):
-        return f"{node.base.name}.as_strided({node.size}, {node.stride}, {node.offset})"
+    if isinstance(node, FromInput) and node.member is not None:
+        return node.member.name
+    if isinstance(node, (FromInput, ViewOf)):
+        return node.name  # bound by a MAKE_VIEW line before it is used
     return w.value(node)
+
+
+def _view_formatter(bsym, w):
+    node = bsym.args[0]
+    base = _code(node.base, w)
+    source = f"{base}.detach()" if node.grad is ViewGrad.DETACHED else base
+    offset = f"{base}.storage_offset()" + (f" + {node.offset}" if node.offset else "")
+    line = f"{node.name} = {source}.as_strided({node.size}, {node.stride}, {offset})"
+    if node.grad is ViewGrad.NO_GRAD:
+        return [f"with torch.no_grad(): {line}  # the program made this view under no_grad"]
+    return [line]
 
 
 def _unpack_formatter(bsym, w):
@@ -157,7 +182,7 @@ def _copy_back_formatter(bsym, w):
 
 def _write_formatter(bsym, w):
     module, name, value = bsym.args
-    code = value.name if isinstance(value, Proxy) else w.value(value)
+    code = _code(value, w)
     if name.isidentifier():
         return [f"{module.name}.{name} = {code}"]
     return [f"setattr({module.name}, {name!r}, {code})"]
@@ -171,6 +196,7 @@ UNPACK = GlueSymbol("unpack", _unpack_formatter)
 COPY_BACK = GlueSymbol("copy_back", _copy_back_formatter)
 WRITE_ATTRIBUTE = GlueSymbol("write_attribute", _write_formatter)
 RETURN_VALUE = GlueSymbol("return_value", _return_formatter)
+MAKE_VIEW = GlueSymbol("make_view", _view_formatter)
 
 
 @dataclass
@@ -212,11 +238,22 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
         body.append(BoundSymbol(COPY_BACK, (want(g.base), g.updated),
                                 info={"with_grad": g.with_grad, "new_metadata": g.new_metadata}))
 
+    # Each returned view is made once, after the copy-backs, and bound to a name: a view the
+    # program returns twice (or also writes to an attribute) is then one object, as in eager.
+    views: list[FromInput | ViewOf] = []
+
     def mark_inputs(node):
-        if isinstance(node, FromInput):
-            want(node.base)
-            if node.member is not None:
-                want(node.member)
+        if isinstance(node, (FromInput, ViewOf)):
+            if isinstance(node, FromInput):
+                want(node.base)
+                if node.member is not None:
+                    want(node.member)
+                    return
+            else:
+                mark_inputs(node.base)
+            if all(v is not node for v in views):
+                node.name = ctx.names.fresh("view")
+                views.append(node)
         elif isinstance(node, Build) and node.kind == "object":
             for c in node.children.values():
                 mark_inputs(c)
@@ -225,11 +262,14 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
             for c in children:
                 mark_inputs(c)
     mark_inputs(out_template)
-    for write, value in writes:
+    for _, value in writes:
         mark_inputs(value)
+    for _, template in container_writes:
+        mark_inputs(template)
+    body += [BoundSymbol(MAKE_VIEW, (v,)) for v in views]
+    for write, value in writes:
         body.append(BoundSymbol(WRITE_ATTRIBUTE, (want(write.module_path), write.name, value)))
     for path, template in container_writes:
-        mark_inputs(template)
         body.append(BoundSymbol(WRITE_CONTAINER, (want(path), template)))
     body.append(BoundSymbol(RETURN_VALUE, (out_template,)))
     prologue_values = [module_proxies[x] if isinstance(x, Path) else x for x in pro_to_epi]

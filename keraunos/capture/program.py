@@ -35,7 +35,7 @@ from .recorder import Recorder
 from .state import _active
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .epilogue import FromInput, ViewOf, build_epilogue, template_of
+from .epilogue import FromInput, ViewGrad, ViewOf, build_epilogue, template_of
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -66,6 +66,37 @@ def _reads_tensor_state(bsym: BoundSymbol) -> bool:
     """``x.grad`` reads the input itself, not its data: it must not move to the working copy."""
     return isinstance(bsym.symbol, TorchSymbol) and bsym.symbol.style == "getter" and \
         bsym.symbol.name in ("grad", "_base", "grad_fn")
+
+
+def _view_sources(ctx: CaptureContext) -> dict[str, TensorProxy]:
+    """For each tensor the program made by viewing an input, the input it views.
+
+    Found by following the recorded ops, not by storage alone: two arguments may be slices of one
+    tensor, and a view must be rebuilt from (and send its gradient to) the one it was taken of."""
+    source = {e.proxy.name: e.proxy for e in ctx.inputs}
+    for bsym in ctx.bound_symbols:
+        viewed = [p for p in bsym.input_proxies() if p.name in source]
+        if not viewed:
+            continue
+        for out in bsym.output_proxies():
+            key = ctx.storage_of.get(out.name)
+            if out.name in source or key is None:
+                continue
+            of = next((p for p in viewed if ctx.storage_of[p.name] == key), None)
+            if of is not None:
+                source[out.name] = source[of.name]
+    return source
+
+
+def _view_grad(view, source) -> ViewGrad:
+    """How autograd saw ``view`` of ``source`` when the program made it (both fakes)."""
+    if not source.requires_grad:
+        return ViewGrad.TRACKED  # nothing to detach from
+    if not view.requires_grad:
+        return ViewGrad.DETACHED
+    if view.grad_fn is None:
+        return ViewGrad.NO_GRAD
+    return ViewGrad.TRACKED
 
 
 def _return_formatter(bsym, w):
@@ -183,33 +214,46 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
 
     members_by_name = {m.proxy.name: g for g in groups for m in g.members}
     input_names = {e.proxy.name for e in ctx.inputs}
-    input_by_storage: dict[int, TensorProxy] = {}
-    for e in ctx.inputs:
-        input_by_storage.setdefault(ctx.storage_of[e.proxy.name], e.proxy)
+    view_source = _view_sources(ctx)
+    collected: dict[int, Any] = {}  # id(fake) -> its node: a tensor returned twice is one object
 
     def collect(tensor):
         if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
             tensor = ctx.real_tensor_reached_program(tensor)
+            input_names.add(ctx.proxy(tensor).name)
+        if id(tensor) not in collected:
+            collected[id(tensor)] = returned(tensor)
+        return collected[id(tensor)]
+
+    def returned(tensor):
         proxy = ctx.proxy(tensor)
         key = ctx.storage_of[proxy.name]
         if key in mutated_keys:
             group = next(g for g in groups if ctx.storage_of[g.members[0].proxy.name] == key)
-            member = proxy if proxy.name in members_by_name else None
-            base = group.base if group.whole_storage else group.members[0].proxy
-            return FromInput(member, base, tuple(tensor.shape), tuple(tensor.stride()),
-                             tensor.storage_offset())
-        if proxy.name not in input_names and _plain_view(tensor):
+            if proxy.name in members_by_name:
+                return FromInput(proxy, group.base, (), (), 0)
+            # The view is rebuilt after the copy-back, from the input (or its whole storage).
+            base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
+            source = ctx.fake_of[view_source.get(proxy.name, group.members[0].proxy).name]
+            return FromInput(None, group.base, tuple(tensor.shape), tuple(tensor.stride()),
+                             tensor.storage_offset() - base_offset, _view_grad(tensor, source))
+        if proxy.name in input_names:  # the input itself: the very object, as in eager
+            return FromInput(proxy, proxy, (), (), 0)
+        if _plain_view(tensor):
             # A view is returned as a view of what it views: of the input itself (so that
             # writing to it writes to the input, as in eager), or of a returned intermediate.
-            owner = input_by_storage.get(key)
+            owner = view_source.get(proxy.name)
             if owner is not None and owner.dtype == tensor.dtype:
+                source = ctx.fake_of[owner.name]
                 return FromInput(None, owner, tuple(tensor.shape), tuple(tensor.stride()),
-                                 tensor.storage_offset())
+                                 tensor.storage_offset() - source.storage_offset(),
+                                 _view_grad(tensor, source))
             base = tensor._base
             if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
                     ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
                 return ViewOf(collect(base), tuple(tensor.shape), tuple(tensor.stride()),
-                              tensor.storage_offset())
+                              tensor.storage_offset() - base.storage_offset(),
+                              _view_grad(tensor, base))
         proxy = renames.get(proxy.name, proxy)
         if proxy.name not in seen:
             seen.add(proxy.name)
