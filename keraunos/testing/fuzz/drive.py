@@ -1,0 +1,226 @@
+"""Running a program on two sides, the jitted one and its eager twin, and comparing after each step.
+
+Both sides execute the program's source in their own globals (so a change to a global read by a
+helper happens on each side), build the module under the same seed, and run every step after the
+same ``torch.manual_seed``. After each call the driver compares outputs, the inputs (in-place
+effects), the module's parameters, buffers and attributes, the program's globals, and, after a
+backward of the sum of the outputs that require grad, the gradients.
+"""
+from __future__ import annotations
+
+import linecache
+import re
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import keraunos
+
+from .compare import Mismatch, compare_roles, compare_states, compare_tree, flatten, module_state
+from .program import Call, Program
+
+STATUSES = ("pass", "mismatch", "internal error", "refusal")
+
+
+@dataclass
+class Outcome:
+    """What happened to one program: ``status`` is one of ``STATUSES``; ``check`` says which
+    comparison failed, the refusal's cause, or the exception; ``step`` is where."""
+
+    status: str
+    check: str = ""
+    detail: str = ""
+    step: int = -1
+    calls: int = 0              # calls compared before the program ended
+    ended_by_error: str = ""    # both sides raised the same exception (the program is invalid)
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        return self.status, self.check
+
+    def __str__(self) -> str:
+        where = f" at step {self.step}" if self.step >= 0 else ""
+        text = f"{self.status}{where}: {self.check}" if self.check else self.status
+        return text + (f"\n{self.detail}" if self.detail else "")
+
+
+class _Stop(Exception):
+    """Ends a program: ``outcome`` is None when both sides raised alike (nothing to compare)."""
+
+    def __init__(self, outcome: Outcome | None, ended_by_error: str = ""):
+        self.outcome = outcome
+        self.ended_by_error = ended_by_error
+
+
+class _Side:
+    def __init__(self, program: Program, filename: str, make_jitted: Callable | None):
+        self.ns: dict = {"__name__": "keraunos_fuzz_program", "__file__": filename}
+        exec(compile(program.source, filename, "exec"), self.ns)
+        torch.manual_seed(0)
+        plain = self.ns["Model"]() if program.kind == "module" else self.ns["f"]
+        self.model = plain if program.kind == "module" else None
+        self.target = make_jitted(plain) if make_jitted else plain
+
+    def env(self) -> dict:
+        return dict(self.ns, model=self.model, target=self.target, G=self.ns)
+
+
+def run_program(program: Program, make_jitted: Callable = keraunos.jit) -> Outcome:
+    """Drive ``program`` through its steps on ``make_jitted(f_or_model)`` and on the eager twin."""
+    filename = f"keraunos_fuzz_{re.sub(r'[^0-9A-Za-z]', '_', program.name)}.py"
+    source = program.source
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    grad_mode = torch.is_grad_enabled()
+    calls = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                eager = _Side(program, filename, None)
+            except Exception as e:  # noqa: BLE001 - an invalid program (the shrinker makes some)
+                return Outcome("pass", ended_by_error=f"build: {type(e).__name__}: {_first_line(e)}")
+            jitted = _two(lambda: _Side(program, filename, make_jitted))
+            for index, step in enumerate(program.steps):
+                try:
+                    if isinstance(step, Call):
+                        _call(step, eager, jitted)
+                        calls += 1
+                    else:
+                        _both(lambda side: exec(step.render(), side.env()), eager, jitted, "change")
+                except Mismatch as m:
+                    return Outcome("mismatch", m.check, m.detail, index, calls)
+                except _Stop as stop:
+                    if stop.outcome is None:
+                        return Outcome("pass", step=index, calls=calls, ended_by_error=stop.ended_by_error)
+                    stop.outcome.step, stop.outcome.calls = index, calls
+                    return stop.outcome
+    except _Stop as stop:  # the program itself does not build
+        return stop.outcome or Outcome("pass", ended_by_error=stop.ended_by_error)
+    finally:
+        torch.set_grad_enabled(grad_mode)
+        linecache.cache.pop(filename, None)
+    return Outcome("pass", calls=calls)
+
+
+def _two(make):
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - the eager side built, so this is the jit's failure
+        raise _Stop(_classify(None, e, "jit()")) from e
+
+
+def _both(action, eager: _Side, jitted: _Side, where: str):
+    """``action`` on each side; exceptions decide whether the program goes on."""
+    results = []
+    for side in (eager, jitted):
+        try:
+            results.append((action(side), None))
+        except Mismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - every exception is compared with eager's
+            results.append((None, e))
+    (e_value, e_exc), (j_value, j_exc) = results
+    if e_exc is None and j_exc is None:
+        return e_value, j_value
+    outcome = _classify(e_exc, j_exc, where)
+    raise _Stop(outcome, "" if outcome else f"{where}: {type(e_exc).__name__}: {_first_line(e_exc)}")
+
+
+def _classify(e_exc, j_exc, where: str) -> Outcome | None:
+    if j_exc is not None and isinstance(j_exc, keraunos.KeraunosError) and not isinstance(
+            e_exc, type(j_exc)):
+        return Outcome("refusal", _cause(j_exc), _first_line(j_exc))
+    if e_exc is None:
+        return Outcome("internal error", f"{where}: {type(j_exc).__name__}: {_cause(j_exc)}",
+                       "".join(traceback.format_exception(j_exc)[-6:]))
+    if j_exc is None:
+        return Outcome("internal error", f"{where}: eager raised {type(e_exc).__name__}, jit did not",
+                       f"eager: {type(e_exc).__name__}: {_first_line(e_exc)}")
+    if type(e_exc) is not type(j_exc):
+        return Outcome("internal error",
+                       f"{where}: jit raised {type(j_exc).__name__} where eager raised {type(e_exc).__name__}",
+                       f"eager: {_first_line(e_exc)}\njit: {_first_line(j_exc)}\n"
+                       + "".join(traceback.format_exception(j_exc)[-6:]))
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _cause(exc: BaseException) -> str:
+    """An exception's message with the program-specific parts (names, numbers, places) removed,
+    so that refusals and errors of one cause count together."""
+    text = _first_line(exc).replace("keraunos: ", "")
+    text = re.sub(r"\S+\.py(:\d+)?|line \d+", "<place>", text)
+    text = re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "<x>", text)
+    return re.sub(r"\d+", "N", text)[:100]
+
+
+# ------------------------------------------------------------------------------- one call
+def _call(step: Call, eager: _Side, jitted: _Side) -> None:
+    def run(side: _Side):
+        env = side.env()
+        before = set(env)
+        torch.manual_seed(step.seed)
+        exec(step.source, env)
+        torch.manual_seed(step.seed)
+        with torch.set_grad_enabled(not step.no_grad):
+            out = side.target(*env["args"], **env["kwargs"])
+        named = {k: v for k, v in env.items() if k not in before and isinstance(v, torch.Tensor)}
+        for i, a in enumerate(env["args"]):
+            named.setdefault(f"args[{i}]", a)
+        for k, a in env["kwargs"].items():
+            named.setdefault(f"kwargs[{k!r}]", a)
+        return out, [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
+
+    (e_out, e_named), (j_out, j_named) = _both(run, eager, jitted, "call")
+    compare_tree(e_out, j_out, "out", "output")
+    e_flat, j_flat = flatten(e_out), flatten(j_out)
+    compare_roles(e_flat, j_flat, e_named + _static(eager), j_named + _static(jitted))
+    _compare_after(e_named, j_named, eager, jitted, "after the call")
+    _backward(e_flat, j_flat, eager, jitted)
+    _compare_after(e_named, j_named, eager, jitted, "after backward")
+
+
+def _static(side: _Side) -> list[tuple[str, torch.Tensor]]:
+    """Tensors the program can reach besides its arguments: parameters, buffers, globals."""
+    found = [(f"global {k}", v) for k, v in side.ns.items() if isinstance(v, torch.Tensor)]
+    if side.model is not None:
+        found += [(f"parameter {k}", v) for k, v in side.model.named_parameters()]
+        found += [(f"buffer {k}", v) for k, v in side.model.named_buffers()]
+    return found
+
+
+def _compare_after(e_named, j_named, eager: _Side, jitted: _Side, when: str) -> None:
+    for (name, e), (_, j) in zip(e_named, j_named):
+        compare_tree(e, j, name, f"input {when}")
+        if e.is_leaf:
+            compare_tree(e.grad, j.grad, f"{name}.grad", f"gradient {when}")
+    compare_states(module_state(eager.model), module_state(jitted.model), f"module {when}")
+    compare_states(_globals(eager), _globals(jitted), f"global {when}")
+
+
+def _globals(side: _Side) -> dict:
+    return {k: v for k, v in side.ns.items()
+            if k.isupper() and isinstance(v, (int, float, torch.Tensor))}
+
+
+def _backward(e_flat, j_flat, eager: _Side, jitted: _Side) -> None:
+    def float_outputs(flat):
+        return [v for _, v in flat if isinstance(v, torch.Tensor) and v.requires_grad
+                and v.is_floating_point()]
+
+    if not float_outputs(e_flat) and not float_outputs(j_flat):
+        return
+
+    def backward(side: _Side):
+        outputs = float_outputs(e_flat if side is eager else j_flat)
+        if outputs:
+            sum(t.sum() for t in outputs).backward()
+        return len(outputs)
+
+    _both(backward, eager, jitted, "backward")
