@@ -38,3 +38,91 @@ def test_view_of_buffer_written_in_place_gives_eager_result():
     out, expected = jm(torch.ones(4)), e(torch.ones(4))  # no longer aliasing: another entry
     assert_close(out, expected)
     assert_close(m.buf, e.buf)
+
+
+# -------------------------------------------------------- 11: CSE keeps returned values apart
+def test_two_equal_returned_clones_are_two_objects():
+    f = lambda x: (x.clone(), x.clone())  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3)
+    a, b = jf(x)
+    ea, eb = f(x)
+    assert (a is b) == (ea is eb) == False  # noqa: E712
+    a.add_(1)
+    ea.add_(1)
+    assert_close((a, b), (ea, eb))
+
+
+def test_equal_returned_results_with_grad_are_two_objects():
+    f = lambda x: (x * 2, x * 2, (x * 2).sum())  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = jf(x), f(x2)
+    assert out[0] is not out[1]
+    assert_close(out, expected)
+    (out[0].sum() + 2 * out[1].sum() + out[2]).backward()
+    (expected[0].sum() + 2 * expected[1].sum() + expected[2]).backward()
+    assert_close(x.grad, x2.grad)
+
+
+def test_cse_still_merges_a_repeat_used_inside():
+    f = lambda x: x.sin() + x.sin()  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3)
+    assert_close(jf(x), f(x))
+    assert str(keraunos.last_traces(jf)[-1]).count("= x.sin()") == 1
+
+
+# ------------------------------------------------------------ 12: signed zeros and nan constants
+def same_bits(a, b):
+    assert_close(a, b, equal_nan=True)
+    assert torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+def test_negative_zero_scalar_recompiles():
+    f = lambda x, s: x * s  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.ones(2)
+    same_bits(jf(x, 0.0), f(x, 0.0))
+    same_bits(jf(x, -0.0), f(x, -0.0))
+    same_bits(jf(x, 0.0), f(x, 0.0))
+    same_bits(jf(x, -0.0), f(x, -0.0))
+    assert counts(jf) == (2, 2)
+
+
+def test_cse_does_not_merge_opposite_zeros():
+    f = lambda x: x * 0.0 + x * -0.0 * 0 + (x * -0.0)  # noqa: E731
+    g = lambda x: (x * 0.0, x * -0.0)  # noqa: E731
+    x = torch.ones(2)
+    same_bits(keraunos.jit(f)(x), f(x))
+    for out, expected in zip(keraunos.jit(g)(x), g(x)):
+        same_bits(out, expected)
+
+
+def test_nan_scalar_hits_and_zero_does_not_match_nan():
+    f = lambda x, s: x + s  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.ones(2)
+    nan = float("nan")
+    same_bits(jf(x, nan), f(x, nan))
+    same_bits(jf(x, float("nan")), f(x, nan))
+    assert counts(jf) == (1, 1)
+    same_bits(jf(x, 0.0), f(x, 0.0))
+    assert counts(jf) == (2, 1)
+
+
+def test_signed_zero_inside_a_list_attribute_recompiles():
+    class Scales(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scales = [0.0]
+
+        def forward(self, x):
+            return x * self.scales[0]
+    m = Scales()
+    jm = keraunos.jit(m)
+    x = torch.ones(2)
+    same_bits(jm(x), m(x))
+    m.scales[0] = -0.0
+    same_bits(jm(x), m(x))

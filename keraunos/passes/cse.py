@@ -1,7 +1,9 @@
 """Common-subexpression elimination: a line that repeats an earlier one reuses its results.
 
-Never merged: random ops, lines that write, and lines reading or producing tensors whose memory
-some line of the trace writes to (the same expression may then read different values).
+Never merged: random ops, lines that write, lines reading or producing tensors whose memory
+some line of the trace writes to (the same expression may then read different values), and two
+lines whose results are both returned (eager returns two objects: writing to one must not change
+the other). Constants are compared exactly: ``-0.0`` is not ``0.0``, and ``nan`` is ``nan``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from ..core.trace import Trace
 
 
 def _key(value):
+    if type(value) is float:  # 0.0 == -0.0 but x * 0.0 is not x * -0.0; nan != nan
+        return ("float", value.hex())
+    if type(value) is complex:
+        return ("complex", value.real.hex(), value.imag.hex())
     if isinstance(value, Proxy):
         return ("proxy", value.name)
     if isinstance(value, (tuple, list)):
@@ -35,6 +41,7 @@ def common_subexpression_elimination(trace: Trace) -> Trace:
                for p in b.input_proxies() if isinstance(p, TensorProxy)}
     seen: dict = {}
     renames: dict[str, Proxy] = {}
+    returned = _returned_names(trace)
     result = []
     for bsym in trace.bound_symbols:
         if renames:
@@ -46,12 +53,25 @@ def common_subexpression_elimination(trace: Trace) -> Trace:
             key = (id(bsym.symbol.fn), bsym.symbol.name, bsym.symbol.style,
                    _key(bsym.args), _key(bsym.kwargs))
             earlier = seen.get(key)
-            if earlier is not None:
+            if earlier is not None and not (_returns_any(bsym, returned)
+                                            and _returns_any(earlier, returned)):
                 for mine, theirs in zip(pytree.tree_leaves(bsym.outputs),
                                         pytree.tree_leaves(earlier.outputs)):
                     if isinstance(mine, Proxy):
                         renames[mine.name] = theirs
                 continue
-            seen[key] = bsym
+            seen.setdefault(key, bsym)
         result.append(bsym)
     return trace.derive(result, "Common Subexpression Elimination", time.perf_counter() - start)
+
+
+def _returned_names(trace: Trace) -> set[str]:
+    """The names the trace's last line (its return) hands out."""
+    last = trace.bound_symbols[-1] if trace.bound_symbols else None
+    if last is None or last.symbol.name != "return":
+        return set()
+    return {p.name for p in last.input_proxies()}
+
+
+def _returns_any(bsym, returned: set[str]) -> bool:
+    return any(p.name in returned for p in bsym.output_proxies())
