@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,12 +204,34 @@ def _value_condition(v: str, expected: Any, w) -> str:
         return f"{v} is not {expected!r}"
     if isinstance(expected, torch.dtype):
         return f"{v} is not {w.value(expected)}"
-    if type(expected) in (int, float, str, complex):
-        if type(expected) is float and expected != expected:
-            return f"type({v}) is not float or {v} == {v}"  # nan: the only value unequal to itself
+    if type(expected) is float and expected != expected:
+        return f"type({v}) is not float or {v} == {v}"  # nan: the only value unequal to itself
+    if type(expected) is float and expected == 0.0:
+        # -0.0 == 0.0, but x * -0.0 is not x * 0.0: the sign must match too.
+        sign = "<" if math.copysign(1.0, expected) > 0 else ">"
+        return (f"type({v}) is not float or {v} != 0.0 or "
+                f"{w.constant(math.copysign, 'copysign')}(1.0, {v}) {sign} 0.0")
+    if type(expected) in (int, float, str):
         return f"type({v}) is not {type(expected).__name__} or {v} != {w.value(expected)}"
-    return (f"type({v}) is not {w.constant(type(expected), type(expected).__name__)} or "
-            f"{v} != {w.constant(copy.deepcopy(expected), 'expected')}")
+    # Containers and complex numbers: exact equality, with signed zeros and nans told apart.
+    return (f"type({v}) is not {w.constant(type(expected), type(expected).__name__)} or not "
+            f"{w.constant(same_value, 'same_value')}({v}, "
+            f"{w.constant(copy.deepcopy(expected), 'expected')})")
+
+
+def same_value(a, b) -> bool:
+    """``a == b``, where ``-0.0`` differs from ``0.0`` and ``nan`` equals ``nan``, at any depth."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return a.hex() == b.hex() or a != a and b != b
+    if type(a) is complex:
+        return same_value(a.real, b.real) and same_value(a.imag, b.imag)
+    if type(a) in (tuple, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    return a == b
 
 
 def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
