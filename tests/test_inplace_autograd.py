@@ -165,7 +165,7 @@ def test_inplace_write_to_input_matches_eager(name, layout, grad):
 
 
 @pytest.mark.parametrize("grad", GRADS)
-@pytest.mark.parametrize("name", ["add_", "mul_", "clamp_", "abs_", "pow_"])
+@pytest.mark.parametrize("name", UNARY)
 def test_inplace_write_through_a_view_of_the_input_matches_eager(name, grad):
     assert_matches_eager(_program_through_view(OPS[name]), _matrix_inputs("dense", grad))
 
@@ -182,3 +182,37 @@ def test_inplace_op_that_saves_its_input_is_not_lost(name):
         leaf = (torch.randn(5) * 3).requires_grad_()
         return [leaf], [leaf.clone()]
     assert_matches_eager(ops[name], _seeded(make))
+
+
+# ------------------------------------------------------------------------- defect 6 (issue 8)
+SAVES_RESULT = {"sigmoid_": torch.Tensor.sigmoid_, "relu_": torch.Tensor.relu_,
+                "tanh_": torch.Tensor.tanh_, "exp_": torch.Tensor.exp_}
+
+
+def _clone_of_leaf():
+    leaf = torch.randn(2, 3).requires_grad_()
+    return [leaf], [leaf.clone()]
+
+
+@pytest.mark.parametrize("name", list(SAVES_RESULT))
+def test_inplace_op_saving_its_result_written_to_input(name):
+    # The backward reads the op's result; the forward once saved the input itself, which the
+    # copy-back then changed: "modified by an inplace operation" in the backward.
+    op = SAVES_RESULT[name]
+    assert_matches_eager(lambda x: op(x) * 2, _seeded(_clone_of_leaf))
+
+
+@pytest.mark.parametrize("name", list(SAVES_RESULT))
+def test_inplace_op_saving_its_result_through_a_view_of_the_input(name):
+    # The saved result is a view of the working copy, made before the write and returned
+    # from the Function as the input's new value.
+    op = SAVES_RESULT[name]
+    assert_matches_eager(lambda x: op(x.unsqueeze(0)) * 2, _seeded(_clone_of_leaf))
+    assert_matches_eager(lambda x: (op(x[1:]) * 2, x.sum()), _seeded(_clone_of_leaf))
+
+
+@pytest.mark.parametrize("name", list(SAVES_RESULT))
+def test_inplace_op_result_saved_and_input_returned(name):
+    op = SAVES_RESULT[name]
+    assert_matches_eager(lambda x: (x * 3, op(x).sum()), _seeded(_clone_of_leaf))
+

@@ -20,7 +20,11 @@ class KeraunosFunction(torch.autograd.Function):
         outputs, saved = compiled.forward_fn(*inputs)
         ctx.compiled = compiled
         ctx.set_materialize_grads(False)  # an output the loss ignores gets None, not zeros
-        ctx.save_for_backward(*saved)
+        # A saved view of memory written after the view was made (``x.unsqueeze(0).exp_()``)
+        # is a view made under no_grad whose base changed: autograd refuses to unpack it once
+        # that base is an output that requires grad. Its detached alias holds the same memory
+        # and version counter, so in-place changes after the call are still caught.
+        ctx.save_for_backward(*[t.detach() if t._is_view() else t for t in saved])
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outputs[i] for i in compiled.non_differentiable])
         return outputs
