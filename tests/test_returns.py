@@ -140,6 +140,24 @@ def test_returned_view_of_input_written_in_place_follows_offset():
     assert_cache_served_other_offsets(jitted)
 
 
+def transposed_in_place(x):
+    x.t_()
+    return x, x[1:]
+
+
+def squeezed_in_place(x):
+    x.unsqueeze_(0)
+    return x[0, 1:], x
+
+
+def test_input_whose_layout_the_program_changes_keeps_its_offset():
+    # The copy-back gives the input its new layout at its own offset, not the compiling call's:
+    # a wrong offset would also write the new values to the wrong part of the storage.
+    check_calls(transposed_in_place, [own_storage, rows_1_to_4, rows_of_another_base])
+    jitted = check_calls(squeezed_in_place, [own_storage, rows_1_to_4, rows_of_another_base])
+    assert_cache_served_other_offsets(jitted)
+
+
 def test_returned_view_of_shared_storage_input_written_in_place():
     def write_one_view_other(a, b):
         a.mul_(2)

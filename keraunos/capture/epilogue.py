@@ -172,9 +172,11 @@ def _copy_back_formatter(bsym, w):
     copy = f"{bsym.args[0].name}.copy_({bsym.args[1].name})"
     meta = bsym.info.get("new_metadata")
     if meta is not None:  # the program changed the input's shape or strides in place
-        shape, stride, offset, resized = meta
-        prefix = f"{bsym.args[0].name}.resize_({shape}); " if resized else ""
-        copy = f"{prefix}{bsym.args[0].name}.as_strided_({shape}, {stride}, {offset}); {copy}"
+        shape, stride, offset_change, resized = meta
+        name = bsym.args[0].name
+        prefix = f"{name}.resize_({shape}); " if resized else ""
+        offset = f"{name}.storage_offset()" + (f" + {offset_change}" if offset_change else "")
+        copy = f"{prefix}{name}.as_strided_({shape}, {stride}, {offset}); {copy}"
     if not bsym.info.get("with_grad", True):
         return [f"with torch.no_grad(): {copy}  # written in place by the program, under no_grad"]
     return [f"{copy}  # written in place by the program"]

@@ -172,9 +172,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                                     clone, info={"comment": "written in place: work on a copy",
                                                  "copy_of_written_input": True}))
             final = first.fake
-            meta = (tuple(final.shape), tuple(final.stride()), final.storage_offset())
+            # The offset as a change: a later call may pass the same layout at another offset.
+            meta = (tuple(final.shape), tuple(final.stride()),
+                    final.storage_offset() - real.storage_offset())
             new_metadata = None
-            if meta != (tuple(real.shape), tuple(real.stride()), real.storage_offset()):
+            if meta != (tuple(real.shape), tuple(real.stride()), 0):
                 new_metadata = meta + (final.numel() != real.numel(),)
             groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
                                        new_metadata))

@@ -33,7 +33,7 @@ class MutableGroup:
     members: list
     whole_storage: bool
     with_grad: bool = True  # whether the program wrote with grad mode on
-    # (shape, stride, offset, resized) when the program changed the input's metadata in place
+    # (shape, stride, offset change, resized) when the program changed the input's metadata in place
     # (t_(), squeeze_(), resize_()): the epilogue gives the input its new metadata first.
     new_metadata: tuple | None = None
 
