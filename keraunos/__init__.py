@@ -14,6 +14,7 @@ from .core.trace import Trace
 from .errors import CaptureError, KeraunosError, UnsupportedInputError
 from .executors.prologue_cache import invalidate_module_structure
 from .jit import CacheMode, CompileStats, JittedFunction, JittedModule, jit, state_of
+from .report import report
 from .transforms import Transform
 
 __version__ = "0.1.0"
@@ -74,5 +75,5 @@ __all__ = [
     "UnsupportedInputError", "CacheMode", "CompileStats", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
-    "invalidate_module_structure",
+    "invalidate_module_structure", "report",
 ]

@@ -2,7 +2,8 @@
 
 ``run``: build the small GPT of ``keraunos.examples.gpt`` with random weights, compile it, check it
 against eager, print the prologue and computation traces, the per-stage compile times and the
-per-call time next to eager's (median of many calls, one intra-op thread).
+per-call time next to eager's (median of many calls, one intra-op thread). ``--report PATH``
+also writes the HTML report of ``keraunos.report``.
 """
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'keraunos':>12}: {jitted * 1e6:9.1f} us   ({jitted / eager:.2f}x eager; "
           f"cache lookup {stats.last_cache_lookup * 1e6:.1f} us; hits {stats.cache_hits}, "
           f"misses {stats.cache_misses})")
+    if args.report:
+        with torch.no_grad():
+            path = keraunos.report(jmodel, args.report, args=(idx,), calls=min(args.calls, 50))
+        print(f"\nreport written to {path} (open it in a browser)")
     return 0
 
 
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--report", metavar="PATH", help="also write the HTML report (keraunos.report): "
+                   "every trace after every pass, compile stages, cache misses, per-call timings")
     args = parser.parse_args(argv)
     return run(args)
 

@@ -15,4 +15,17 @@ fi
 if ! .venv/bin/python -c "import keraunos, litgpt, pytest, expecttest, transformers" 2>/dev/null; then
   "${PIP[@]}" install -c scripts/constraints.txt -e ".[test]"
 fi
+# Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, only
+# when missing, only where apt-get can run as root. Any failure is reported and the tests skip.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium </dev/null >/dev/null 2>&1 \
+      || { apt-get update -q </dev/null >/dev/null 2>&1 \
+           && apt-get install -y -q chromium </dev/null >/dev/null 2>&1; } \
+      || echo "setup.sh: could not install chromium with apt-get; the browser tests will skip"
+  else
+    echo "setup.sh: chromium is not installed (needs root and apt-get); the browser tests will skip"
+  fi
+fi
 .venv/bin/python -c "import torch, keraunos; print('keraunos', keraunos.__version__, 'with torch', torch.__version__)"
