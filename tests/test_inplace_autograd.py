@@ -45,10 +45,12 @@ def _run(fn, make_inputs):
     """Outputs, the inputs after the call, and the leaves' gradients of one run."""
     leaves, inputs = make_inputs()
     outputs = _as_tuple(fn(*inputs))
-    loss = _loss(outputs, inputs)
+    # What the inputs view is observed too: a write to a slice changes its base's history.
+    bases = [t._base for t in inputs if isinstance(t, torch.Tensor) and t._base is not None]
+    loss = _loss(outputs, inputs + bases)
     if isinstance(loss, torch.Tensor):
         loss.backward()
-    return outputs, inputs, leaves
+    return outputs, inputs + bases, leaves
 
 
 def assert_matches_eager(fn, make_inputs, calls=2):
@@ -127,7 +129,7 @@ def _written(x, layout):
     raise ValueError(layout)
 
 
-LAYOUTS = ["dense", "transposed"]
+LAYOUTS = ["dense", "slice", "transposed", "strided", "aliased"]
 GRADS = ["base", "other", "both"]  # which requires grad: the written input's base, w, or both
 
 
@@ -216,3 +218,33 @@ def test_inplace_op_result_saved_and_input_returned(name):
     op = SAVES_RESULT[name]
     assert_matches_eager(lambda x: (x * 3, op(x).sum()), _seeded(_clone_of_leaf))
 
+
+
+# ------------------------------------------------------------------------- defect 7 (issue 8)
+def test_masked_scatter_into_a_strided_input_sends_gradient_to_the_source():
+    def make():
+        source = torch.randn(12, requires_grad=True)
+        storage = torch.randn(4, 6)
+        mask = torch.rand(4, 3) > 0.5
+        return [source], [storage[:, ::2], mask, source]
+    assert_matches_eager(lambda x, m, s: x.masked_scatter_(m, s) * 2, _seeded(make))
+
+
+def test_write_to_a_slice_keeps_the_gradient_of_the_rest_of_its_storage():
+    # The working copy is the whole storage, a view of the slice's base: the rows outside the
+    # slice (never written) must still send their gradient back to the leaf.
+    def make():
+        leaf = torch.randn(6, 3, requires_grad=True)
+        w = torch.randn(2, 3, requires_grad=True)
+        base = leaf.clone()
+        return [leaf, w], [base[2:4], w]
+    assert_matches_eager(lambda x, w: x.mul_(w).sum(), _seeded(make))
+
+
+def test_write_to_one_of_two_overlapping_arguments_reaches_the_other():
+    def make():
+        leaf = torch.randn(8, requires_grad=True)
+        w = torch.randn(5, requires_grad=True)
+        base = leaf.clone()
+        return [leaf, w], [base[:5], base[3:], w]
+    assert_matches_eager(lambda x, z, w: (x.add_(w) * z[:1], z * 3), _seeded(make))

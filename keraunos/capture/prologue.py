@@ -49,9 +49,19 @@ def _unpack_formatter(bsym, w):
     return [f"{bsym.outputs.name} = {path.expression(parent)}"]
 
 
+def storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """A flat view of all of ``t``'s storage. Taken of the tensor ``t`` views (when it views one
+    with its dtype and requires_grad) so that gradients reach memory outside ``t`` itself (the
+    rows of another argument sharing the storage), as they do in eager."""
+    base = t._base
+    if base is None or base.dtype is not t.dtype or base.requires_grad is not t.requires_grad:
+        base = t
+    return torch.as_strided(base, (numel,), (1,), 0)
+
+
 def _storage_view_formatter(bsym, w):
     (tensor,), n = bsym.args, bsym.info["numel"]
-    return [f"{bsym.outputs.name} = torch.as_strided({tensor.name}, ({n},), (1,), 0)"]
+    return [f"{bsym.outputs.name} = storage_view({tensor.name}, {n})"]
 
 
 def _check_formatter(bsym, w):
@@ -74,7 +84,8 @@ def _return_formatter(bsym, w):
 UNPACK = GlueSymbol("unpack", _unpack_formatter)
 UNPACK_CONSTANT = GlueSymbol("unpack_constant",
                              lambda b, w: [f"{b.outputs.name} = {b.args[0]}"])
-STORAGE_VIEW = GlueSymbol("storage_view", _storage_view_formatter)
+STORAGE_VIEW = GlueSymbol("storage_view", _storage_view_formatter,
+                          {"storage_view": storage_view})
 CHECK = GlueSymbol("check", _check_formatter)
 CHECK_TENSOR = GlueSymbol("check_tensor", _check_tensor_formatter, {"check_tensor": check_tensor})
 RETURN = GlueSymbol("return", _return_formatter)
