@@ -166,7 +166,7 @@ def _call(step: Call, eager: _Side, jitted: _Side) -> None:
         env = side.env()
         before = set(env)
         torch.manual_seed(step.seed)
-        exec(step.source, env)
+        exec(step.full_source, env)
         torch.manual_seed(step.seed)
         with torch.set_grad_enabled(not step.no_grad):
             out = side.target(*env["args"], **env["kwargs"])

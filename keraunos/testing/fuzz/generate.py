@@ -205,7 +205,8 @@ class _Steps:
                         steps.append(Change(change, self.next_seed()))
                 self.mutate_spec()
             no_grad = i > 0 and self.rng.random() < 0.2
-            steps.append(Call(self.render_call(), self.next_seed(), no_grad))
+            source, args, kwargs = self.render_call()
+            steps.append(Call(source, self.next_seed(), args, kwargs, no_grad))
         return steps
 
     def next_seed(self) -> int:
@@ -235,7 +236,7 @@ class _Steps:
         elif what == "kw":
             spec["kw"] = not spec["kw"]
 
-    def render_call(self) -> str:
+    def render_call(self) -> tuple[str, tuple, tuple]:
         spec = self.spec
         dtype = self.dtype if self.program.kind == "module" else spec["dtype"]
         lines, args = [], {}
@@ -249,16 +250,13 @@ class _Steps:
             a = args.get("a", "")
             args["d"] = f"{a}[0]" if not a.startswith("L_") else self.tensor(lines, "d", spec["n"], dtype)
         ordered = [args[p] for p in self.program.params if p != "s"]
-        scalar = repr(spec["s"]) if "s" in self.program.params else None
-        kwargs = {}
-        if scalar is not None:
+        kwargs = ()
+        if "s" in self.program.params:
             if spec["kw"]:
-                kwargs["s"] = scalar
+                kwargs = (("s", repr(spec["s"])),)
             else:
-                ordered.append(scalar)
-        lines.append("args = (" + "".join(f"{a}, " for a in ordered) + ")")
-        lines.append("kwargs = {" + ", ".join(f"'{k}': {v}" for k, v in kwargs.items()) + "}")
-        return "\n".join(lines)
+                ordered.append(repr(spec["s"]))
+        return "\n".join(lines), tuple(ordered), kwargs
 
     def leaf(self, lines, name, shape, dtype, grad, mutated, kind="randn") -> str:
         """A tensor of ``shape``; when it requires grad, a leaf and (if the program writes to

@@ -20,18 +20,27 @@ D = 4
 
 @dataclass(frozen=True)
 class Call:
-    """One call of the program. ``source`` builds ``args`` (a tuple) and ``kwargs`` (a dict)
-    after ``torch.manual_seed(seed)``; every tensor it names is compared after the call."""
+    """One call of the program: ``source`` makes the arguments after ``torch.manual_seed(seed)``,
+    ``args`` are the positional argument expressions and ``kwargs`` the keyword ones; every tensor
+    the source names is compared after the call."""
 
     source: str
     seed: int
+    args: tuple[str, ...] = ()
+    kwargs: tuple[tuple[str, str], ...] = ()
     no_grad: bool = False
+
+    @property
+    def full_source(self) -> str:
+        args = "".join(f"{a}, " for a in self.args)
+        kwargs = ", ".join(f"{k!r}: {v}" for k, v in self.kwargs)
+        return f"{self.source}\nargs = ({args})\nkwargs = {{{kwargs}}}"
 
     def render(self, target: str = "target") -> str:
         call = f"out = {target}(*args, **kwargs)"
         if self.no_grad:
             call = f"with torch.no_grad():\n    {call}"
-        return f"torch.manual_seed({self.seed})\n{self.source}\n{call}"
+        return f"torch.manual_seed({self.seed})\n{self.full_source}\n{call}"
 
 
 @dataclass(frozen=True)

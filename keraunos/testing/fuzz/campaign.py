@@ -1,0 +1,98 @@
+"""Many programs: run them (in worker processes if asked), count outcomes, shrink each distinct
+failure once."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .drive import Outcome, run_program
+from .generate import generate
+from .shrink import shrink
+
+
+@dataclass
+class Report:
+    outcomes: dict[str, Outcome] = field(default_factory=dict)      # program name -> outcome
+    reproducers: dict[tuple, list[str]] = field(default_factory=dict)  # signature -> shrunk scripts
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> dict[tuple, list[str]]:
+        """Distinct failures (status, check) -> the programs that fail so."""
+        groups = defaultdict(list)
+        for name, o in self.outcomes.items():
+            if o.status in ("mismatch", "internal error"):
+                groups[o.signature].append(name)
+        return dict(groups)
+
+    def summary(self) -> str:
+        counts = Counter(o.status for o in self.outcomes.values())
+        calls = sum(o.calls for o in self.outcomes.values())
+        ended = sum(1 for o in self.outcomes.values() if o.ended_by_error)
+        lines = [f"{len(self.outcomes)} programs, {calls} calls compared, {self.seconds:.0f} s",
+                 *(f"  {status:>15}: {counts.get(status, 0)}"
+                   for status in ("pass", "mismatch", "internal error", "refusal")),
+                 f"  ({ended} passing programs ended early because eager raised as well)"]
+        refusals = Counter(o.check for o in self.outcomes.values() if o.status == "refusal")
+        if refusals:
+            lines.append("refusals by cause:")
+            lines += [f"  {n:5d}  {cause}" for cause, n in refusals.most_common()]
+        if self.failures:
+            lines.append("failures by kind:")
+            for (status, check), names in sorted(self.failures.items(), key=lambda kv: -len(kv[1])):
+                lines.append(f"  {len(names):5d}  {status}: {check}   (e.g. {', '.join(names[:3])})")
+        return "\n".join(lines)
+
+    def reproducers_text(self) -> str:
+        """One shrunk, runnable reproducer per distinct failure."""
+        return "\n\n".join(f"# ===== {status}: {check}\n{script}"
+                             for (status, check), scripts in self.reproducers.items()
+                             for script in dict.fromkeys(scripts))
+
+
+def _run_one(name: str) -> tuple[str, Outcome]:
+    return name, run_program(generate(name))
+
+
+def _shrink_one(job) -> tuple[tuple, str]:
+    name, outcome, budget = job
+    program, result = shrink(generate(name), outcome, budget_s=budget)
+    return outcome.signature, program.reproducer(str(result))
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+
+
+def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
+                 per_kind: int = 2, progress=None) -> Report:
+    """Run the programs ``names``; shrink up to ``per_kind`` programs of each distinct failure
+    (one kind of check can hide several causes)."""
+    start = time.monotonic()
+    report = Report()
+    pool = multiprocessing.get_context("fork").Pool(jobs, _init_worker) if jobs > 1 else None
+    mapper = pool.imap_unordered if pool else map
+    try:
+        for done, (name, outcome) in enumerate(mapper(_run_one, names), 1):
+            report.outcomes[name] = outcome
+            if progress and done % 100 == 0:
+                progress.write(f"{done}/{len(names)} programs\n")
+        if shrink_budget > 0:
+            jobs_ = [(name, report.outcomes[name], shrink_budget)
+                     for names_ in report.failures.values() for name in names_[:per_kind]]
+            for signature, script in mapper(_shrink_one, jobs_):
+                report.reproducers.setdefault(signature, []).append(script)
+        else:
+            for signature, names_ in report.failures.items():
+                report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
+                                                 for name in names_[:per_kind]]
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    report.seconds = time.monotonic() - start
+    return report

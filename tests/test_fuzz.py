@@ -1,0 +1,170 @@
+"""The differential fuzzer: generated programs agree with eager, and the checker itself can fail.
+
+``test_fixed_seeds_agree_with_eager`` runs a fixed set of generated programs (functions and
+modules driven through calls and state changes) and asserts that none disagrees with eager and
+none raises an internal error; its failure message carries shrunk, runnable reproducers. The
+other tests plant bugs in the "jitted" side to show that each comparison can fail, and that the
+shrinker shrinks.
+"""
+import os
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import keraunos
+from keraunos.testing.fuzz import Call, Change, Program, generate, run_program, shrink
+from keraunos.testing.fuzz.campaign import run_campaign
+
+CI_PROGRAMS = int(os.environ.get("KERAUNOS_FUZZ_PROGRAMS", "160"))
+
+
+def test_fixed_seeds_agree_with_eager():
+    names = [f"ci:{i}" for i in range(CI_PROGRAMS)]
+    report = run_campaign(names, shrink_budget=20.0, per_kind=1)
+    outcomes = report.outcomes.values()
+    refused = sum(o.status == "refusal" for o in outcomes)
+    compared = sum(o.calls for o in outcomes)
+    assert not report.failures, report.summary() + "\n\n" + report.reproducers_text()
+    # A fuzzer whose programs are all refused or all invalid tests nothing.
+    assert refused <= len(names) // 5, report.summary()
+    assert compared >= 2 * len(names), report.summary()
+
+
+# ------------------------------------------------------------------ the checker can fail
+def _program(body, returns, structure="tuple", steps=None, params=("a",)) -> Program:
+    steps = steps or (Call("a = torch.randn(3, D)", 1, ("a",)),
+                      Call("L = torch.randn(3, D).requires_grad_()\na = L.clone()", 2, ("a",)))
+    return Program(name="planted", kind="function", params=params, header=(), sub_init=(),
+                   sub_body=(), init=(), body=tuple(body), returns=tuple(returns),
+                   structure=structure, steps=tuple(steps))
+
+
+def _outputs_map(fn):
+    """A planted "compiler": runs the function eagerly, then applies ``fn`` to each output."""
+    def make(f):
+        def wrapped(*args, **kwargs):
+            return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x,
+                                   f(*args, **kwargs))
+        return wrapped
+    return make
+
+
+def test_eager_against_itself_passes():
+    outcome = run_program(_program(["a.add_(1.0)", "t = a * 2"], ["a", "t", "a[1:]", "None"]),
+                          make_jitted=lambda f: f)
+    assert outcome.status == "pass" and outcome.calls == 2, outcome
+
+
+def test_planted_wrong_value_is_a_mismatch():
+    outcome = run_program(_program(["t = a * 2"], ["t"]),
+                          make_jitted=_outputs_map(lambda t: t + 0.01))
+    assert (outcome.status, outcome.check) == ("mismatch", "output value"), outcome
+
+
+def test_planted_new_object_for_returned_input_is_an_identity_mismatch():
+    outcome = run_program(_program(["a.add_(1.0)"], ["a"]),
+                          make_jitted=_outputs_map(lambda t: t.view_as(t)))
+    assert (outcome.status, outcome.check) == ("mismatch", "output identity"), outcome
+
+
+def test_planted_copy_of_returned_view_is_an_aliasing_mismatch():
+    outcome = run_program(_program([], ["a[1:]"]), make_jitted=_outputs_map(torch.clone))
+    assert (outcome.status, outcome.check) == ("mismatch", "output aliasing"), outcome
+
+
+def test_planted_lost_inplace_write_is_an_input_mismatch():
+    def on_copies(f):
+        return lambda *args: f(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+
+    outcome = run_program(_program(["a.mul_(3.0)"], ["a.sum()"]), make_jitted=on_copies)
+    assert (outcome.status, outcome.check) == ("mismatch", "input after the call value"), outcome
+
+
+def test_planted_detached_output_is_a_requires_grad_mismatch():
+    outcome = run_program(_program(["t = a * 2"], ["t"]),
+                          make_jitted=_outputs_map(torch.Tensor.detach))
+    assert outcome.status == "mismatch" and outcome.step == 1, outcome
+    assert outcome.check == "output requires_grad", outcome
+
+
+def test_planted_wrong_gradient_is_a_gradient_mismatch():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    outcome = run_program(_program(["t = a * 2"], ["t"]), make_jitted=_outputs_map(Doubled.apply))
+    assert (outcome.status, outcome.check) == ("mismatch", "gradient after backward value"), outcome
+
+
+def test_planted_stale_module_state_is_a_module_mismatch():
+    program = Program(
+        name="planted", kind="module", params=("a",), header=(), sub_init=(), sub_body=(),
+        init=("self.register_buffer('buf', torch.zeros(D))",), body=("self.buf.add_(1.0)",),
+        returns=("a * 2",), structure="single",
+        steps=(Call("a = torch.randn(2, D)", 1, ("a",)),))
+
+    def on_copy(model):
+        import copy
+        return copy.deepcopy(model)
+
+    outcome = run_program(program, make_jitted=on_copy)
+    assert (outcome.status, outcome.check) == ("mismatch", "module after the call value"), outcome
+
+
+def test_unexpected_exception_is_an_internal_error_and_capture_error_a_refusal():
+    def raising(exc):
+        def make(f):
+            def wrapped(*args, **kwargs):
+                raise exc
+            return wrapped
+        return make
+
+    program = _program(["t = a * 2"], ["t"])
+    crashed = run_program(program, make_jitted=raising(ValueError("boom")))
+    assert crashed.status == "internal error" and "ValueError" in crashed.check, crashed
+    refused = run_program(program, make_jitted=raising(keraunos.CaptureError("no can do")))
+    assert (refused.status, refused.check) == ("refusal", "no can do"), refused
+
+
+def test_jit_that_does_not_raise_where_eager_does_is_an_internal_error():
+    program = _program(["t = a @ a"], ["t"])  # (3, 4) @ (3, 4): eager raises
+    outcome = run_program(program, make_jitted=lambda f: (lambda *a: torch.zeros(3)))
+    assert outcome.status == "internal error" and "eager raised RuntimeError" in outcome.check
+
+
+# ---------------------------------------------------------------------------- the rest
+def test_generation_is_deterministic_and_diverse():
+    assert generate("0:7") == generate("0:7")
+    sources = {generate(f"0:{i}").source for i in range(20)}
+    kinds = {generate(f"0:{i}").kind for i in range(20)}
+    assert len(sources) == 20 and kinds == {"function", "module"}
+
+
+def test_shrinker_keeps_the_failure_and_drops_the_rest():
+    program = generate("0:3")
+    program = program.with_(steps=program.steps + tuple(
+        Change("G['UNUSED'] = 1", 9) for _ in range(3)))
+    planted = _outputs_map(lambda t: t + 1.0 if t.is_floating_point() else t)
+    outcome = run_program(program, make_jitted=planted)
+    assert outcome.status == "mismatch", outcome
+    small, small_outcome = shrink(program, outcome, run=lambda p: run_program(p, planted),
+                                  budget_s=60)
+    assert small_outcome.signature == outcome.signature
+    assert len(small.steps) == 1 and len(small.body) < max(len(program.body), 1)
+    assert len(small.source) < len(program.source)
+    namespace = {}
+    exec(compile(small.reproducer(str(small_outcome)), "reproducer", "exec"), namespace)
+    assert namespace["program"] == small  # the printed reproducer rebuilds the same program
+
+
+@pytest.mark.parametrize("name", ["0:0", "0:1"])
+def test_reproducer_is_runnable(name, capsys):
+    script = generate(name).reproducer("example")
+    exec(compile(script, "reproducer", "exec"), {})
+    assert capsys.readouterr().out.split()[0] in ("pass", "mismatch", "internal", "refusal")
