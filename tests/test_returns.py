@@ -116,7 +116,13 @@ OFFSETS = [rows_0_to_3, rows_1_to_4, rows_of_another_base, own_storage, rows_1_t
     lambda x: x.unsqueeze(0).expand(2, 3, 3),
     lambda x: x.diagonal(),
     lambda x: (x[1], x[2:], x.t()),
-], ids=["slice", "column", "transposed", "flat", "expanded", "diagonal", "several"])
+    lambda x: x.narrow(0, 1, 2).mT,
+    lambda x: x.split(1),
+    # as_strided names its storage offset: absolute, whatever the input's own offset.
+    lambda x: torch.as_strided(x, (2,), (4,), 1),
+    lambda x: x.as_strided((2, 2), (3, 1), 2)[1:],
+], ids=["slice", "column", "transposed", "flat", "expanded", "diagonal", "several", "narrow",
+        "split", "as_strided", "as_strided_method"])
 def test_returned_view_of_input_follows_its_storage_offset(view):
     assert_cache_served_other_offsets(check_calls(view, OFFSETS))
 
@@ -155,6 +161,14 @@ def test_input_whose_layout_the_program_changes_keeps_its_offset():
     # a wrong offset would also write the new values to the wrong part of the storage.
     check_calls(transposed_in_place, [own_storage, rows_1_to_4, rows_of_another_base])
     jitted = check_calls(squeezed_in_place, [own_storage, rows_1_to_4, rows_of_another_base])
+    assert_cache_served_other_offsets(jitted)
+
+
+def test_as_strided_view_of_input_written_in_place_keeps_its_named_offset():
+    def written_then_strided(x):
+        x.mul_(3)
+        return x.as_strided((2,), (2,), 1), x[1:]
+    jitted = check_calls(written_then_strided, [own_storage, rows_1_to_4, rows_of_another_base])
     assert_cache_served_other_offsets(jitted)
 
 

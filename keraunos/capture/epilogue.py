@@ -45,7 +45,8 @@ class FromInput:
     a view of ``base`` rebuilt on every call (after the copy-back when the program wrote there).
 
     ``offset`` counts from the base's storage offset *at call time*: the same program serves a
-    slice of a larger tensor at another offset, and its returned views must follow."""
+    slice of a larger tensor at another offset, and its returned views must follow. Only a view
+    the program made with ``as_strided`` has an ``absolute`` offset, the one it named."""
 
     member: TensorProxy | None  # the input itself
     base: TensorProxy           # what the view is of: the input, or a flat view of its storage
@@ -53,6 +54,7 @@ class FromInput:
     stride: tuple
     offset: int
     grad: ViewGrad = ViewGrad.TRACKED
+    absolute: bool = False
     name: str | None = None     # the epilogue variable holding the view, once bound
 
 
@@ -153,7 +155,10 @@ def _view_formatter(bsym, w):
     node = bsym.args[0]
     base = _code(node.base, w)
     source = f"{base}.detach()" if node.grad is ViewGrad.DETACHED else base
-    offset = f"{base}.storage_offset()" + (f" + {node.offset}" if node.offset else "")
+    if getattr(node, "absolute", False):
+        offset = str(node.offset)
+    else:
+        offset = f"{base}.storage_offset()" + (f" + {node.offset}" if node.offset else "")
     line = f"{node.name} = {source}.as_strided({node.size}, {node.stride}, {offset})"
     if node.grad is ViewGrad.NO_GRAD:
         return [f"with torch.no_grad(): {line}  # the program made this view under no_grad"]

@@ -68,12 +68,17 @@ def _reads_tensor_state(bsym: BoundSymbol) -> bool:
         bsym.symbol.name in ("grad", "_base", "grad_fn")
 
 
-def _view_sources(ctx: CaptureContext) -> dict[str, TensorProxy]:
-    """For each tensor the program made by viewing an input, the input it views.
+# Views whose storage offset is the one the program names, not one relative to what they view.
+_ABSOLUTE_OFFSET_VIEWS = frozenset({"as_strided"})
+
+
+def _view_sources(ctx: CaptureContext) -> dict[str, tuple[TensorProxy, bool]]:
+    """For each tensor the program made by viewing an input: the input it views, and whether
+    its storage offset is absolute (``as_strided`` somewhere on the way) rather than relative.
 
     Found by following the recorded ops, not by storage alone: two arguments may be slices of one
     tensor, and a view must be rebuilt from (and send its gradient to) the one it was taken of."""
-    source = {e.proxy.name: e.proxy for e in ctx.inputs}
+    source = {e.proxy.name: (e.proxy, False) for e in ctx.inputs}
     for bsym in ctx.bound_symbols:
         viewed = [p for p in bsym.input_proxies() if p.name in source]
         if not viewed:
@@ -84,7 +89,9 @@ def _view_sources(ctx: CaptureContext) -> dict[str, TensorProxy]:
                 continue
             of = next((p for p in viewed if ctx.storage_of[p.name] == key), None)
             if of is not None:
-                source[out.name] = source[of.name]
+                owner, absolute = source[of.name]
+                op = bsym.symbol.name.rsplit(".", 1)[-1]  # torch.as_strided, x.as_strided
+                source[out.name] = (owner, absolute or op in _ABSOLUTE_OFFSET_VIEWS)
     return source
 
 
@@ -237,21 +244,23 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             if proxy.name in members_by_name:
                 return FromInput(proxy, group.base, (), (), 0)
             # The view is rebuilt after the copy-back, from the input (or its whole storage).
+            owner, absolute = view_source.get(proxy.name, (group.members[0].proxy, False))
             base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
-            source = ctx.fake_of[view_source.get(proxy.name, group.members[0].proxy).name]
             return FromInput(None, group.base, tuple(tensor.shape), tuple(tensor.stride()),
-                             tensor.storage_offset() - base_offset, _view_grad(tensor, source))
+                             tensor.storage_offset() - (0 if absolute else base_offset),
+                             _view_grad(tensor, ctx.fake_of[owner.name]), absolute)
         if proxy.name in input_names:  # the input itself: the very object, as in eager
             return FromInput(proxy, proxy, (), (), 0)
         if _plain_view(tensor):
             # A view is returned as a view of what it views: of the input itself (so that
             # writing to it writes to the input, as in eager), or of a returned intermediate.
-            owner = view_source.get(proxy.name)
+            owner, absolute = view_source.get(proxy.name, (None, False))
             if owner is not None and owner.dtype == tensor.dtype:
                 source = ctx.fake_of[owner.name]
                 return FromInput(None, owner, tuple(tensor.shape), tuple(tensor.stride()),
-                                 tensor.storage_offset() - source.storage_offset(),
-                                 _view_grad(tensor, source))
+                                 tensor.storage_offset() - (0 if absolute else
+                                                            source.storage_offset()),
+                                 _view_grad(tensor, source), absolute)
             base = tensor._base
             if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
                     ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
