@@ -30,11 +30,10 @@ class CacheEntry:
     alias_pattern: tuple | None  # None: every tensor input has memory of its own
     stages: dict[str, float]
     hits: int = 0
-    # Which inputs the alias check compares (None: nothing can alias), which are parameters
-    # and buffers, and their storages as of the module-structure token.
+    # Which inputs the alias check compares (None: at most one tensor), and which the program
+    # writes to (only then, or when inputs shared memory, does sharing matter; None: unknown,
+    # an op of unknown effect or a write without a copy).
     alias_positions: tuple | None = None
-    static_positions: tuple = ()
-    static_storages: frozenset = frozenset()
-    static_token: object = None
+    written_positions: tuple | None = None
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True

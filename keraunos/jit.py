@@ -28,7 +28,6 @@ from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
 from .capture.state import active_context
 from .errors import user_source
-from .executors.prologue_cache import _tree_token
 from .pipeline import compile_entry
 from .transforms import Transform
 
@@ -85,6 +84,7 @@ class _JitState:
         self.profile = profile
         self.entries: list[CacheEntry] = []  # most recently used first; replaced, never mutated
         self.lock = threading.RLock()
+        self.counter_lock = threading.Lock()  # cheaper than the RLock; held for one increment
         self.hits = 0
         self.misses = 0
         self.last_entry: CacheEntry | None = None
@@ -109,7 +109,8 @@ def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
             if type(r) is tuple and check_storage_aliases(entry, r[0]):
                 if i:
                     _promote(state, entry)
-                state.hits += 1
+                with state.counter_lock:  # += is no atomic operation: threads would lose counts
+                    state.hits += 1
                 state.last_entry = entry
                 state.last_lookup = time.perf_counter() - start
                 return entry, r[0], r[1]
@@ -124,52 +125,61 @@ _is_alias_of = torch._C._is_alias_of
 def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
     """Whether the tensor inputs share memory exactly as they did when ``entry`` was compiled.
 
-    Parameters and buffers are not compared with each other on every call (that is the module's
-    structure, see executors/prologue_cache.py); the other inputs are, with each other and with
-    the parameters' and buffers' storages."""
+    Sharing only matters for an input the program writes to, or when inputs shared memory when
+    it was compiled (a program that only reads computes eager's values whatever its inputs
+    share). Nothing about it is cached across calls: ``p.data = t``, ``set_`` and
+    ``swap_tensors`` change a parameter's memory without any hook. A written input whose
+    storage nothing else refers to shares it with nobody, which is cheap to ask; otherwise every
+    tensor input, parameters and buffers included, is compared."""
     return entry.alias_check(inputs)
+
+
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def _alone(t: torch.Tensor) -> bool:
+    # Two references: the tensor's and the temporary storage object's.
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
 
 
 def _alias_check_for(entry: CacheEntry) -> Callable:
     """The cheapest check that is exact for this entry, decided once instead of on every call."""
-    positions = entry.alias_positions
-    if positions is None:  # at most one tensor that could alias anything
+    positions, written = entry.alias_positions, entry.written_positions
+    if positions is None or (entry.alias_pattern is None and written == ()):
         return lambda inputs: True
-    if len(positions) == 2 and not entry.static_positions and entry.alias_pattern is None:
+    if len(positions) == 2 and entry.alias_pattern is None:
         a, b = positions
         return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
+    if entry.alias_pattern is None and written is not None:
+        def check(inputs):
+            for i in written:
+                if not _alone(inputs[i]):
+                    return _alias_pattern(entry, inputs) is None
+            return True
+        return check
     return lambda inputs: _alias_pattern(entry, inputs) == entry.alias_pattern
 
 
 def _alias_pattern(entry: CacheEntry, inputs: Sequence):
-    checked = [inputs[i] for i in entry.alias_positions]
-    statics = ()
-    if entry.static_positions:
-        if entry.static_token is not _tree_token[0]:
-            entry.static_storages = frozenset(
-                inputs[i].untyped_storage().data_ptr() for i in entry.static_positions
-                if inputs[i].numel())
-            entry.static_token = _tree_token[0]
-        statics = entry.static_storages
-    return storage_alias_pattern(checked, statics)
+    return storage_alias_pattern([inputs[i] for i in entry.alias_positions])
 
 
-def storage_alias_pattern(inputs: Sequence, static_storages=frozenset()) -> tuple | None:
-    """For each tensor, the index of the first one sharing its storage (and its offset in it),
-    and which share a storage with a parameter or buffer; ``None`` when nothing is shared (the
-    common case, compared cheaply)."""
-    if not static_storages and len(inputs) <= 4:  # a few arguments: compare them pairwise
+_storage_id = torch._C._storage_id  # the StorageImpl: what _is_alias_of compares
+
+
+def storage_alias_pattern(inputs: Sequence) -> tuple | None:
+    """For each tensor, the index of the first one sharing its storage and its offset in it;
+    ``None`` when nothing is shared (the common case, compared cheaply)."""
+    if len(inputs) <= 4:  # a few tensors: compare them pairwise
         if not any(_is_alias_of(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1:]):
             return None
-    pointers = [t.untyped_storage().data_ptr() if t.numel() else -i - 1
-                for i, t in enumerate(inputs)]
-    hits = tuple(i for i, p in enumerate(pointers) if p in static_storages)
-    if not hits and len(set(pointers)) == len(pointers):
+    storages = list(map(_storage_id, inputs))  # one C loop: the hit path of writing modules
+    if len(set(storages)) == len(storages):
         return None
     first: dict[int, int] = {}
     # Views at other offsets are different programs when the inputs are rebuilt from one storage.
-    return tuple((first.setdefault(p, i), inputs[i].storage_offset() if p >= 0 else 0)
-                 for i, p in enumerate(pointers)), hits
+    return tuple((first.setdefault(s, i), inputs[i].storage_offset())
+                 for i, s in enumerate(storages))
 
 
 def maybe_connect_to_autograd(entry: CacheEntry, result):
@@ -250,13 +260,15 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             reason = explain(entry, args, kwargs)
             if reason is None:
                 r = entry.prologue_fn(*args, **kwargs)
-                state.hits += 1
+                with state.counter_lock:
+                    state.hits += 1
                 state.last_entry = entry
                 state.last_lookup = time.perf_counter() - start
                 return entry, r[0], r[1]
             reasons.append(reason)
         state.last_miss_reasons = reasons
-        state.misses += 1
+        with state.counter_lock:
+            state.misses += 1
         entry = compile_entry(state, args, kwargs)
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
         r = entry.prologue_fn(*args, **kwargs)

@@ -11,7 +11,7 @@ from . import executors as executors_module
 from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
-from .core.tags import STATIC_MEMORY_LOCATION
+from .core.tags import OPAQUE
 from .core.trace import Trace
 from .executors.prologue_cache import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
@@ -74,15 +74,18 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
     for t in state.transforms:
         t0 = time.perf_counter()
         computation = t.transform_trace_post_optimization(computation)
-        computation = computation.derive(computation.bound_symbols, t.name,
-                                         time.perf_counter() - t0)
+        forward_seconds = time.perf_counter() - t0
+        computation = computation.derive(computation.bound_symbols, t.name, forward_seconds)
         computation_traces.append(computation)
+        backward_seconds = 0.0
         if backward is not None:
             t0 = time.perf_counter()
             backward = t.transform_trace_post_optimization(backward)
-            backward = backward.derive(backward.bound_symbols, t.name, time.perf_counter() - t0)
+            backward_seconds = time.perf_counter() - t0
+            backward = backward.derive(backward.bound_symbols, t.name, backward_seconds)
             backward_traces.append(backward)
-        stages[f"transform {t.name} (post optimization)"] = time.perf_counter() - t0
+        # The hook's time on the forward and on the backward, not the labelling between them.
+        stages[f"transform {t.name} (post optimization)"] = forward_seconds + backward_seconds
     computation = delete_last_used(computation)
     computation_traces.append(computation)
     stages["delete last used"] = computation.seconds
@@ -102,14 +105,25 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
                                                    split)
     epilogue_fn = epilogue.python_callable()
     stages["codegen"] = time.perf_counter() - t0
-    params = program.computation.params
-    static = tuple(i for i, p in enumerate(params) if STATIC_MEMORY_LOCATION in p.tags)
-    others = tuple(i for i in range(len(params)) if i not in static)
-    alias_positions = others if (len(others) > 1 or (others and static)) else None
+    positions = tuple(range(len(program.computation.params)))
     return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
                       computation_traces, epilogue_traces, backward_traces,
-                      program.check_descriptions, None, stages, alias_positions=alias_positions,
-                      static_positions=static)
+                      program.check_descriptions, None, stages,
+                      alias_positions=positions if len(positions) > 1 else None,
+                      written_positions=_written_positions(program.computation))
+
+
+def _written_positions(computation: Trace) -> tuple | None:
+    """The inputs the program writes to (it works on a copy of each), or ``None`` when that is
+    not known (an op of unknown effect)."""
+    index = {p.name: i for i, p in enumerate(computation.params)}
+    written = []
+    for b in computation.bound_symbols:
+        if OPAQUE in b.tags:
+            return None
+        if b.info.get("copy_of_written_input"):  # capture copies every input written to
+            written.append(index[b.args[0].name])
+    return tuple(written)
 
 
 def _needs_backward(computation: Trace) -> bool:

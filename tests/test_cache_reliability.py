@@ -2,6 +2,8 @@
 
 Every test compares the jitted program with eager PyTorch on twins of the same state."""
 import copy
+import threading
+import time
 
 import torch
 from torch import nn
@@ -126,3 +128,108 @@ def test_signed_zero_inside_a_list_attribute_recompiles():
     same_bits(jm(x), m(x))
     m.scales[0] = -0.0
     same_bits(jm(x), m(x))
+
+
+# ---------------------------------- 13: .data assignment and set_ are seen by the alias check
+def test_data_assignment_then_aliasing_argument_gives_eager_result():
+    class M(AddsToBuffer):
+        def forward(self, x):
+            self.buf.add_(1)
+            return x * self.w  # with grad: the entry has a backward, the buffer is copied
+
+    m = M()
+    e = copy.deepcopy(m)
+    jm = keraunos.jit(m)
+    assert_close(jm(torch.ones(4)), e(torch.ones(4)))
+    new, e_new = torch.zeros(4), torch.zeros(4)
+    m.buf.data, e.buf.data = new, e_new  # no registration hook fires
+    assert_close(jm(new), e(e_new))
+    assert_close((m.buf, new), (e.buf, e_new))
+    assert_close(jm(torch.ones(4)), e(torch.ones(4)))  # not aliasing again
+    assert_close(m.buf, e.buf)
+
+
+def test_parameter_data_assignment_then_aliasing_argument_gives_eager_result():
+    class WritesArgument(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            x.mul_(2)
+            return x + self.w
+
+    m = WritesArgument()
+    e = copy.deepcopy(m)
+    jm = keraunos.jit(m)
+    with torch.no_grad():
+        assert_close(jm(torch.ones(3)), e(torch.ones(3)))
+        shared, e_shared = torch.full((3,), 5.0), torch.full((3,), 5.0)
+        m.w.data, e.w.data = shared, e_shared
+        assert_close(jm(shared), e(e_shared))  # eager: w is x, written first: 10 + 10
+        assert_close((m.w, shared), (e.w, e_shared))
+
+
+def test_set_then_aliasing_argument_gives_eager_result():
+    m = AddsToBuffer()
+    e = copy.deepcopy(m)
+    jm = keraunos.jit(m)
+    with torch.no_grad():
+        assert_close(jm(torch.ones(4)), e(torch.ones(4)))
+        new, e_new = torch.zeros(4), torch.zeros(4)
+        m.buf.set_(new)
+        e.buf.set_(e_new)
+        assert_close(jm(new), e(e_new))
+        assert_close((m.buf, new), (e.buf, e_new))
+
+
+def test_program_that_only_reads_hits_whatever_its_inputs_share():
+    f = lambda a, b: a + b * 2  # noqa: E731
+    jf = keraunos.jit(f)
+    x, y = torch.randn(3), torch.randn(3)
+    assert_close(jf(x, y), f(x, y))
+    assert_close(jf(x, x.view(3)), f(x, x.view(3)))  # sharing cannot change what a reading program computes
+    assert counts(jf) == (1, 1)
+
+
+# ------------------------------------------------------------- 16: stage times and counters
+def test_post_optimization_stage_time_counts_forward_and_backward():
+    class Slow(keraunos.Transform):
+        def transform_trace_post_optimization(self, trace):
+            time.sleep(0.05)
+            return trace
+
+    f = lambda x: (x * 2).sin()  # noqa: E731
+    jf = keraunos.jit(f, transforms=[Slow()])
+    x = torch.randn(3, requires_grad=True)
+    assert_close(jf(x), f(x))
+    assert keraunos.last_backward_traces(jf)  # the hook ran on a forward and a backward
+    assert keraunos.compile_stats(jf).stages["transform Slow (post optimization)"] >= 0.1
+
+
+def test_threads_with_mixed_shapes_and_grad_modes_give_eager_results_and_exact_counters():
+    f = lambda x: (x * 3).tanh().sum(0)  # noqa: E731
+    jf = keraunos.jit(f)
+    inputs = [torch.randn(n, 4) for n in (1, 2, 3)]
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(500):
+                x = inputs[(seed + i) % 3]
+                grad = (seed + i) % 2 == 0
+                with torch.set_grad_enabled(grad):
+                    xi = x.detach().requires_grad_(grad)
+                    out = jf(xi)
+                    expected = f(xi)
+                    assert out.requires_grad == expected.requires_grad
+                    assert torch.equal(out, expected)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert counts(jf) == (6, 8 * 500 - 6)  # 3 shapes x 2 grad modes, each compiled once
