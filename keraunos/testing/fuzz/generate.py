@@ -330,7 +330,8 @@ class _Steps:
                 options.append("model.double()")
             else:
                 options.append("model.float()")
-            options += ["torch.optim.SGD(model.parameters(), lr=0.1).step()"] * 2
+            if {"W", "w", "sub", "lin"} & members:
+                options += ["torch.optim.SGD(model.parameters(), lr=0.1).step()"] * 2
             options.append("model.load_state_dict({k: v * 0.5 + 0.25 if v.is_floating_point() else v + 1"
                            " for k, v in model.state_dict().items()})")
         to_dtype = "" if self.dtype == "torch.float32" else ".double()"

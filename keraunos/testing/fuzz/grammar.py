@@ -146,6 +146,8 @@ class _Body:
         kind = _weighted(self.rng, KIND_WEIGHTS)
         name = self.fresh(kind)
         value = self.expr(kind, self.rng.choice((1, 2, 2, 3)))
+        if value in self.names.get(kind, []):  # a second name for the same tensor
+            self.view_of[name] = self.view_of.get(value, value)
         if self.rng.random() < 0.1:
             value = f"({value}).detach()"
         self.statements.append(f"{name} = {value}")
@@ -188,7 +190,11 @@ class _Body:
 
     def inplace(self, targets: list[str] | None = None) -> None:
         rng = self.rng
-        candidates = targets or [n for k in ("ND", "D") for n in self.names.get(k, [])]
+        # Parameters and buffers are written only by the module's own statements (under no_grad):
+        # an in-place write to a parameter is an eager error, and one to a buffer with a value that
+        # requires grad chains every later call's graph to the first.
+        candidates = targets or [n for k in ("ND", "D") for n in self.names.get(k, [])
+                                 if not self.view_of.get(n, n).startswith("self.")]
         if not candidates:
             return
         t = rng.choice(candidates)
