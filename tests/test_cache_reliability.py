@@ -2,8 +2,12 @@
 
 Every test compares the jitted program with eager PyTorch on twins of the same state."""
 import copy
+import gc
+import linecache
 import threading
 import time
+import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -233,3 +237,57 @@ def test_threads_with_mixed_shapes_and_grad_modes_give_eager_results_and_exact_c
         t.join()
     assert not errors, errors[:3]
     assert counts(jf) == (6, 8 * 500 - 6)  # 3 shapes x 2 grad modes, each compiled once
+
+
+# ------------------------------------------------ 15: an entry releases what it held when evicted
+def keraunos_lines():
+    return {name for name in linecache.cache if name.startswith("<keraunos ")}
+
+
+def test_entry_does_not_keep_the_compiling_calls_tensors_alive():
+    f = lambda x, y: (x * 2 + y, y.mul_(2))  # noqa: E731
+    jf = keraunos.jit(f)
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+    x2, y2 = x.detach().clone().requires_grad_(), y.clone()
+    assert_close(jf(x, y), f(x2, y2))
+    inputs = weakref.ref(x), weakref.ref(y)
+    del x, y
+    gc.collect()
+    assert inputs[0]() is None and inputs[1]() is None
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+    x2, y2 = x.detach().clone().requires_grad_(), y.clone()
+    assert_close(jf(x, y), f(x2, y2))  # the entry still hits and works
+    assert_close(y, y2)
+    assert counts(jf) == (1, 1)
+
+
+def test_evicted_entries_release_traces_and_linecache_entries(monkeypatch):
+    import keraunos.debug
+    monkeypatch.setattr(keraunos.debug, "HISTORY", 1)  # the debug history also holds entries
+    f = lambda x: x.sin() * 2  # noqa: E731
+    jf = keraunos.jit(f, max_cache_entries=2)
+    before = keraunos_lines()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recompiling warning
+        x = torch.randn(1)
+        assert_close(jf(x), f(x))
+        first = weakref.ref(keraunos.last_traces(jf)[-1])
+        first_lines = keraunos_lines() - before
+        for n in range(2, 42):  # 40 shapes through a cache of 2
+            x = torch.randn(n)
+            assert_close(jf(x), f(x))
+    gc.collect()
+    assert first() is None
+    assert not first_lines & keraunos_lines()
+    assert len(keraunos_lines() - before) <= 3 * len(first_lines)  # 2 entries and 1 remembered
+
+
+def test_deleted_jitted_module_and_its_model_are_freed():
+    m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    assert_close(jm(x), m(x))
+    refs = weakref.ref(m), weakref.ref(jm)
+    del m, jm
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None

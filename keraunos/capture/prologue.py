@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,7 +294,8 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
                                   f"requires_grad it was compiled for")
             b.bsyms.append(BoundSymbol(CHECK_TENSOR, (entry.proxy,), tags=set(entry.proxy.tags),
                                        info={"expected": expected, "index": index,
-                                             "real": real, "path": str(entry.path)}))
+                                             "real": weakref.ref(real),
+                                             "path": str(entry.path)}))
     epi_values = []
     for x in pro_to_epi:
         epi_values.append(Code(b.var(x)) if isinstance(x, Path) else x)

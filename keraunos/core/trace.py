@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -93,4 +94,6 @@ class Trace:
         exec(compile(src, filename, "exec"), namespace)
         fn = namespace[self.name]
         fn.__keraunos_source__ = src
+        # The source goes with the function: an evicted cache entry leaves nothing behind.
+        weakref.finalize(fn, linecache.cache.pop, filename, None)
         return fn

@@ -117,7 +117,8 @@ def _glue(name: str, lines) -> BoundSymbol:
 
 
 def _tensor_guards(checks: list[BoundSymbol]):
-    reals = [b.info["real"] for b in checks]
+    # The compiling call's tensors, held weakly by the trace (an entry must not keep them alive).
+    reals = [b.info["real"]() for b in checks]
     return TensorGuards(*reals, dynamic_dims_sizes=[list(t.shape) for t in reals],
                         dynamic_dims_strides=[list(t.stride()) for t in reals])
 
