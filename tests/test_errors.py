@@ -161,6 +161,27 @@ def test_matmul_shape_mismatch_raises_like_eager():
     assert type(jitted.value) is type(eager.value)
 
 
+def assert_raises_like_eager(f, *args):
+    with pytest.raises(Exception) as eager:
+        f(*args)
+    with pytest.raises(Exception) as jitted:
+        keraunos.jit(f)(*args)
+    assert type(jitted.value) is type(eager.value), (jitted.value, eager.value)
+    assert str(eager.value) in str(jitted.value)
+    return jitted.value
+
+
+def test_impossible_view_raises_eagers_runtime_error_not_the_fake_kernels_value_error():
+    # The fake kernel raises ValueError here; eager (and so the user's `except`) sees RuntimeError.
+    error = assert_raises_like_eager(lambda a: a.view(-1), torch.randn(4).expand(3, 4))
+    assert "view" in "".join(getattr(error, "__notes__", [])), "the note names the op"
+    assert_raises_like_eager(lambda a: a.t().view(-1), torch.randn(3, 4))
+
+
+def test_impossible_view_after_other_ops_raises_like_eager():
+    assert_raises_like_eager(lambda a, b: (a * b).t().view(6), torch.randn(2, 3), torch.randn(3))
+
+
 def test_broadcast_mismatch_raises_like_eager():
     f = lambda a, b: a + b  # noqa: E731
     a, b = torch.randn(3), torch.randn(4)

@@ -67,10 +67,14 @@ class Recorder(TorchFunctionMode):
                 out = ctx.run_opaque(func, args, kwargs)
                 ctx.record(symbol, args, kwargs, out, [], opaque=True)
                 return out
+            # A fake kernel can reject a call with another exception type than the real kernel
+            # (ValueError for an impossible view, where eager raises RuntimeError): the user's
+            # `except` must see eager's, so the real kernel is asked on zeros of the same layout.
+            e = _real_kernel_error(ctx, func, args, kwargs) or e
             source = user_source()
             if source is not None and hasattr(e, "add_note"):
                 e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
-            raise
+            raise e from None
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
@@ -78,6 +82,26 @@ class Recorder(TorchFunctionMode):
         if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+_REAL_RERUN_MAX_ELEMENTS = 1 << 24  # larger calls keep the fake kernel's exception
+
+
+def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
+    """The exception the real kernel raises for this call, run on zeros shaped like the fakes
+    (errors that depend on shapes, strides and dtypes, which are the ones fake kernels raise);
+    ``None`` when it does not raise or the call is too large to rerun."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    try:
+        if sum(t.numel() for t in tensors) > _REAL_RERUN_MAX_ELEMENTS:
+            return None
+    except Exception:  # noqa: BLE001 - a size the fakes cannot tell (data-dependent)
+        return None
+    try:
+        ctx.run_opaque(func, args, kwargs)
+    except Exception as real:  # noqa: BLE001 - whatever the real kernel raises is eager's error
+        return real
+    return None
 
 
 def _no_fake_kernel(e: Exception) -> bool:
