@@ -101,9 +101,13 @@ def _view_grad(view, source) -> ViewGrad:
         return ViewGrad.TRACKED  # nothing to detach from
     if not view.requires_grad:
         return ViewGrad.DETACHED
-    if view.grad_fn is None:
+    try:
+        grad_fn = view.grad_fn
+    except RuntimeError:
+        # Autograd refuses to give a grad_fn to a view made under no_grad whose base was
+        # written in place since: a no-grad view (eager's own returned view raises the same).
         return ViewGrad.NO_GRAD
-    return ViewGrad.TRACKED
+    return ViewGrad.NO_GRAD if grad_fn is None else ViewGrad.TRACKED
 
 
 def _return_formatter(bsym, w):
