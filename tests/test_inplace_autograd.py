@@ -282,3 +282,53 @@ def test_einsum_after_a_write_to_the_input_gives_the_new_value():
     jitted = assert_matches_eager(
         lambda y, x: (x.mul_(2), torch.einsum("...i,...i->...", y, x))[1], _seeded(make))
     assert jitted(torch.ones(3), torch.ones(3)).item() == 6.0
+
+
+# ------------------------------------------------------------------------- defect 9 (issue 8)
+# ``x[mask]`` has as many elements as the mask has True values: the backward needs that size,
+# and once read it from a forward tensor it was never given ("name 't0' is not defined").
+MASKED = {
+    "sum": lambda x, m: x[m].sum(),
+    "mean": lambda x, m: x[m].mean(),
+    "weighted": lambda x, m: (x[m] * x[m]).sum(),
+    "two masks": lambda x, m: x[m].sum() + x[~m].pow(2).sum(),
+    "returned": lambda x, m: x[m] * 2,
+    "after a write": lambda x, m: x.mul_(3)[m].sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_boolean_mask_indexing_then_backward(name):
+    def make():
+        leaf = torch.randn(4, 5, requires_grad=True)
+        x = leaf.clone() if name == "after a write" else leaf
+        return [leaf], [x, torch.rand(4, 5) > 0.4]
+    assert_matches_eager(MASKED[name], _seeded(make))
+
+
+def test_boolean_mask_indexing_with_another_count_of_true_values():
+    # The size is read on every call, not baked in from the compiling call.
+    f = keraunos.jit(lambda x, m: (x[m] * 2).sum())
+    for count in (3, 7):
+        x = torch.randn(10, requires_grad=True)
+        m = torch.arange(10) < count
+        f(x, m).backward()
+        expected = torch.where(m, 2.0, 0.0)
+        assert_close(x.grad, expected)
+
+
+def test_masked_output_that_gets_no_gradient():
+    # The zeros standing for its gradient have the call's data-dependent shape.
+    def make():
+        leaf = torch.randn(6, requires_grad=True)
+        return [leaf], [leaf, torch.rand(6) > 0.5]
+
+    def program(x, m):
+        return x[m] * 2, x.sum() * 3
+    jitted = keraunos.jit(program)
+    for _ in range(2):
+        (leaf,), (x, m) = _seeded(make)()
+        jitted(x, m)[1].backward()
+        (ref,), (y, n) = _seeded(make)()
+        program(y, n)[1].backward()
+        assert_close(leaf.grad, ref.grad)

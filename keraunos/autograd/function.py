@@ -24,9 +24,14 @@ class KeraunosFunction(torch.autograd.Function):
         # is a view made under no_grad whose base changed: autograd refuses to unpack it once
         # that base is an output that requires grad. Its detached alias holds the same memory
         # and version counter, so in-place changes after the call are still caught.
-        ctx.save_for_backward(*[t.detach() if t._is_view() else t for t in saved])
+        n = compiled.n_saved_tensors
+        ctx.save_for_backward(*[t.detach() if t._is_view() else t for t in saved[:n]])
+        ctx.saved_sizes = saved[n:]  # sizes that depend on data (the length of ``x[mask]``)
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*[outputs[i] for i in compiled.non_differentiable])
+        if compiled.data_dependent_shapes:  # for the zeros of a gradient that does not come
+            ctx.grad_shapes = {i: outputs[compiled.differentiable[i]].shape
+                               for i in compiled.data_dependent_shapes}
         return outputs
 
     @staticmethod
@@ -42,15 +47,20 @@ class KeraunosFunction(torch.autograd.Function):
         present = {i for i, g in enumerate(grads) if g is not None}
         if not present:
             return (None,) * (1 + len(compiled.grad_dependencies))
-        grads = [g if g is not None else torch.zeros(*compiled.grad_metadata[i][:1],
-                                                     dtype=compiled.grad_metadata[i][1],
-                                                     device=compiled.grad_metadata[i][2])
-                 for i, g in enumerate(grads)]
-        results = compiled.backward_fn(*saved, *grads)
+        grads = [g if g is not None else _zeros(ctx, i) for i, g in enumerate(grads)]
+        results = compiled.backward_fn(*saved, *ctx.saved_sizes, *grads)
         # An input reached only through outputs that got no gradient gets None, as in eager
         # (an optimizer skips it rather than stepping it with zeros).
         return (None, *(r if deps & present or not deps else None
                         for r, deps in zip(results, compiled.grad_dependencies)))
+
+
+def _zeros(ctx, i: int) -> torch.Tensor:
+    """The gradient of differentiable output ``i`` when none came: zeros of its shape."""
+    shape, dtype, device = ctx.compiled.grad_metadata[i]
+    if i in ctx.compiled.data_dependent_shapes:
+        shape = ctx.grad_shapes[i]
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class _Compiled:
@@ -62,6 +72,9 @@ class _Compiled:
                                    if i not in split.differentiable]
         self.grad_dependencies = split.grad_dependencies
         self.grad_metadata = split.grad_metadata
+        self.n_saved_tensors = split.n_saved_tensors
+        self.data_dependent_shapes = [i for i, (shape, _, _) in enumerate(split.grad_metadata)
+                                      if not all(type(d) is int for d in shape)]
 
 
 def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split) -> Callable:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.proxies import TensorProxy
+from ..core.proxies import ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
@@ -37,6 +38,8 @@ class Split:
     grad_dependencies: list[set[int]]
     # (shape, dtype, device) of each differentiable output, for zeros where no gradient came.
     grad_metadata: list[tuple]
+    # The forward returns its saved tensors, then the data-dependent sizes the backward needs.
+    n_saved_tensors: int = 0
 
 
 class _Names:
@@ -101,6 +104,37 @@ class _Namer:
         return None
 
 
+class _SavedSizes:
+    """Sizes that depend on data (``x[mask]`` has as many elements as ``mask`` has True values)
+    which the backward needs: the forward reads each from a tensor of its own that has it and
+    returns it with the saved tensors, so the backward never names a forward value it lacks."""
+
+    def __init__(self, namer: _Namer, forward_names: set[int]):
+        self.namer = namer
+        self.forward_names = forward_names  # ids of fakes the forward trace names
+        self.proxies: dict[Any, ObjectProxy] = {}  # size expression -> its name
+        self.lines: list[tuple[str, BoundSymbol]] = []  # (tensor read, line reading its size)
+
+    def proxy(self, size) -> ObjectProxy:
+        expr = size.node.expr
+        if expr not in self.proxies:
+            tensor, dim = _tensor_with_size(size, self.namer, self.forward_names)
+            proxy = ObjectProxy(self.namer.names.fresh("size"), int)
+            self.proxies[expr] = proxy
+            self.lines.append((tensor, BoundSymbol(_SIZE, (self.namer.proxies[tensor], dim),
+                                                   outputs=proxy)))
+        return self.proxies[expr]
+
+    def place(self, forward_lines: list[BoundSymbol]) -> list[BoundSymbol]:
+        """``forward_lines`` with each size read right after the line that makes its tensor."""
+        lines = list(forward_lines)
+        for tensor, line in self.lines:
+            at = next((i + 1 for i, b in enumerate(lines)
+                       if tensor in {p.name for p in b.output_proxies()}), 0)
+            lines.insert(at, line)
+        return lines
+
+
 def split_forward_backward(computation: Trace) -> Split:
     start = time.perf_counter()
     joint = record_joint(computation)
@@ -125,6 +159,7 @@ def split_forward_backward(computation: Trace) -> Split:
 
     # The backward: its inputs are the gradients and what it reads from the forward.
     grad_names = [namer.name(g, "grad") for g in joint.grad_outputs]
+    sizes = _SavedSizes(namer, torch_level)
     saved: list[str] = []
     backward_lines: list[BoundSymbol] = []
     produced: set[int] = {id(g) for g in joint.grad_outputs}
@@ -144,7 +179,7 @@ def split_forward_backward(computation: Trace) -> Split:
                     saved.append(name)
                 return namer.proxies[name]
             if isinstance(x, (torch.SymInt, torch.SymFloat)):
-                return _size_expression(x, namer, produced | forward_known)
+                return sizes.proxy(x)
             return x
         args, kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
         outputs = pytree.tree_map(
@@ -187,7 +222,9 @@ def split_forward_backward(computation: Trace) -> Split:
 
     outputs = list(computation.bound_symbols[-1].args[0])
     saved_proxies = [namer.proxies[n] for n in saved]
-    forward_lines.append(BoundSymbol(_FORWARD_RETURN, (outputs, saved_proxies)))
+    size_proxies = list(sizes.proxies.values())
+    forward_lines = sizes.place(forward_lines)
+    forward_lines.append(BoundSymbol(_FORWARD_RETURN, (outputs, saved_proxies + size_proxies)))
     grads = []
     for i in range(len(joint.inputs)):
         if i in joint.needs_grad:
@@ -198,13 +235,15 @@ def split_forward_backward(computation: Trace) -> Split:
     backward_lines.append(BoundSymbol(_BACKWARD_RETURN, (grads,)))
     seconds = time.perf_counter() - start
     forward = computation.derive(forward_lines, "Autograd Split (forward)", seconds)
-    backward = Trace("backward", saved_proxies + [namer.proxies[n] for n in grad_names],
+    backward = Trace("backward", saved_proxies + size_proxies +
+                     [namer.proxies[n] for n in grad_names],
                      backward_lines, [f"Constructed by Autograd Split (backward) "
                                       f"(took {seconds * 1e3:.2f} ms)"], seconds=seconds)
     backward = dead_code_elimination(common_subexpression_elimination(backward))
     dependencies = _grad_dependencies(backward, grad_names)
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
-    return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata)
+    return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
+                 len(saved_proxies))
 
 
 def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]:
@@ -219,16 +258,30 @@ def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]
     return [depends.get(g.name, set()) if g is not None else set() for g in grads]
 
 
-def _size_expression(x, namer: _Namer, available: set[int]):
-    """A size that depends on data (an unbacked symbol), read from a tensor that has it."""
+def _tensor_with_size(x, namer: _Namer, available: set[int]) -> tuple[str, int]:
+    """A tensor at hand (and its dimension) whose size is the data-dependent size ``x``."""
     expr = x.node.expr
     for name, fake in namer.fakes.items():
         if id(fake) not in available:
             continue
         for d, size in enumerate(fake.shape):
             if isinstance(size, torch.SymInt) and size.node.expr == expr:
-                return Code(f"{name}.size({d})")
+                return name, d
     raise NotImplementedError(f"a size {expr} that no tensor at hand has")
+
+
+def _size_expression(x, namer: _Namer, available: set[int]):
+    """A size that depends on data (an unbacked symbol), read from a tensor that has it."""
+    name, d = _tensor_with_size(x, namer, available)
+    return Code(f"{name}.size({d})")
+
+
+def _size_formatter(bsym, w):
+    tensor, dim = bsym.args
+    return [f"{bsym.outputs.name} = {tensor.name}.size({dim})  # a size the backward needs"]
+
+
+_SIZE = GlueSymbol("size", _size_formatter)
 
 
 def _forward_return_formatter(bsym, w):
