@@ -61,10 +61,8 @@ def tensor_problem(eager: torch.Tensor, jitted: torch.Tensor) -> tuple[str, str]
     for what, e, j in (("shape", eager.shape, jitted.shape), ("dtype", eager.dtype, jitted.dtype),
                        ("device", eager.device, jitted.device),
                        ("requires_grad", eager.requires_grad, jitted.requires_grad),
-                       ("grad_fn", eager.grad_fn is None, jitted.grad_fn is None)):
+                       ("grad_fn", _grad_fn_state(eager), _grad_fn_state(jitted))):
         if e != j:
-            if what == "grad_fn":
-                e, j = ("none" if e else "set"), ("none" if j else "set")
             return what, f"eager {e}, jit {j}"
     if _strides(eager) != _strides(jitted):
         return "stride", f"eager {eager.stride()}, jit {jitted.stride()} (shape {tuple(eager.shape)})"
@@ -78,6 +76,13 @@ def tensor_problem(eager: torch.Tensor, jitted: torch.Tensor) -> tuple[str, str]
         elif not torch.equal(e, j):
             return "value", f"eager {_show(e)}, jit {_show(j)}"
     return None
+
+
+def _grad_fn_state(t: torch.Tensor) -> str:
+    try:
+        return "none" if t.grad_fn is None else "set"
+    except RuntimeError:  # a no-grad view whose base was written in place since: autograd refuses
+        return "refused by autograd"
 
 
 def _strides(t: torch.Tensor) -> tuple:

@@ -97,6 +97,9 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit) -> Outco
                         return Outcome("pass", step=index, calls=calls, ended_by_error=stop.ended_by_error)
                     stop.outcome.step, stop.outcome.calls = index, calls
                     return stop.outcome
+                except Exception as e:  # noqa: BLE001 - the comparison itself failed: never a pass
+                    return Outcome("internal error", f"fuzzer comparison raised {type(e).__name__}",
+                                   _first_line(e), index, calls)
     except _Stop as stop:  # the program itself does not build
         return stop.outcome or Outcome("pass", ended_by_error=stop.ended_by_error)
     finally:
