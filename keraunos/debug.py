@@ -84,7 +84,11 @@ def compiled(state, entry) -> None:
     del records[:-HISTORY]
     wanted = level()
     if wanted >= DebugLevel.TRACES:
-        record.folder = write_traces(state.name, record, wanted)
+        try:
+            record.folder = write_traces(state.name, record, wanted)
+        except OSError as e:  # a full disk or a read-only folder must not break the program
+            _ensure_visible()
+            logger.warning("keraunos: KERAUNOS_DEBUG=%d could not write traces: %s", int(wanted), e)
     if wanted >= DebugLevel.COMPILATIONS:
         _ensure_visible()
         logger.info("%s", describe(state.name, record))
