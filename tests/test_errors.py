@@ -338,3 +338,18 @@ def test_grad_mode_restored_after_error_inside_no_grad_block():
     with pytest.raises(RuntimeError):
         jf(torch.randn(2, 4))
     assert torch.is_grad_enabled()
+
+
+def test_matmul_of_float_and_double_raises_like_eager_even_when_unused():
+    # The meta kernel accepts float @ double; the real one raises, and eager raises even though
+    # the result is never used (a dead line the compiler would otherwise drop).
+    def f(a, b):
+        unused = a @ b.double()  # noqa: F841
+        return a + 1
+    assert_raises_like_eager(f, torch.randn(3, 3), torch.randn(3, 3))
+
+
+def test_mixed_float_dtypes_that_eager_accepts_still_compile():
+    f = lambda a, b: (a * b.double()).sum() + torch.where(a > 0, a, b.half()).sum()  # noqa: E731
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    assert_close(keraunos.jit(f)(a, b), f(a, b))

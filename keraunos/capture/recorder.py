@@ -75,6 +75,16 @@ class Recorder(TorchFunctionMode):
             if source is not None and hasattr(e, "add_note"):
                 e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
             raise e from None
+        if len({t.dtype for t in tensors if t.is_floating_point()}) > 1:
+            # Meta kernels let some calls mixing float dtypes through (a float @ double matmul)
+            # that the real kernel rejects; the user must get eager's error, even when nothing
+            # uses the result (dead code elimination would drop the line that raises).
+            error = _real_kernel_error(ctx, func, args, kwargs)
+            if error is not None:
+                source = user_source()
+                if source is not None and hasattr(error, "add_note"):
+                    error.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
+                raise error from None
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
