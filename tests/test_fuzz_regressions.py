@@ -23,3 +23,67 @@ def test_view_made_under_no_grad_and_returned_after_its_base_is_written_in_place
     assert torch.equal(jitted, eager) and torch.equal(jitted_a, eager_a)
     assert jitted._base is jitted_a and eager._base is eager_a
     assert jitted.requires_grad == eager.requires_grad
+
+
+def test_expression_under_no_grad_is_not_reused_outside_it():
+    # CSE merged `a.t()` under no_grad with the same expression outside: the gradient was lost.
+    def f(a):
+        with torch.no_grad():
+            detached = a.t() @ a
+        return (a.t() @ a.sum(1, keepdim=True)).sum() + detached.sum()
+
+    grads = []
+    for fn in (f, keraunos.jit(f)):
+        a = torch.randn(4, 3, requires_grad=True)
+        torch.manual_seed(0)
+        a = torch.randn(4, 3, requires_grad=True)
+        out = fn(a)
+        out.backward()
+        grads.append((out, a.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])
+
+
+def test_reduction_reused_across_a_no_grad_block_keeps_requires_grad():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buf", torch.zeros(()))
+
+        def forward(self, a):
+            with torch.no_grad():
+                self.buf.add_(a.sum() * 0.1)
+            return a.sum()
+
+    a = torch.randn(3, requires_grad=True)
+    eager_model, model = M(), M()
+    want, got = eager_model(a), keraunos.jit(model)(a)
+    assert got.requires_grad == want.requires_grad and got.grad_fn is not None
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model.buf, eager_model.buf)
+
+
+def test_two_parameters_with_the_same_gradient_accumulate_separately():
+    # Two biases get the same gradient; the backward once handed both views of one tensor to
+    # autograd, which kept them as .grad, so the second step's accumulation doubled into both.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    torch.manual_seed(0)
+    eager_model = M()
+    model = M()
+    model.load_state_dict(eager_model.state_dict())
+    jm = keraunos.jit(model)
+    for step in range(3):
+        x = torch.randn(2, 4)
+        jm(x).pow(2).sum().backward()
+        eager_model(x).pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: grad of {name}")
+    assert model.a.bias.grad.data_ptr() != model.b.bias.grad.data_ptr()

@@ -239,7 +239,8 @@ def split_forward_backward(computation: Trace) -> Split:
                      [namer.proxies[n] for n in grad_names],
                      backward_lines, [f"Constructed by Autograd Split (backward) "
                                       f"(took {seconds * 1e3:.2f} ms)"], seconds=seconds)
-    backward = dead_code_elimination(common_subexpression_elimination(backward))
+    backward = dead_code_elimination(
+        common_subexpression_elimination(backward, distinct_outputs=False))
     dependencies = _grad_dependencies(backward, grad_names)
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
     return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,

@@ -3,7 +3,13 @@
 Never merged: random ops, lines that write, lines reading or producing tensors whose memory
 some line of the trace writes to (the same expression may then read different values), and two
 lines whose results are both returned (eager returns two objects: writing to one must not change
-the other). Constants are compared exactly: ``-0.0`` is not ``0.0``, and ``nan`` is ``nan``.
+the other), and lines under different grad modes or autocast states (``x.t()`` under ``no_grad``
+is detached; the same expression outside it is not). Constants are compared exactly: ``-0.0`` is
+not ``0.0``, and ``nan`` is ``nan``.
+
+A backward trace passes ``distinct_outputs=False``: the gradients it returns go to autograd, which
+copies a gradient handed to two parameters, while two views of one result would both be kept as
+``.grad`` and then accumulate into each other.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
+from ..capture.state import SET_GLOBAL_STATE
 
 
 def _key(value):
@@ -35,23 +42,26 @@ def _key(value):
     return (type(value).__name__, value)
 
 
-def common_subexpression_elimination(trace: Trace) -> Trace:
+def common_subexpression_elimination(trace: Trace, distinct_outputs: bool = True) -> Trace:
     start = time.perf_counter()
     written = {p.storage for b in trace.bound_symbols if MUTATION in b.tags
                for p in b.input_proxies() if isinstance(p, TensorProxy)}
     seen: dict = {}
     renames: dict[str, Proxy] = {}
-    returned = _returned_names(trace)
+    returned = _returned_names(trace) if distinct_outputs else set()
+    switched: dict = {}  # the global state switches in force (index in global_state() -> value)
     result = []
     for bsym in trace.bound_symbols:
         if renames:
             bsym = bsym.substitute(renames)
+        if bsym.symbol is SET_GLOBAL_STATE:
+            switched.update(bsym.args[0])
         mergeable = (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {MUTATION, RANDOM}
                      and not any(isinstance(p, TensorProxy) and p.storage in written
                                  for p in bsym.input_proxies() + bsym.output_proxies()))
         if mergeable:
             key = (id(bsym.symbol.fn), bsym.symbol.name, bsym.symbol.style,
-                   _key(bsym.args), _key(bsym.kwargs))
+                   _key(bsym.args), _key(bsym.kwargs), tuple(sorted(switched.items())))
             earlier = seen.get(key)
             if earlier is not None and not (_returns_any(bsym, returned)
                                             and _returns_any(earlier, returned)):
