@@ -100,6 +100,10 @@ def record_joint(computation: Trace) -> Joint:
                     args, kwargs = pytree.tree_map(
                         lambda x: env[x.name] if isinstance(x, Proxy) else x,
                         (bsym.args, bsym.kwargs))
+                    if symbol.style == "getter" and symbol.name == "grad":
+                        # The fake inputs have no .grad; the real ones have what capture saw.
+                        _bind(bsym.outputs, _fake_like(bsym.outputs), env)
+                        continue
                     fn = DERIVATIVE_RULES.get(symbol.name, symbol.fn)
                     if symbol.style == "setitem":
                         fn(*args, **kwargs)
@@ -129,6 +133,12 @@ def record_joint(computation: Trace) -> Joint:
         torch._C._set_grad_enabled(state)
     return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, outputs_proxies,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode])
+
+
+def _fake_like(proxy):
+    if not isinstance(proxy, TensorProxy):
+        return None
+    return torch.empty_strided(proxy.shape, proxy.stride, dtype=proxy.dtype, device=proxy.device)
 
 
 _RNG_STATE = {"torch.manual_seed", "torch.get_rng_state", "torch.set_rng_state"}

@@ -241,10 +241,77 @@ def split_forward_backward(computation: Trace) -> Split:
                                       f"(took {seconds * 1e3:.2f} ms)"], seconds=seconds)
     backward = dead_code_elimination(
         common_subexpression_elimination(backward, distinct_outputs=False))
+    backward = _gradients_in_own_memory(backward, namer, joint.keep_alive[0])
     dependencies = _grad_dependencies(backward, grad_names)
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
     return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
                  len(saved_proxies))
+
+
+def _memory_range(fake) -> tuple | None:
+    """(storage, first element, one past the last) of a fake tensor, None when unknown."""
+    key = _storage_key(fake)
+    if key is None or not all(type(n) is int for n in (*fake.shape, *fake.stride())):
+        return None
+    last = sum((n - 1) * abs(st) for n, st in zip(fake.shape, fake.stride()))
+    return key, fake.storage_offset(), fake.storage_offset() + last + 1
+
+
+def _view_roots(lines: list[BoundSymbol]) -> dict[str, str]:
+    """Name -> the name of the value whose memory it views, following the trace's view ops (CSE
+    may have made views of one value of what the recording saw as views of two)."""
+    root: dict[str, str] = {}
+    for b in lines:
+        func = getattr(b.symbol, "fn", None)
+        reads = [p for p in b.input_proxies() if isinstance(p, TensorProxy)]
+        for out in b.output_proxies():
+            if getattr(func, "is_view", False) and reads:
+                root[out.name] = root.get(reads[0].name, reads[0].name)
+    return root
+
+
+def _may_overlap(a: str, b: str, namer: _Namer) -> bool:
+    """Whether two views of one value may overlap; slices the recording saw as disjoint views of
+    one tensor (the gradients of ``torch.cat``'s inputs) do not."""
+    fa, fb = namer.fakes.get(a), namer.fakes.get(b)
+    ra = _memory_range(fa) if fa is not None else None
+    rb = _memory_range(fb) if fb is not None else None
+    if ra is None or rb is None or ra[0] != rb[0]:
+        return True
+    return fa.numel() > 0 and fb.numel() > 0 and ra[1] < rb[2] and rb[1] < ra[2]
+
+
+def _gradients_in_own_memory(backward: Trace, namer: _Namer, mode) -> Trace:
+    """Distinct returned gradients never share memory: autograd keeps a gradient it is given as
+    the leaf's ``.grad`` when nothing else holds it, so two views of one tensor (``b.view(4)``,
+    ``b.view(2, 2)``) would become two ``.grad`` that each later accumulation writes into twice.
+    Eager's engine never hands two leaves overlapping memory."""
+    *body, ret = backward.bound_symbols
+    root = _view_roots(body)
+    kept: list[TensorProxy] = []
+    grads, clones = [], []
+    for g in ret.args[0]:
+        if g is None or any(k.name == g.name for k in kept):  # one object twice: autograd
+            grads.append(g)                                  # sees the extra reference
+            continue
+        r = root.get(g.name, g.name)
+        if not any(root.get(k.name, k.name) == r and _may_overlap(k.name, g.name, namer)
+                   for k in kept):
+            kept.append(g)
+            grads.append(g)
+            continue
+        with mode:
+            fake = namer.fakes[g.name].clone() if g.name in namer.fakes else None
+        if fake is None:
+            raise NotImplementedError(f"a gradient {g.name} of unknown metadata")
+        copy = namer.proxies[namer.name(fake, "b")]
+        clones.append(BoundSymbol(_aten_symbol(torch.ops.aten.clone.default), (g,), {}, copy,
+                                  info={"comment": "a gradient of its own memory"}))
+        grads.append(copy)
+    if not clones:
+        return backward
+    return backward.derive(body + clones + [ret.replace(args=(grads,))],
+                           "Gradients in their own memory", 0.0)
 
 
 def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]:
