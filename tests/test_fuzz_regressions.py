@@ -87,3 +87,26 @@ def test_two_parameters_with_the_same_gradient_accumulate_separately():
         for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: grad of {name}")
     assert model.a.bias.grad.data_ptr() != model.b.bias.grad.data_ptr()
+
+
+def test_value_read_before_a_non_dense_input_is_written_with_grad_does_not_require_grad():
+    # The flat storage of a transposed input took requires_grad from the input as the program
+    # left it (after writing a value that requires grad), so what was read before the write
+    # came back requiring grad.
+    def f(a, b):
+        before = a.sum(-1)
+        a.mul_(b.mean(-1, keepdim=True))
+        return before
+
+    results = []
+    for fn in (f, keraunos.jit(f)):
+        torch.manual_seed(0)
+        a_base, leaf = torch.randn(4, 3), torch.randn(3, 4, requires_grad=True)
+        out = fn(a_base.t(), leaf.clone())
+        a_base.sum().backward()
+        results.append((out, a_base, leaf.grad))
+    (want, want_a, want_grad), (got, got_a, got_grad) = results
+    assert got.requires_grad == want.requires_grad is False
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_a, want_a)
+    torch.testing.assert_close(got_grad, want_grad)

@@ -196,8 +196,10 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             n = storage.nbytes() // real.element_size()
             with ctx.fake_mode:
                 flat_fake = torch.empty(n, dtype=real.dtype, device=first.fake.device)
-            # The prologue views it through the first member: it requires grad as that does.
-            flat_fake.requires_grad_(first.fake.requires_grad)
+            # The prologue views it through the first member: it requires grad as that did
+            # when it was passed (its fake requires grad too once the program wrote a value
+            # that does into it, and what the program read before that write does not).
+            flat_fake.requires_grad_(first.proxy.requires_grad)
             base = TensorProxy(names.fresh(first.proxy.name + "_storage"), flat_fake,
                                set(first.proxy.tags), f"storage of {first.path}")
             clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
