@@ -291,3 +291,128 @@ def test_deleted_jitted_module_and_its_model_are_freed():
     del m, jm
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+# --------------------------- 14: helpers' globals and closures, hooks added after compiling
+SCALE = 2.0
+
+
+def scaled(x):
+    return x * SCALE
+
+
+def make_adder(k):
+    def add(x):
+        return x + k
+    return add
+
+
+def test_global_read_by_a_helper_is_guarded():
+    global SCALE
+    f = lambda x: scaled(x).sin()  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3)
+    try:
+        assert_close(jf(x), f(x))
+        SCALE = 3.0
+        assert_close(jf(x), f(x))
+        assert counts(jf) == (2, 0)
+    finally:
+        SCALE = 2.0
+
+
+def test_closure_value_read_by_a_helper_is_guarded():
+    add = make_adder(1.0)
+    f = lambda x: add(x) * 2  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3)
+    assert_close(jf(x), f(x))
+    add.__closure__[0].cell_contents = 5.0
+    assert_close(jf(x), f(x))
+    assert_close(jf(x), f(x))
+    assert counts(jf) == (2, 1)
+
+
+def test_global_read_by_a_submodule_forward_is_guarded():
+    global SCALE
+
+    class Scaled(nn.Module):
+        def forward(self, x):
+            return x * SCALE
+
+    m = nn.Sequential(nn.Linear(3, 3), Scaled())
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    try:
+        assert_close(jm(x), m(x))
+        SCALE = -1.0
+        assert_close(jm(x), m(x))
+    finally:
+        SCALE = 2.0
+
+
+def test_forward_hook_added_and_removed_after_compiling_is_seen():
+    m = nn.Linear(3, 3)
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    assert_close(jm(x), m(x))
+    handle = m.register_forward_hook(lambda module, args, out: out * 10)
+    assert_close(jm(x), m(x))
+    handle.remove()
+    assert_close(jm(x), m(x))
+    assert counts(jm) == (2, 1)  # the entry without the hook is valid again
+
+
+def test_pre_hook_on_a_submodule_added_after_compiling_is_seen():
+    m = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    assert_close(jm(x), m(x))
+    handle = m[2].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    assert_close(jm(x), m(x))
+    handle.remove()
+
+
+def test_global_module_hook_added_after_compiling_is_seen():
+    m = nn.Linear(3, 3)
+    jm = keraunos.jit(m)
+    x = torch.randn(2, 3)
+    assert_close(jm(x), m(x))
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out - 1)
+    try:
+        assert_close(jm(x), m(x))
+    finally:
+        handle.remove()
+    assert_close(jm(x), m(x))
+
+
+OFFSET = torch.linspace(-1.0, 1.0, 4)
+
+
+def shifted(x):
+    return x + OFFSET
+
+
+def test_tensor_global_read_by_a_helper_is_read_on_every_call():
+    global OFFSET
+    f = lambda x: shifted(x) * 2  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(4, requires_grad=True)
+    saved = OFFSET
+    try:
+        assert_close(jf(x), f(x))
+        OFFSET = torch.randn(4)
+        assert_close(jf(x), f(x))
+    finally:
+        OFFSET = saved
+
+
+def test_tensor_in_a_helpers_closure_is_read_on_every_call():
+    add = make_adder(torch.ones(3))
+    f = lambda x: add(x) * 2  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(3)
+    assert_close(jf(x), f(x))
+    add.__closure__[0].cell_contents = torch.full((3,), 7.0)
+    assert_close(jf(x), f(x))

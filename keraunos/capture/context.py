@@ -12,6 +12,9 @@ share storage become fakes that share storage.
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,6 +75,10 @@ class CaptureContext:
         self.attribute_writes: list[AttributeWrite] = []
         self.in_vmap = False
         self.specialize_data = False
+        self.helper_codes: set = set()  # code of the Python functions the program called
+        # (globals path, globals dict, names loaded) and (path, cell) of those functions.
+        self.helper_scopes: list[tuple[Path, dict, tuple]] = []
+        self.helper_cells: list[tuple[Path, Any]] = []
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
@@ -203,6 +210,17 @@ class CaptureContext:
                         return Path(Path(root("closure"), "item", i), "attr", "cell_contents")
                 except ValueError:
                     pass
+        # A global or closure value of a helper the program called: read from there per call.
+        for globals_path, helper_globals, names in self.helper_scopes:
+            for name in names:
+                if helper_globals.get(name) is t:
+                    return Path(globals_path, "item", name)
+        for path, cell in self.helper_cells:
+            try:
+                if cell.cell_contents is t:
+                    return path
+            except ValueError:
+                pass
         # Held by some other object: the program keeps reading this very tensor.
         key = f"<captured tensor {id(t):#x}>"
         self.root_objects[key] = t
@@ -238,6 +256,34 @@ class CaptureContext:
             if is_plain(value):
                 self.guard("value", Path(Path(root("closure"), "item", i), "attr", "cell_contents"),
                            value)
+
+    def guard_helper_scope(self, frame) -> None:
+        """A Python function the program called (a helper, a submodule's forward): the plain
+        globals it loads and the plain values its closure holds are compiled in like the
+        jitted function's own, so they are guarded the same way."""
+        code = frame.f_code
+        if code is getattr(self.fn, "__code__", None):
+            return  # the jitted function itself: see guard_function_scope
+        fn_globals = getattr(self.fn, "__globals__", None)
+        globals_path = root("globals")
+        if frame.f_globals is not fn_globals:
+            key = f"<globals of {frame.f_globals.get('__name__', '?')} {id(frame.f_globals):#x}>"
+            self.root_objects[key] = frame.f_globals
+            globals_path = root(key)
+        names = _loaded_globals(code)
+        self.helper_scopes.append((globals_path, frame.f_globals, names))
+        for name in names:
+            if name in frame.f_globals and is_plain(frame.f_globals[name]):
+                self.guard("value", Path(globals_path, "item", name), frame.f_globals[name])
+        if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
+                                    for v in code.co_freevars):
+            for cell in _closure_cells(code, frame):
+                key = f"<closure cell {id(cell):#x}>"
+                self.root_objects[key] = cell
+                path = Path(root(key), "attr", "cell_contents")
+                self.helper_cells.append((path, cell))
+                if is_plain(cell.cell_contents):
+                    self.guard("value", path, cell.cell_contents)
 
     # ----------------------------------------------------------------------- module reads
     def module_path(self, module) -> Path:
@@ -516,6 +562,33 @@ MODULE_INTERNALS = frozenset({
     "_load_state_dict_post_hooks", "_compiled_call_impl", "forward", "call_super_init",
     "dump_patches", "_version",
 })
+
+
+@functools.lru_cache(maxsize=4096)
+def _loaded_globals(code) -> tuple[str, ...]:
+    return tuple(sorted({i.argval for i in dis.get_instructions(code)
+                         if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}))
+
+
+def _plain_or_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) or is_plain(value)
+
+
+def _closure_cells(code, frame) -> list:
+    """The closure cells of the function running in ``frame`` that hold plain values or tensors
+    (frames do not name their function: it is found among the functions sharing ``code``)."""
+    values = {v: frame.f_locals.get(v) for v in code.co_freevars}
+    cells = []
+    for fn in gc.get_referrers(code):
+        if getattr(fn, "__code__", None) is not code or not fn.__closure__:
+            continue
+        pairs = list(zip(code.co_freevars, fn.__closure__))
+        try:
+            if all(cell.cell_contents is values[name] for name, cell in pairs):
+                cells += [cell for _, cell in pairs if _plain_or_tensor(cell.cell_contents)]
+        except ValueError:  # an empty cell
+            continue
+    return cells
 
 
 def _python_function(fn):

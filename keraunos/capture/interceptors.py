@@ -9,6 +9,7 @@ Other threads calling these meanwhile get the originals.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.utils import _pytree as pytree
@@ -93,13 +94,43 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
 ]
 
 
+def _not_user_code(frame) -> bool:
+    module = frame.f_globals.get("__name__") or ""
+    top = module.partition(".")[0]
+    return top in ("torch", "keraunos") or top in sys.stdlib_module_names
+
+
+def _on_python_call(frame, event, arg):
+    """Every Python function the program calls has its globals and closure guarded (once)."""
+    if event != "call":
+        return
+    ctx = active_context()
+    code = frame.f_code
+    if ctx is None or code in ctx.helper_codes:
+        return
+    ctx.helper_codes.add(code)
+    if not _not_user_code(frame):
+        ctx.guard_helper_scope(frame)
+
+
 class intercepting_torch:
-    """Swap the functions above for their stand-ins for the duration of a capture."""
+    """Swap the functions above for their stand-ins for the duration of a capture, and watch
+    the Python functions the program calls (``sys.setprofile``, unless a profiler holds it: then
+    ``sys.settrace``, unless a debugger holds that too)."""
 
     def __enter__(self):
         for owner, name, stand_in, _ in _SWAPS:
             setattr(owner, name, stand_in)
+        self.hook = None
+        if sys.getprofile() is None:
+            self.hook = sys.setprofile
+        elif sys.gettrace() is None:
+            self.hook = sys.settrace
+        if self.hook is not None:
+            self.hook(_on_python_call)
 
     def __exit__(self, *exc):
+        if self.hook is not None:
+            self.hook(None)
         for owner, name, _, original in _SWAPS:
             setattr(owner, name, original)

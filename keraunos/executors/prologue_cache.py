@@ -52,6 +52,47 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_registra
 torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
 
 
+# Forward and backward hooks run inside the captured program: adding or removing one must be
+# seen. Registering and removing go through these functions, which then invalidate the cached
+# walk; the walk compares every module's hooks with those compiled in (``hook_state``).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+                "_backward_pre_hooks")
+_GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                       "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+                       "_global_backward_hooks", "_global_backward_pre_hooks")
+_module_module = torch.nn.modules.module
+
+
+def _invalidating(register):
+    def wrapper(*args, **kwargs):
+        _tree_token[0] = object()
+        return register(*args, **kwargs)
+    wrapper.__wrapped__ = register
+    wrapper.__name__, wrapper.__qualname__ = register.__name__, register.__qualname__
+    wrapper.__doc__ = register.__doc__
+    return wrapper
+
+
+for _name in ("register_forward_pre_hook", "register_forward_hook", "register_backward_hook",
+              "register_full_backward_hook", "register_full_backward_pre_hook"):
+    setattr(torch.nn.Module, _name, _invalidating(getattr(torch.nn.Module, _name)))
+for _name in ("register_module_forward_pre_hook", "register_module_forward_hook",
+              "register_module_backward_hook", "register_module_full_backward_hook",
+              "register_module_full_backward_pre_hook"):
+    setattr(_module_module, _name, _invalidating(getattr(_module_module, _name)))
+torch.utils.hooks.RemovableHandle.remove = _invalidating(torch.utils.hooks.RemovableHandle.remove)
+
+
+def hook_state(module: torch.nn.Module) -> tuple:
+    """Every hook that calling ``module`` runs, in order: the module tree's and the global ones."""
+    tables = [getattr(_module_module, name) for name in _GLOBAL_HOOK_TABLES]
+    for sub in module.modules():
+        d = sub.__dict__
+        tables += [d.get(name) or {} for name in _HOOK_TABLES]
+    return tuple(tuple(t.items()) for t in tables)
+
+
 class WatchedTable(dict):
     """A module's ``_parameters`` / ``_buffers`` / ``_modules`` table that invalidates every cached
     module-structure walk when written to. The registration hooks miss ``del module.x``, setting a
@@ -185,8 +226,15 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     module_part, entries, object_dicts = _module_attributes(
         [b for b in rest if _from_module(b)], dict_vars, keep)
     object_dicts_box.append(object_dicts)
+    hooks = hook_state(trace.namespace["module"])
+
+    def check_hooks(w):
+        w.namespace["hook_state"] = hook_state
+        return [f"if hook_state(module) != {w.constant(hooks, 'compiled_hooks')}:",
+                "  return 'a forward or backward hook was added or removed since compiling'"]
     walk_trace = Trace("refresh_module_structure", [], [
-        _glue("token", lambda w: [f"token = {token}[0]"])] + walk + [_glue("store", store)],
+        _glue("token", lambda w: [f"token = {token}[0]"])] + walk + [
+        _glue("check hooks", check_hooks), _glue("store", store)],
         list(trace.header) + ["Constructed by Cache Module Structure: the module tree walk, run "
                               "again only after a module, parameter or buffer is registered"],
         namespace={**trace.namespace, token: _tree_token})
