@@ -1,4 +1,5 @@
 """Regressions found by the differential fuzzer (keraunos.testing.fuzz), each compared with eager."""
+import pytest
 import torch
 
 import keraunos
@@ -23,6 +24,10 @@ def test_view_made_under_no_grad_and_returned_after_its_base_is_written_in_place
     assert torch.equal(jitted, eager) and torch.equal(jitted_a, eager_a)
     assert jitted._base is jitted_a and eager._base is eager_a
     assert jitted.requires_grad == eager.requires_grad
+    # Autograd refuses both views from now on, as it refuses eager's.
+    for out in (eager, jitted):
+        with pytest.raises(RuntimeError, match="view was created in no_grad mode"):
+            out.grad_fn
 
 
 def test_expression_under_no_grad_is_not_reused_outside_it():

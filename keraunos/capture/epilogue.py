@@ -37,6 +37,10 @@ class ViewGrad(Enum):
     TRACKED = "tracked"    # an ordinary view: gradients flow to what it views
     DETACHED = "detached"  # x.detach() (and views of it): no grad, no gradient flow
     NO_GRAD = "no_grad"    # a view made under torch.no_grad(): no grad_fn, as in eager
+    # A view made under no_grad whose base the program then wrote in place: autograd refuses to
+    # use it afterwards (eager's own raises "A view was created in no_grad mode ..."); the view
+    # is made after the write here, so the base's version is bumped once more after it.
+    NO_GRAD_THEN_WRITTEN = "no_grad, then its base written"
 
 
 @dataclass(eq=False)
@@ -160,6 +164,9 @@ def _view_formatter(bsym, w):
     else:
         offset = f"{base}.storage_offset()" + (f" + {node.offset}" if node.offset else "")
     line = f"{node.name} = {source}.as_strided({node.size}, {node.stride}, {offset})"
+    if node.grad is ViewGrad.NO_GRAD_THEN_WRITTEN:
+        return [f"with torch.no_grad(): {line}  # the program made this view under no_grad",
+                f"torch.autograd.graph.increment_version({base})  # ... then wrote {base}"]
     if node.grad is ViewGrad.NO_GRAD:
         return [f"with torch.no_grad(): {line}  # the program made this view under no_grad"]
     return [line]

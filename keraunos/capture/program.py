@@ -105,8 +105,8 @@ def _view_grad(view, source) -> ViewGrad:
         grad_fn = view.grad_fn
     except RuntimeError:
         # Autograd refuses to give a grad_fn to a view made under no_grad whose base was
-        # written in place since: a no-grad view (eager's own returned view raises the same).
-        return ViewGrad.NO_GRAD
+        # written in place since (eager's own returned view raises the same).
+        return ViewGrad.NO_GRAD_THEN_WRITTEN
     return ViewGrad.NO_GRAD if grad_fn is None else ViewGrad.TRACKED
 
 
