@@ -30,10 +30,11 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 logger = logging.getLogger("keraunos")
 
-HISTORY = 64  # compilations remembered per jitted callable (each holds its entry's traces)
+HISTORY = 64  # compilations remembered per jitted callable (summaries; entries held weakly)
 
 
 class DebugLevel(enum.IntEnum):
@@ -55,14 +56,27 @@ def level() -> DebugLevel:
 
 @dataclass
 class Compilation:
-    """One compilation of a jitted callable: the entry it made and why it was needed."""
+    """One compilation of a jitted callable: the entry it made and why it was needed.
+
+    The entry is held weakly: an entry the cache evicts is freed with its traces (the memory of a
+    long-running program must not grow with its compilations); what stays is this summary."""
 
     number: int               # 1 for the callable's first compilation
-    entry: object             # the CacheEntry
+    entry_ref: Callable       # weak reference to the CacheEntry
+    stages: dict              # its compile stage times, kept after it is evicted
     miss_reasons: list[str]   # why each entry cached before it did not fit the call
     wall_time: float          # time.time() when it finished
     folder: str | None = None  # where KERAUNOS_DEBUG=2 wrote its traces
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, number: int, entry, miss_reasons: list[str], wall_time: float) -> "Compilation":
+        return cls(number, weakref.ref(entry), dict(entry.stages), miss_reasons, wall_time)
+
+    @property
+    def entry(self):
+        """The CacheEntry, or None once the cache evicted it and it was freed."""
+        return self.entry_ref()
 
 
 _history: "weakref.WeakKeyDictionary[object, list[Compilation]]" = weakref.WeakKeyDictionary()
@@ -79,9 +93,9 @@ def compiled(state, entry) -> None:
     """Called by the miss path once ``entry`` is compiled for ``state``: remember it, and log and
     write it as ``KERAUNOS_DEBUG`` asks."""
     records = _history.setdefault(state, [])
-    record = Compilation(state.misses, entry, list(state.last_miss_reasons), time.time())
+    record = Compilation.of(state.misses, entry, list(state.last_miss_reasons), time.time())
     records.append(record)
-    del records[:-HISTORY]
+    del records[:max(0, len(records) - HISTORY)]
     wanted = level()
     if wanted >= DebugLevel.TRACES:
         try:

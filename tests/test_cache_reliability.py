@@ -261,9 +261,8 @@ def test_entry_does_not_keep_the_compiling_calls_tensors_alive():
     assert counts(jf) == (1, 1)
 
 
-def test_evicted_entries_release_traces_and_linecache_entries(monkeypatch):
-    import keraunos.debug
-    monkeypatch.setattr(keraunos.debug, "HISTORY", 1)  # the debug history also holds entries
+def test_evicted_entries_release_traces_and_linecache_entries():
+    # With the default debug history, which keeps summaries and holds entries weakly.
     f = lambda x: x.sin() * 2  # noqa: E731
     jf = keraunos.jit(f, max_cache_entries=2)
     before = keraunos_lines()

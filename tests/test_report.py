@@ -138,6 +138,20 @@ def test_report_of_a_function_without_example_inputs(tmp_path):
     assert "Not measured" in page and len(_payload(page)) == 1
 
 
+def test_report_lists_evicted_entries_without_keeping_them_alive(tmp_path):
+    import gc
+    jf = keraunos.jit(lambda x: x.sin() * 2, max_cache_entries=1)
+    for n in (2, 3, 4):
+        x = torch.randn(n)
+        torch.testing.assert_close(jf(x), x.sin() * 2)
+    gc.collect()
+    records = debug.compilations(state_of(jf))
+    assert [r.entry is None for r in records] == [True, True, False]  # only the cached one lives
+    page = open(keraunos.report(jf, tmp_path / "evicted.html")).read()
+    assert page.count("evicted") >= 2 and "traces were freed with it" in page
+    assert "3 compilations" in page or "of 3 compiled" in page
+
+
 def test_report_of_an_uncalled_callable_says_so(tmp_path):
     jf = keraunos.jit(lambda x: x + 1)
     page = open(keraunos.report(jf, tmp_path / "empty.html")).read()

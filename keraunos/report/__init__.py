@@ -71,8 +71,9 @@ def report(jitted, path: str | os.PathLike = "report.html", *, args: tuple | Non
 def _compilations(state, snapshot) -> list[debug.Compilation]:
     """Every remembered compilation, plus cached entries compiled before the history began."""
     records = debug.compilations(state)
-    known = {id(r.entry) for r in records}
-    extra = [debug.Compilation(0, e, [], 0.0) for e in snapshot["entries"] if id(e) not in known]
+    known = {id(r.entry) for r in records if r.entry is not None}
+    extra = [debug.Compilation.of(0, e, [], 0.0) for e in snapshot["entries"]
+             if id(e) not in known]
     return extra + records
 
 
@@ -109,7 +110,8 @@ def render(state, snapshot, timings: CallTimings | None, title: str | None) -> s
     sections = []
     for i, record in enumerate(records):
         entry_id = f"entry{i}"
-        histories = debug.trace_histories(record.entry)
+        histories = (debug.trace_histories(record.entry) if record.entry is not None
+                     else {kind: [] for kind in KINDS})
         data[entry_id] = {kind: _trace_items(histories[kind]) for kind in KINDS}
         data[entry_id]["empty"] = _NO_TRACE
         sections.append(_entry_section(entry_id, i, record, snapshot, histories))
@@ -156,7 +158,7 @@ def _card(value: str, key: str) -> str:
 
 
 def _summary(records, snapshot, timings) -> str:
-    compile_total = sum(sum(r.entry.stages.values()) for r in records)
+    compile_total = sum(sum(r.stages.values()) for r in records)
     cards = [_card(f"{len(snapshot['entries'])} <small>of {len(records)} compiled</small>",
                    "cache entries held"),
              _card(str(snapshot["hits"]), "cache hits"),
@@ -183,10 +185,10 @@ def _reasons(record) -> str:
 
 
 def _status_tags(record, snapshot) -> str:
-    held = any(e is record.entry for e in snapshot["entries"])
+    held = record.entry is not None and any(e is record.entry for e in snapshot["entries"])
     tags = ['<span class="tag good">in cache</span>' if held else
             '<span class="tag warn">evicted</span>']
-    if record.entry is snapshot["last"]:
+    if record.entry is not None and record.entry is snapshot["last"]:
         tags.append('<span class="tag">ran last</span>')
     return "".join(tags)
 
@@ -199,7 +201,7 @@ def _cache_section(records, snapshot) -> str:
         rows.append(f'<tr><td><a href="#entry{i}-computation-0">entry {i}</a></td>'
                     f'<td class="num">{record.number or ""}</td><td>{when}</td>'
                     f'<td>{_status_tags(record, snapshot)}</td>'
-                    f'<td class="num">{_ms(sum(record.entry.stages.values()))}</td>'
+                    f'<td class="num">{_ms(sum(record.stages.values()))}</td>'
                     f"<td>{_reasons(record)}</td></tr>")
     return (f'<section id="cache"><h2>Cache: hits and misses<span class="tag">{snapshot["hits"]} '
             f'hits</span><span class="tag bad">{snapshot["misses"]} misses</span></h2>'
@@ -289,12 +291,22 @@ def _entry_section(entry_id, i, record, snapshot, histories) -> str:
         f'<button class="kind" data-kind="{k}"{" disabled" if not histories[k] else ""}>{k}'
         f'<span class="count">{len(histories[k])}</span></button>' for k in KINDS)
     number = f" &middot; compilation {record.number}" if record.number else ""
+    if record.entry is None:  # evicted and freed: its traces went with it
+        return f"""<section class="entry" id="{entry_id}">
+<h2>Entry {i}{number}{_status_tags(record, snapshot)}</h2>
+<div class="entry-grid"><div>
+<h3>Why it was compiled</h3>{_reasons(record)}
+<h3>Compile stages</h3>{_stage_chart(record.stages)}
+</div><div><p class="note">The cache evicted this entry and its traces were freed with it
+(keraunos keeps no evicted program alive). <code>KERAUNOS_DEBUG=2</code> writes every trace to a
+folder as it is compiled.</p></div></div></section>
+"""
     return f"""<section class="entry" id="{entry_id}">
 <h2>Entry {i}{number}{_status_tags(record, snapshot)}</h2>
 <div class="entry-grid"><div>
 <h3>Why it was compiled</h3>{_reasons(record)}
-<h3>Compile stages</h3>{_stage_chart(record.entry.stages)}
-{_fusion(record.entry)}
+<h3>Compile stages</h3>{_stage_chart(record.stages)}
+{_fusion(record.entry) if record.entry is not None else ""}
 </div><div>
 <div class="viewer" id="{entry_id}-viewer"><div class="kinds">{kinds}</div>
 <div class="passes"></div>
