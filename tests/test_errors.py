@@ -353,3 +353,22 @@ def test_mixed_float_dtypes_that_eager_accepts_still_compile():
     f = lambda a, b: (a * b.double()).sum() + torch.where(a > 0, a, b.half()).sum()  # noqa: E731
     a, b = torch.randn(3, 3), torch.randn(3, 3)
     assert_close(keraunos.jit(f)(a, b), f(a, b))
+
+
+def test_in_place_mixed_dtype_write_to_a_view_of_a_leaf_clone_compiles():
+    # The real-kernel check of a mixed-dtype call ran on zeros that were leaves requiring grad,
+    # so an in-place op raised autograd's leaf error, which eager does not raise here.
+    def f(a):
+        a.addcmul_(a.mean(0).double(), a.mean(0).double(), value=0.5)
+        a[0] = a.mean(0) * a.double().mean(0)
+        return a * 2
+
+    results = []
+    for fn in (f, keraunos.jit(f)):
+        torch.manual_seed(0)
+        leaf = torch.randn(3, 4, requires_grad=True)
+        out = fn(leaf.clone())
+        out.sum().backward()
+        results.append((out, leaf.grad))
+    assert_close(results[1][0], results[0][0])
+    assert_close(results[1][1], results[0][1])

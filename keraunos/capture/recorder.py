@@ -108,7 +108,10 @@ def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
     except Exception:  # noqa: BLE001 - a size the fakes cannot tell (data-dependent)
         return None
     try:
-        ctx.run_opaque(func, args, kwargs)
+        # Without autograd: the zeros are leaves, and autograd's own errors (an in-place write to
+        # a leaf that requires grad) are raised alike by the fake kernels, which run under it.
+        with torch.no_grad():
+            ctx.run_opaque(func, args, kwargs)
     except Exception as real:  # noqa: BLE001 - whatever the real kernel raises is eager's error
         return real
     return None
