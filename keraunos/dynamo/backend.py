@@ -1,0 +1,228 @@
+"""The torch.compile backend: one keraunos-jitted GraphModule per FX graph dynamo hands over."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..core.trace import Trace
+from ..transforms import Transform
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """Where dynamo split the program, and why (dynamo's own words)."""
+
+    filename: str
+    lineno: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno}: {self.reason.splitlines()[0]}"
+
+
+@dataclass
+class SubgraphTraces:
+    """The traces of one subgraph's cache entry that ran last: each list has one trace per pass,
+    in order (``forward[-1]`` is what runs); ``backward`` is empty without autograd."""
+
+    name: str
+    forward: list[Trace]
+    backward: list[Trace]
+    prologue: list[Trace]
+    graph_module: torch.fx.GraphModule
+
+
+class CompiledSubgraph:
+    """What dynamo calls in place of one FX graph: the graph, jitted by keraunos."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, executors, transforms,
+                 graph_break: GraphBreak | None):
+        from .. import jit  # keraunos/__init__ imports this package lazily: no cycle
+        self.gm = gm
+        self.name = name
+        self.graph_break = graph_break  # the break that ended this graph, if one did
+        self.dynamic = _is_dynamic(gm)
+        # Dynamo's guards already checked a static graph's inputs; a dynamic one accepts many
+        # sizes under one set of guards, and keraunos compiles (and checks) each.
+        cache = "constant values" if self.dynamic else "same input"
+        self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
+                          max_cache_entries=64 if self.dynamic else 8)
+
+    def __call__(self, *args):
+        return self.jitted(*args)
+
+    def traces(self) -> SubgraphTraces | None:
+        entry = self.jitted._keraunos.last_entry
+        if entry is None:
+            return None
+        return SubgraphTraces(self.name, list(entry.computation_traces),
+                              list(entry.backward_traces), list(entry.prologue_traces), self.gm)
+
+
+def _is_dynamic(gm: torch.fx.GraphModule) -> bool:
+    """Whether dynamo made any size symbolic: a SymInt input or a tensor of symbolic shape."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(value, torch.Tensor) and any(
+                not isinstance(s, int) for s in (*value.shape, *value.stride())):
+            return True
+    return False
+
+
+def _graph_break_being_compiled() -> GraphBreak | None:
+    """The graph break that made dynamo compile the graph now handed over, if one did.
+
+    Dynamo keeps the reason on its ``OutputGraph`` (``compile_subgraph_reason``), which is on the
+    call stack of the backend; there is no public API that gives it to a backend."""
+    from torch._dynamo.output_graph import OutputGraph
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, OutputGraph):
+            reason = getattr(owner, "compile_subgraph_reason", None)
+            if reason is None or not getattr(reason, "graph_break", False):
+                return None
+            stack = list(getattr(reason, "user_stack", None) or ())
+            if not stack:
+                return GraphBreak("<unknown>", 0, str(reason.reason))
+            return GraphBreak(stack[-1].filename, stack[-1].lineno, str(reason.reason))
+        frame = frame.f_back
+    return None
+
+
+class Backend:
+    """A configured keraunos backend for ``torch.compile``; it keeps every subgraph it
+    compiled (see ``last_traces`` and ``graph_breaks``).
+
+    >>> import torch, keraunos.dynamo
+    >>> be = keraunos.dynamo.backend(executors=["torch"])
+    >>> f = torch.compile(lambda x: (x * 2).sin(), backend=be)
+    >>> torch.testing.assert_close(f(torch.ones(3)), (torch.ones(3) * 2).sin())
+    """
+
+    def __init__(self, executors: Sequence | None = None,
+                 transforms: Sequence[Transform] | None = None):
+        self.executors = list(executors) if executors is not None else None
+        self.transforms = list(transforms or ())
+        self.subgraphs: list[CompiledSubgraph] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> CompiledSubgraph:
+        # example_inputs may be fake tensors and SymInts: keraunos compiles on the first real
+        # call instead, from the values dynamo then passes.
+        subgraph = CompiledSubgraph(gm, f"subgraph {len(self.subgraphs)}", self.executors,
+                                    self.transforms, _graph_break_being_compiled())
+        self.subgraphs.append(subgraph)
+        return subgraph
+
+
+def backend(executors: Sequence | None = None,
+            transforms: Sequence[Transform] | None = None) -> Backend:
+    """A ``torch.compile`` backend that runs each subgraph through keraunos with these
+    executors and transforms (the same options as ``keraunos.jit``).
+
+    >>> import torch, keraunos.dynamo
+    >>> m = torch.compile(torch.nn.Linear(4, 4), backend=keraunos.dynamo.backend())
+    >>> out = m(torch.randn(2, 4))
+    """
+    return Backend(executors, transforms)
+
+
+_DEFAULT = Backend()
+
+
+def backend_entry(gm: torch.fx.GraphModule, example_inputs) -> CompiledSubgraph:
+    """``backend="keraunos"``: the default backend, registered through the
+    ``torch_dynamo_backends`` entry point."""
+    return _DEFAULT(gm, example_inputs)
+
+
+# ------------------------------------------------------------------------- inspection
+def _codes_of(compiled) -> list:
+    """The code objects dynamo compiles for ``compiled``: its function (or its module's and
+    every submodule's ``forward``, where graph breaks inside submodules put frames)."""
+    target = getattr(compiled, "_orig_mod", None)
+    if target is None:
+        target = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    if isinstance(target, torch.nn.Module):
+        codes = []
+        for m in target.modules():
+            code = getattr(getattr(type(m).forward, "__code__", None), "co_code", None)
+            if code is not None:
+                codes.append(type(m).forward.__code__)
+        return codes
+    code = getattr(target, "__code__", None)
+    return [code] if code is not None else []
+
+
+def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
+    """The subgraphs dynamo compiled for ``compiled``, found from its cache entries: each
+    entry's bytecode names the compiled graphs and the resume functions after graph breaks."""
+    if isinstance(compiled, Backend):
+        return list(compiled.subgraphs)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    found: list[CompiledSubgraph] = []
+    seen_codes: set[int] = set()
+    pending = [(code, None) for code in _codes_of(compiled)]
+    while pending:
+        code, namespace = pending.pop(0)
+        if id(code) in seen_codes:
+            continue
+        seen_codes.add(id(code))
+        for cache_entry in _debug_get_cache_entry_list(code):
+            globals_ = namespace if namespace is not None else _globals_of(compiled, code)
+            for name in cache_entry.code.co_names:
+                value = globals_.get(name) if globals_ is not None else None
+                value = _unwrap(value)
+                if isinstance(value, CompiledSubgraph) and value not in found:
+                    found.append(value)
+                elif name.startswith("__resume_at") and hasattr(value, "__code__"):
+                    pending.append((value.__code__, value.__globals__))
+    return found
+
+
+def _globals_of(compiled, code):
+    target = getattr(compiled, "_orig_mod", None) or getattr(
+        compiled, "_torchdynamo_orig_callable", compiled)
+    if isinstance(target, torch.nn.Module):
+        for m in target.modules():
+            fn = type(m).forward
+            if getattr(fn, "__code__", None) is code:
+                return fn.__globals__
+        return None
+    return getattr(target, "__globals__", None)
+
+
+def _unwrap(value):
+    for _ in range(8):  # dynamo may wrap what the backend returned (disable, wraps)
+        if value is None or isinstance(value, CompiledSubgraph):
+            return value
+        inner = getattr(value, "__wrapped__", None) or getattr(
+            value, "_torchdynamo_orig_callable", None)
+        if inner is None:
+            return value
+        value = inner
+    return value
+
+
+def last_traces(compiled) -> list[SubgraphTraces]:
+    """Per subgraph that has run, in the order dynamo compiled them: the forward (computation),
+    backward and prologue traces of its entry that ran last. ``compiled`` is what
+    ``torch.compile(..., backend="keraunos")`` returned, or a ``Backend``."""
+    return [t for t in (s.traces() for s in _subgraphs_of(compiled)) if t is not None]
+
+
+def graph_breaks(compiled) -> list[GraphBreak]:
+    """The graph breaks dynamo made in ``compiled`` (what was compiled so far), with the user's
+    file:line and dynamo's reason."""
+    breaks = []
+    for s in _subgraphs_of(compiled):
+        if s.graph_break is not None and s.graph_break not in breaks:
+            breaks.append(s.graph_break)
+    return breaks
