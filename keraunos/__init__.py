@@ -13,7 +13,7 @@ from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
 from .errors import CaptureError, KeraunosError, UnsupportedInputError
 from .executors.prologue_cache import invalidate_module_structure
-from .jit import CacheMode, CompileStats, JittedFunction, JittedModule, jit, state_of
+from .jit import CacheMode, CompileStats, Fallback, JittedFunction, JittedModule, jit, state_of
 from .report import report
 from .transforms import Transform
 
@@ -72,7 +72,7 @@ def compile_stats(jitted) -> CompileStats:
 
 __all__ = [
     "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError", "KeraunosError",
-    "UnsupportedInputError", "CacheMode", "CompileStats", "JittedFunction", "JittedModule",
+    "UnsupportedInputError", "CacheMode", "CompileStats", "Fallback", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
     "invalidate_module_structure", "report",

@@ -13,6 +13,7 @@ share memory exactly as they did when it was compiled. On a miss it compiles a n
 """
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import threading
@@ -27,7 +28,7 @@ from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
 from .capture.state import active_context
-from .errors import user_source
+from .errors import CaptureError, user_source
 from .pipeline import compile_entry
 from .transforms import Transform
 
@@ -53,14 +54,26 @@ class CompileStats:
         return "\n".join(lines)
 
 
+class Fallback(enum.Enum):
+    """What ``keraunos.jit`` does when capture meets a Python decision on tensor data."""
+
+    ERROR = "error"    # raise CaptureError, naming the line and torch.compile(backend="keraunos")
+    DYNAMO = "dynamo"  # warn once and run through torch.compile(backend=keraunos.dynamo.backend())
+
+
 class _JitState:
     """What a jitted callable holds: its program, options and cache."""
 
     def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile,
-                 specialize_data=False):
+                 specialize_data=False, fallback="error"):
         self.options = dict(executors=executors, transforms=transforms, cache=cache,
                             max_cache_entries=max_cache_entries, profile=profile,
-                            specialize_data=specialize_data)
+                            specialize_data=specialize_data, fallback=fallback)
+        try:
+            self.fallback = Fallback(fallback)
+        except ValueError:
+            raise ValueError(f"keraunos.jit: fallback must be one of "
+                             f"{[m.value for m in Fallback]}, got {fallback!r}") from None
         self.specialize_data = bool(specialize_data)
         self.fn = fn
         self.module = module
@@ -269,7 +282,15 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         state.last_miss_reasons = reasons
         with state.counter_lock:
             state.misses += 1
-        entry = compile_entry(state, args, kwargs)
+        try:
+            entry = compile_entry(state, args, kwargs)
+        except CaptureError as e:
+            if state.fallback is not Fallback.DYNAMO or _BACKEND_HINT not in str(e):
+                raise
+            entry = _dynamo_fallback_entry(state, e)
+            state.entries = [entry]  # dynamo's guards decide from now on: it always hits
+            state.last_entry = entry
+            return entry, (args, kwargs), None
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
         r = entry.prologue_fn(*args, **kwargs)
         if type(r) is not tuple:
@@ -289,6 +310,33 @@ def _inline_entry(state: _JitState) -> CacheEntry:
     """An entry that runs the original program, so that an outer capture records its ops."""
     target = state.module if state.module is not None else state.fn
     return CacheEntry(lambda *a, **k: None, lambda args, kwargs: target(*args, **kwargs),
+                      lambda result, _: result, [], [], [], [], [], None, {})
+
+
+_BACKEND_HINT = 'backend=\"keraunos\"'  # in the message of data-dependent CaptureErrors
+
+
+def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
+    """An entry that runs the program through torch.compile with the keraunos backend, with
+    this callable's executors and transforms; warns once, naming the line that forced it."""
+    from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
+    target = state.module if state.module is not None else state.fn
+    compiled = torch.compile(target, backend=backend(executors=state.options["executors"],
+                                                     transforms=state.transforms))
+    state.dynamo_compiled = compiled  # keraunos.dynamo.last_traces(jitted) finds it here
+    lines = str(error).splitlines()
+    where = lines[0].removeprefix("keraunos cannot capture ")
+    message = (f"keraunos.jit: {state.name} falls back to torch.compile(backend=\"keraunos\") "
+               f"because of {where}\n  {lines[1].strip()}\n  The cost: dynamo's bytecode analysis "
+               f"and guards on every call, and the program runs as several compiled subgraphs "
+               f"split at graph breaks, with Python in between.")
+    source = user_source()
+    if source is None:
+        warnings.warn(message, UserWarning, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, UserWarning, source.filename, source.lineno)
+    return CacheEntry(lambda *a, **k: ((a, k), None),
+                      lambda args, kwargs: compiled(*args, **kwargs),
                       lambda result, _: result, [], [], [], [], [], None, {})
 
 
@@ -437,7 +485,7 @@ def _rejit(module, options):
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
         transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
         max_cache_entries: int = 8, profile: bool | None = None,
-        specialize_data: bool = False):
+        specialize_data: bool = False, fallback: str | Fallback = "error"):
     """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
 
     The first call captures the program into traces, transforms and compiles them, and caches the
@@ -461,12 +509,16 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
             from tensor data (``.item()``, ``if t.any():``), compute it from the inputs, compile
             it in as a constant and check it in the prologue on every call (a new value
             recompiles). Right for values that rarely change, such as a position in a KV cache.
+        fallback: on such a decision (without ``specialize_data``), ``"error"`` (default) raises
+            ``CaptureError`` naming the line; ``"dynamo"`` warns once and runs the program through
+            ``torch.compile(backend="keraunos")`` instead (graph breaks at such decisions).
     """
     options = dict(executors=executors, transforms=transforms,
                    cache=cache.value if isinstance(cache, CacheMode) else cache,
                    max_cache_entries=max_cache_entries,
                    profile=_profile_default() if profile is None else profile,
-                   specialize_data=specialize_data)
+                   specialize_data=specialize_data,
+                   fallback=fallback.value if isinstance(fallback, Fallback) else fallback)
     if isinstance(fn_or_module, (JittedFunction, JittedModule)):
         raise TypeError("keraunos.jit: this callable is already jitted")
     if isinstance(fn_or_module, torch.nn.Module):

@@ -147,5 +147,8 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
         what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
     return CaptureError(
         f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
-        f"  What to do: keep the decision in tensors (torch.where, masking), pass the value in as a "
-        f"Python argument, or move this part outside the jitted function.")
+        f"  What to do: compile it with `torch.compile(model, backend=\"keraunos\")` instead, "
+        f"which splits the program at such decisions (or pass `keraunos.jit(..., "
+        f"fallback=\"dynamo\")` to do that automatically); or keep the decision in tensors "
+        f"(torch.where, masking), pass the value in as a Python argument, or move this part "
+        f"outside the jitted function.")

@@ -166,6 +166,8 @@ def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
     entry's bytecode names the compiled graphs and the resume functions after graph breaks."""
     if isinstance(compiled, Backend):
         return list(compiled.subgraphs)
+    # keraunos.jit(fn, fallback="dynamo") that fell back keeps what it compiled.
+    compiled = getattr(getattr(compiled, "_keraunos", None), "dynamo_compiled", compiled)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     found: list[CompiledSubgraph] = []
     seen_codes: set[int] = set()
