@@ -1,0 +1,250 @@
+"""torch.compile(model, backend="keraunos"): dynamo splits at graph breaks, keraunos compiles each
+subgraph. Every test compares with eager PyTorch."""
+import copy
+import inspect
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import keraunos
+import keraunos.dynamo as kd
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # dynamo caches per code object: tests must not see each other's
+    yield
+    torch._dynamo.reset()
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+class BranchyNet(torch.nn.Module):
+    """Graph breaks of three kinds: .item() driving a branch, a print, and a layerdrop test on
+    torch.rand([]) in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.mean().item() > 0:  # graph break: item
+            h = h * 1.5
+        else:
+            h = h - 0.5
+        print("", end="")  # graph break: print
+        if not self.training or torch.rand([]) > 0.3:  # graph break: layerdrop
+            h = h + torch.nn.functional.gelu(self.b(h))
+        return self.head(h).squeeze(-1)
+
+
+def _train(model, step, xs, ys, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(step(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        # A layer dropped this step has no gradient, in eager as here.
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads, torch.rand(4)  # the RNG stream after training
+
+
+def _data(n=10):
+    g = torch.Generator().manual_seed(1)
+    return ([torch.randn(5, 6, generator=g) for _ in range(n)],
+            [torch.randn(5, generator=g) for _ in range(n)])
+
+
+def test_forward_with_graph_breaks_matches_eager():
+    torch.manual_seed(0)
+    model = BranchyNet().eval()
+    compiled = torch.compile(model, backend=kd.backend())
+    for x in (torch.randn(5, 6), -torch.ones(5, 6) * 3, torch.randn(5, 6)):
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_training_with_graph_breaks_matches_eager_for_ten_adamw_steps():
+    torch.manual_seed(0)
+    eager_model = BranchyNet().train()
+    compiled_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(compiled_model, backend=kd.backend())
+    xs, ys = _data()
+    eager = _train(eager_model, eager_model, xs, ys)
+    ours = _train(compiled_model, compiled, xs, ys)
+    for a, b in zip(eager[0], ours[0]):
+        torch.testing.assert_close(b, a)
+    for ga, gb in zip(eager[1], ours[1]):
+        for a, b in zip(ga, gb):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a)
+    assert any(g is None for step in eager[1] for g in step)  # a layer was dropped
+    assert any(g is not None for g in eager[1][-1])
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(b, a)
+    torch.testing.assert_close(ours[2], eager[2])  # the same random numbers were drawn
+
+
+def test_subgraphs_that_need_gradients_have_forward_and_backward_traces():
+    torch.manual_seed(0)
+    model = BranchyNet().train()
+    compiled = torch.compile(model, backend=kd.backend())
+    compiled(torch.randn(5, 6)).sum().backward()
+    traces = kd.last_traces(compiled)
+    assert len(traces) >= 3
+    with_params = [t for t in traces if "linear" in str(t.forward[-1])]
+    assert with_params and all(t.backward for t in with_params)
+    assert all(str(t.backward[-1]).count("def backward") == 1 for t in with_params)
+    rng_graph = [t for t in traces if "torch.rand" in str(t.forward[-1])]
+    assert rng_graph and not rng_graph[0].backward  # nothing in it needs a gradient
+    # Static graphs: dynamo's guards check the inputs, keraunos's prologue only unpacks them.
+    assert all("check_tensor" not in str(t.prologue[-1]) for t in traces)
+
+
+def test_graph_breaks_are_listed_with_file_line_and_reason():
+    torch.manual_seed(0)
+    model = BranchyNet().train()
+    compiled = torch.compile(model, backend="keraunos")
+    compiled(torch.randn(5, 6))
+    breaks = kd.graph_breaks(compiled)
+    here = os.path.abspath(__file__)
+    lines = {b.lineno for b in breaks if os.path.abspath(b.filename) == here}
+    assert _line_of(BranchyNet.forward, "graph break: item") in lines
+    assert _line_of(BranchyNet.forward, "graph break: print") in lines
+    assert _line_of(BranchyNet.forward, "graph break: layerdrop") in lines
+    assert any("item" in b.reason for b in breaks)
+    assert any("print" in b.reason for b in breaks)
+    assert f"{here}:" in str(breaks[0]) or os.path.basename(here) in str(breaks[0])
+
+
+def test_backend_by_name_from_a_fresh_process():
+    code = ("import torch\n"
+            "f = torch.compile(lambda x: (x * 2).sin(), backend='keraunos')\n"
+            "x = torch.randn(3)\n"
+            "torch.testing.assert_close(f(x), (x * 2).sin())\n"
+            "import keraunos.dynamo as kd\n"
+            "assert kd.backend_entry in [kd.backend_entry]\n"
+            "from torch._dynamo import list_backends\n"
+            "assert 'keraunos' in list_backends(exclude_tags=())\n"
+            "print(len(kd.last_traces(kd.backend_entry.__globals__['_DEFAULT'])))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
+def test_configured_backend_runs_executors_and_transforms():
+    seen = []
+
+    class Count(keraunos.Transform):
+        def transform_trace_post_optimization(self, trace):
+            seen.append(trace.name)
+            return trace
+
+    be = kd.backend(executors=["torch"], transforms=[Count()])
+    f = torch.compile(lambda x, w: torch.relu(x @ w), backend=be)
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    out = f(x, w)
+    torch.testing.assert_close(out, torch.relu(x @ w))
+    out.sum().backward()
+    w2 = w.detach().clone().requires_grad_()
+    torch.relu(x @ w2).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert seen == ["computation", "backward"]
+    assert "Executor Claims [torch" in "\n".join(kd.last_traces(be)[0].forward[-1].header)
+
+
+def test_sizes_that_dynamo_makes_dynamic_never_reuse_a_stale_entry():
+    f = torch.compile(lambda x: x.sum(0) * x.shape[0], backend=kd.backend())
+    for n in (2, 3, 4, 3, 2, 5):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(f(x), x.sum(0) * n)
+
+
+def test_inputs_and_buffers_written_in_place_match_eager():
+    torch.manual_seed(0)
+    eager_model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    compiled_model = copy.deepcopy(eager_model)
+    compiled = torch.compile(compiled_model, backend=kd.backend())
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(compiled(x), eager_model(x))
+    torch.testing.assert_close(compiled_model[1].running_mean, eager_model[1].running_mean)
+    torch.testing.assert_close(compiled_model[1].running_var, eager_model[1].running_var)
+    assert compiled_model[1].num_batches_tracked == eager_model[1].num_batches_tracked
+
+    def bump(x, y):
+        x.add_(1)
+        return x * y
+    a, b = torch.zeros(3), torch.zeros(3)
+    y = torch.arange(3.0)
+    torch.testing.assert_close(torch.compile(bump, backend=kd.backend())(a, y), bump(b, y))
+    torch.testing.assert_close(a, b)
+
+
+def _data_dependent(x):
+    if x.sum() > 0:  # the line keraunos.jit cannot capture
+        return x * 2
+    return x - 1
+
+
+def test_jit_error_on_data_dependent_decision_names_the_backend_route():
+    with pytest.raises(keraunos.CaptureError) as info:
+        keraunos.jit(_data_dependent)(torch.ones(3))
+    message = str(info.value)
+    assert 'torch.compile(model, backend="keraunos")' in message
+    assert 'fallback="dynamo"' in message
+    assert f"{__file__}:{_line_of(_data_dependent, 'cannot capture')}" in message
+
+
+def test_jit_fallback_to_dynamo_warns_once_and_matches_eager():
+    jf = keraunos.jit(_data_dependent, fallback=keraunos.Fallback.DYNAMO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (torch.ones(3), -torch.ones(3), torch.randn(3)):
+            torch.testing.assert_close(jf(x), _data_dependent(x))
+    fallbacks = [w for w in caught if "falls back" in str(w.message)]
+    assert len(fallbacks) == 1
+    line = _line_of(_data_dependent, "cannot capture")
+    assert f"{__file__}:{line}" in str(fallbacks[0].message)
+    assert "cost" in str(fallbacks[0].message)
+    assert len(kd.last_traces(jf)) >= 2  # the subgraphs on both sides of the break
+    assert [b.lineno for b in kd.graph_breaks(jf)] == [line]
+
+
+def test_jit_fallback_trains_a_module_like_eager():
+    torch.manual_seed(0)
+    eager_model = BranchyNet().train()
+    compiled_model = copy.deepcopy(eager_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jitted = keraunos.jit(compiled_model, fallback="dynamo")
+        xs, ys = _data(3)
+        eager = _train(eager_model, eager_model, xs, ys)
+        ours = _train(compiled_model, jitted, xs, ys)
+    for a, b in zip(eager[0], ours[0]):
+        torch.testing.assert_close(b, a)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(b, a)
+    torch.testing.assert_close(ours[2], eager[2])
+
+
+def test_jit_fallback_is_a_typed_option():
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        keraunos.jit(_data_dependent, fallback="inductor")
+    with pytest.raises(keraunos.CaptureError):  # the default stays the error
+        keraunos.jit(_data_dependent, fallback=keraunos.Fallback.ERROR)(torch.ones(3))
