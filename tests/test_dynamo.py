@@ -131,6 +131,25 @@ def test_graph_breaks_are_listed_with_file_line_and_reason():
     assert f"{here}:" in str(breaks[0]) or os.path.basename(here) in str(breaks[0])
 
 
+def _helper_with_a_break(h):
+    h = h.sin()
+    print("", end="")  # graph break inside a helper
+    return h * 2
+
+
+def test_graph_break_inside_a_helper_is_listed_and_its_subgraphs_found():
+    def f(x):
+        return _helper_with_a_break(x + 1) - 1
+    compiled = torch.compile(f, backend="keraunos")
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), f(x))
+    assert [b.lineno for b in kd.graph_breaks(compiled)] == [
+        _line_of(_helper_with_a_break, "graph break inside")]
+    forwards = "\n".join(str(t.forward[-1]) for t in kd.last_traces(compiled))
+    for op in ("add(1)", "sin()", "mul(2)", "sub(1)"):
+        assert op in forwards
+
+
 def test_backend_by_name_from_a_fresh_process():
     code = ("import torch\n"
             "f = torch.compile(lambda x: (x * 2).sin(), backend='keraunos')\n"

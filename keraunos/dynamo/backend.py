@@ -1,6 +1,7 @@
 """The torch.compile backend: one keraunos-jitted GraphModule per FX graph dynamo hands over."""
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +36,9 @@ class SubgraphTraces:
     graph_module: torch.fx.GraphModule
 
 
+_compile_order = itertools.count()  # subgraphs are listed in the order dynamo compiled them
+
+
 class CompiledSubgraph:
     """What dynamo calls in place of one FX graph: the graph, jitted by keraunos."""
 
@@ -43,6 +47,7 @@ class CompiledSubgraph:
         from .. import jit  # keraunos/__init__ imports this package lazily: no cycle
         self.gm = gm
         self.name = name
+        self.order = next(_compile_order)
         self.graph_break = graph_break  # the break that ended this graph, if one did
         self.dynamic = _is_dynamic(gm)
         # Dynamo's guards already checked a static graph's inputs; a dynamic one accepts many
@@ -147,23 +152,18 @@ def backend_entry(gm: torch.fx.GraphModule, example_inputs) -> CompiledSubgraph:
 def _codes_of(compiled) -> list:
     """The code objects dynamo compiles for ``compiled``: its function (or its module's and
     every submodule's ``forward``, where graph breaks inside submodules put frames)."""
-    target = getattr(compiled, "_orig_mod", None)
-    if target is None:
-        target = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    target = _target_of(compiled)
     if isinstance(target, torch.nn.Module):
-        codes = []
-        for m in target.modules():
-            code = getattr(getattr(type(m).forward, "__code__", None), "co_code", None)
-            if code is not None:
-                codes.append(type(m).forward.__code__)
-        return codes
+        codes = [getattr(type(m).forward, "__code__", None) for m in target.modules()]
+        return [c for c in dict.fromkeys(codes) if c is not None]
     code = getattr(target, "__code__", None)
     return [code] if code is not None else []
 
 
 def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
     """The subgraphs dynamo compiled for ``compiled``, found from its cache entries: each
-    entry's bytecode names the compiled graphs and the resume functions after graph breaks."""
+    entry's bytecode names the compiled graphs, the resume functions after graph breaks and the
+    global functions it calls, whose own cache entries are searched in turn."""
     if isinstance(compiled, Backend):
         return list(compiled.subgraphs)
     # keraunos.jit(fn, fallback="dynamo") that fell back keeps what it compiled.
@@ -184,14 +184,23 @@ def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
                 value = _unwrap(value)
                 if isinstance(value, CompiledSubgraph) and value not in found:
                     found.append(value)
-                elif name.startswith("__resume_at") and hasattr(value, "__code__"):
+                elif hasattr(value, "__code__") and hasattr(value, "__globals__"):
+                    # A resume function after a graph break, or a helper the frame calls (a
+                    # break inside it gives the helper a frame of its own).
                     pending.append((value.__code__, value.__globals__))
-    return found
+    return sorted(found, key=lambda s: s.order)
+
+
+def _target_of(compiled):
+    """The module or function that ``torch.compile`` wrapped."""
+    target = getattr(compiled, "_orig_mod", None)  # not `or`: an empty ModuleList is false
+    if target is None:
+        target = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    return target
 
 
 def _globals_of(compiled, code):
-    target = getattr(compiled, "_orig_mod", None) or getattr(
-        compiled, "_torchdynamo_orig_callable", compiled)
+    target = _target_of(compiled)
     if isinstance(target, torch.nn.Module):
         for m in target.modules():
             fn = type(m).forward
