@@ -109,6 +109,10 @@ def test_subgraphs_that_need_gradients_have_forward_and_backward_traces():
     with_params = [t for t in traces if "linear" in str(t.forward[-1])]
     assert with_params and all(t.backward for t in with_params)
     assert all(str(t.backward[-1]).count("def backward") == 1 for t in with_params)
+    # Each line points at the user's source, not at dynamo's generated code.
+    first = str(traces[0].forward[-1])
+    assert f"{__file__}:{_line_of(BranchyNet.forward, 'torch.tanh')}:" in first
+    assert "<eval_with_key>" not in first
     rng_graph = [t for t in traces if "torch.rand" in str(t.forward[-1])]
     assert rng_graph and not rng_graph[0].backward  # nothing in it needs a gradient
     # Static graphs: dynamo's guards check the inputs, keraunos's prologue only unpacks them.

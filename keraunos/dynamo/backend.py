@@ -10,6 +10,7 @@ import torch
 
 from ..core.trace import Trace
 from ..transforms import Transform
+from .sources import UserSourceLines
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class CompiledSubgraph:
         # Dynamo's guards already checked a static graph's inputs; a dynamic one accepts many
         # sizes under one set of guards, and keraunos compiles (and checks) each.
         cache = "constant values" if self.dynamic else "same input"
+        transforms = [UserSourceLines(gm), *(transforms or ())]
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
                           max_cache_entries=64 if self.dynamic else 8)
 
