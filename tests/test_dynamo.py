@@ -271,3 +271,16 @@ def test_jit_fallback_is_a_typed_option():
         keraunos.jit(_data_dependent, fallback="inductor")
     with pytest.raises(keraunos.CaptureError):  # the default stays the error
         keraunos.jit(_data_dependent, fallback=keraunos.Fallback.ERROR)(torch.ones(3))
+
+
+def test_a_graph_keraunos_cannot_compile_runs_eagerly_with_a_warning(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("an op capture does not handle")
+    monkeypatch.setattr(sys.modules["keraunos.jit"], "compile_entry", refuse)
+    f = torch.compile(lambda x: (x * 3).cos(), backend=kd.backend())
+    x = torch.randn(4)
+    with pytest.warns(UserWarning, match="runs eagerly.*an op capture does not handle"):
+        torch.testing.assert_close(f(x), (x * 3).cos())
+    torch.testing.assert_close(f(x + 1), ((x + 1) * 3).cos())  # and keeps doing so
+    assert kd.last_traces(f) == []
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,6 +50,7 @@ class CompiledSubgraph:
         self.gm = gm
         self.name = name
         self.order = next(_compile_order)
+        self.eager = False  # keraunos could not compile the graph: dynamo's FX graph runs as is
         self.graph_break = graph_break  # the break that ended this graph, if one did
         self.dynamic = _is_dynamic(gm)
         # Dynamo's guards already checked a static graph's inputs; a dynamic one accepts many
@@ -59,11 +61,29 @@ class CompiledSubgraph:
                           max_cache_entries=64 if self.dynamic else 8)
 
     def __call__(self, *args):
-        return self.jitted(*args)
+        if self.eager:
+            return self.gm(*args)
+        try:
+            return self.jitted(*args)
+        except Exception as error:
+            if self.jitted._keraunos.last_entry is not None:
+                raise  # it compiled: what failed is the program itself, as it would in eager
+            return self._run_eagerly(args, error)
+
+    def _run_eagerly(self, args, error: Exception):
+        """keraunos could not compile this graph (an op capture does not handle, say): run the
+        FX graph as PyTorch does, which also raises eager's error if the program has one."""
+        out = self.gm(*args)
+        self.eager = True
+        warnings.warn(f"keraunos.dynamo: {self.name} runs eagerly (its FX graph, uncompiled): "
+                      f"keraunos could not compile it ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''})", UserWarning,
+                      stacklevel=3)
+        return out
 
     def traces(self) -> SubgraphTraces | None:
         entry = self.jitted._keraunos.last_entry
-        if entry is None:
+        if entry is None or self.eager:
             return None
         return SubgraphTraces(self.name, list(entry.computation_traces),
                               list(entry.backward_traces), list(entry.prologue_traces), self.gm)
