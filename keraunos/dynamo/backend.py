@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from ..core.trace import Trace
+from ..jit import jit
 from ..transforms import Transform
 from .sources import UserSourceLines
 
@@ -46,7 +47,6 @@ class CompiledSubgraph:
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, executors, transforms,
                  graph_break: GraphBreak | None):
-        from .. import jit  # keraunos/__init__ imports this package lazily: no cycle
         self.gm = gm
         self.name = name
         self.order = next(_compile_order)
@@ -63,10 +63,12 @@ class CompiledSubgraph:
     def __call__(self, *args):
         if self.eager:
             return self.gm(*args)
+        state = self.jitted._keraunos
+        misses, entry = state.misses, state.last_entry
         try:
             return self.jitted(*args)
         except Exception as error:
-            if self.jitted._keraunos.last_entry is not None:
+            if state.misses == misses or state.last_entry is not entry:
                 raise  # it compiled: what failed is the program itself, as it would in eager
             return self._run_eagerly(args, error)
 
