@@ -372,3 +372,14 @@ def test_in_place_mixed_dtype_write_to_a_view_of_a_leaf_clone_compiles():
         results.append((out, leaf.grad))
     assert_close(results[1][0], results[0][0])
     assert_close(results[1][1], results[0][1])
+
+
+def test_subtracting_a_bool_raises_like_eager_even_when_unused():
+    def f(a, s):
+        unused = (a.sum() - s).detach()  # noqa: F841
+        return a * 2
+    assert_raises_like_eager(f, torch.randn(2, 4), True)
+    assert_raises_like_eager(lambda m: -m, torch.ones(3, dtype=torch.bool))
+    g = lambda a, m: (a - 1.5) * m  # noqa: E731  (a bool elsewhere in the line is fine)
+    a, m = torch.randn(3), torch.tensor([True, False, True])
+    assert_close(keraunos.jit(g)(a, m), g(a, m))

@@ -75,9 +75,9 @@ class Recorder(TorchFunctionMode):
             if source is not None and hasattr(e, "add_note"):
                 e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
             raise e from None
-        if len({t.dtype for t in tensors if t.is_floating_point()}) > 1:
-            # Meta kernels let some calls mixing float dtypes through (a float @ double matmul)
-            # that the real kernel rejects; the user must get eager's error, even when nothing
+        if _meta_kernel_may_be_lax(symbol, tensors, args, kwargs):
+            # Meta kernels let some calls through that the real kernel rejects (a float @ double
+            # matmul, subtracting a bool); the user must get eager's error, even when nothing
             # uses the result (dead code elimination would drop the line that raises).
             error = _real_kernel_error(ctx, func, args, kwargs)
             if error is not None:
@@ -92,6 +92,20 @@ class Recorder(TorchFunctionMode):
         if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+_SUBTRACTIONS = {"sub", "sub_", "rsub", "subtract", "isub", "neg", "neg_", "negative"}
+
+
+def _meta_kernel_may_be_lax(symbol, tensors, args, kwargs) -> bool:
+    """Calls that meta kernels are known to accept where the real kernel raises: float dtypes
+    mixed in one call, and subtraction or negation with a bool (eager: "use ~ instead")."""
+    if len({t.dtype for t in tensors if t.is_floating_point()}) > 1:
+        return True
+    if symbol.name.strip("_") in _SUBTRACTIONS:
+        return any(type(x) is bool or (isinstance(x, torch.Tensor) and x.dtype is torch.bool)
+                   for x in pytree.tree_leaves((args, kwargs)))
+    return False
 
 
 _REAL_RERUN_MAX_ELEMENTS = 1 << 24  # larger calls keep the fake kernel's exception
