@@ -284,3 +284,26 @@ def test_a_graph_keraunos_cannot_compile_runs_eagerly_with_a_warning(monkeypatch
     torch.testing.assert_close(f(x + 1), ((x + 1) * 3).cos())  # and keeps doing so
     assert kd.last_traces(f) == []
 
+
+
+def test_nested_vmap_inlined_by_dynamo_is_compiled_by_keraunos():
+    # transformers builds its attention masks with nested vmaps; dynamo inlines them as explicit
+    # functorch calls, which keraunos turns back into torch.vmap.
+    def f(x, w):
+        pairwise = torch.vmap(torch.vmap(lambda a, b: a * b + w.sum()))
+        return pairwise(x, x + 1).sin() @ w
+
+    x = torch.randn(2, 3)
+    w = torch.randn(3, 3, requires_grad=True)
+    w_eager = w.detach().clone().requires_grad_()
+    compiled = torch.compile(f, backend=kd.backend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs eagerly"
+        out = compiled(x, w)
+    expected = f(x, w_eager)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)
+    (traces,) = kd.last_traces(compiled)
+    assert traces.backward

@@ -1,6 +1,7 @@
 """The torch.compile backend: one keraunos-jitted GraphModule per FX graph dynamo hands over."""
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 import warnings
@@ -13,6 +14,7 @@ from ..core.trace import Trace
 from ..jit import jit
 from ..transforms import Transform
 from .sources import UserSourceLines
+from .vmap import has_vmap_regions, rewrite_vmap_regions
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class CompiledSubgraph:
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, executors, transforms,
                  graph_break: GraphBreak | None):
-        self.gm = gm
+        self.gm = gm  # dynamo's graph, as it is: what the eager fallback runs
+        if has_vmap_regions(gm):
+            gm = rewrite_vmap_regions(copy.deepcopy(gm))
         self.name = name
         self.order = next(_compile_order)
         self.eager = False  # keraunos could not compile the graph: dynamo's FX graph runs as is
@@ -65,11 +69,15 @@ class CompiledSubgraph:
             return self.gm(*args)
         state = self.jitted._keraunos
         misses, entry = state.misses, state.last_entry
+        depth = _functorch_depth()
         try:
             return self.jitted(*args)
         except Exception as error:
             if state.misses == misses or state.last_entry is not entry:
                 raise  # it compiled: what failed is the program itself, as it would in eager
+            # Dynamo's graph enters vmap (transformers' mask functions) with explicit calls; a
+            # capture that failed inside left those levels entered.
+            _unwind_functorch(depth)
             return self._run_eagerly(args, error)
 
     def _run_eagerly(self, args, error: Exception):
@@ -89,6 +97,21 @@ class CompiledSubgraph:
             return None
         return SubgraphTraces(self.name, list(entry.computation_traces),
                               list(entry.backward_traces), list(entry.prologue_traces), self.gm)
+
+
+def _functorch_depth() -> int:
+    return len(torch._C._functorch.get_interpreter_stack() or ())
+
+
+_DECREMENT = {"Vmap": "_vmap_decrement_nesting", "Grad": "_grad_decrement_nesting",
+              "Jvp": "_jvp_decrement_nesting", "Functionalize": "_func_decrement_nesting"}
+
+
+def _unwind_functorch(depth: int) -> None:
+    """Leave the functorch levels (vmap, grad) entered since the stack was ``depth`` deep."""
+    while _functorch_depth() > depth:
+        kind = str(torch._C._functorch.get_interpreter_stack()[-1].key()).rsplit(".", 1)[-1]
+        getattr(torch._C._functorch, _DECREMENT[kind])()
 
 
 def _is_dynamic(gm: torch.fx.GraphModule) -> bool:
