@@ -132,7 +132,7 @@ def test_graph_breaks_are_listed_with_file_line_and_reason():
     assert _line_of(BranchyNet.forward, "graph break: layerdrop") in lines
     assert any("item" in b.reason for b in breaks)
     assert any("print" in b.reason for b in breaks)
-    assert f"{here}:" in str(breaks[0]) or os.path.basename(here) in str(breaks[0])
+    assert all(str(b).startswith(f"{b.filename}:{b.lineno}: ") for b in breaks)
 
 
 def _helper_with_a_break(h):
@@ -160,7 +160,6 @@ def test_backend_by_name_from_a_fresh_process():
             "x = torch.randn(3)\n"
             "torch.testing.assert_close(f(x), (x * 2).sin())\n"
             "import keraunos.dynamo as kd\n"
-            "assert kd.backend_entry in [kd.backend_entry]\n"
             "from torch._dynamo import list_backends\n"
             "assert 'keraunos' in list_backends(exclude_tags=())\n"
             "print(len(kd.last_traces(kd.backend_entry.__globals__['_DEFAULT'])))\n")
