@@ -196,15 +196,23 @@ def backend_entry(gm: torch.fx.GraphModule, example_inputs) -> CompiledSubgraph:
 
 
 # ------------------------------------------------------------------------- inspection
-def _codes_of(compiled) -> list:
-    """The code objects dynamo compiles for ``compiled``: its function (or its module's and
-    every submodule's ``forward``, where graph breaks inside submodules put frames)."""
+def _frames_of(compiled) -> list[tuple]:
+    """(code, globals) of the functions dynamo compiles frames of for ``compiled``: the function
+    itself; for a module, the function its compiled ``forward`` wraps (its call, with the
+    module's forward inlined) and every submodule's ``forward`` (graph breaks inside a submodule
+    give it frames of its own)."""
     target = _target_of(compiled)
+    functions = [target]
     if isinstance(target, torch.nn.Module):
-        codes = [getattr(type(m).forward, "__code__", None) for m in target.modules()]
-        return [c for c in dict.fromkeys(codes) if c is not None]
-    code = getattr(target, "__code__", None)
-    return [code] if code is not None else []
+        functions = [getattr(getattr(compiled, "forward", None), "_torchdynamo_orig_callable",
+                             None)]
+        functions += [type(m).forward for m in target.modules()]
+    frames = {}
+    for fn in functions:
+        code, globals_ = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is not None and globals_ is not None:
+            frames.setdefault(id(code), (code, globals_))
+    return list(frames.values())
 
 
 def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
@@ -218,17 +226,15 @@ def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     found: list[CompiledSubgraph] = []
     seen_codes: set[int] = set()
-    pending = [(code, None) for code in _codes_of(compiled)]
+    pending = _frames_of(compiled)
     while pending:
         code, namespace = pending.pop(0)
         if id(code) in seen_codes:
             continue
         seen_codes.add(id(code))
         for cache_entry in _debug_get_cache_entry_list(code):
-            globals_ = namespace if namespace is not None else _globals_of(compiled, code)
             for name in cache_entry.code.co_names:
-                value = globals_.get(name) if globals_ is not None else None
-                value = _unwrap(value)
+                value = _unwrap(namespace.get(name))
                 if isinstance(value, CompiledSubgraph) and value not in found:
                     found.append(value)
                 elif hasattr(value, "__code__") and hasattr(value, "__globals__"):
@@ -244,17 +250,6 @@ def _target_of(compiled):
     if target is None:
         target = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     return target
-
-
-def _globals_of(compiled, code):
-    target = _target_of(compiled)
-    if isinstance(target, torch.nn.Module):
-        for m in target.modules():
-            fn = type(m).forward
-            if getattr(fn, "__code__", None) is code:
-                return fn.__globals__
-        return None
-    return getattr(target, "__globals__", None)
 
 
 def _unwrap(value):
