@@ -5,6 +5,7 @@ import copy
 import itertools
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -163,14 +164,25 @@ class Backend:
                  transforms: Sequence[Transform] | None = None):
         self.executors = list(executors) if executors is not None else None
         self.transforms = list(transforms or ())
-        self.subgraphs: list[CompiledSubgraph] = []
+        # Weakly: dynamo holds what it still runs; what torch._dynamo.reset() dropped is freed.
+        self._subgraphs: list[weakref.ref] = []
+        self._compiled = 0
+
+    @property
+    def subgraphs(self) -> list[CompiledSubgraph]:
+        """The subgraphs it compiled that dynamo still holds, in the order it compiled them."""
+        alive = [s for s in (r() for r in self._subgraphs) if s is not None]
+        if len(alive) < len(self._subgraphs):
+            self._subgraphs = [weakref.ref(s) for s in alive]
+        return alive
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> CompiledSubgraph:
         # example_inputs may be fake tensors and SymInts: keraunos compiles on the first real
         # call instead, from the values dynamo then passes.
-        subgraph = CompiledSubgraph(gm, f"subgraph {len(self.subgraphs)}", self.executors,
+        subgraph = CompiledSubgraph(gm, f"subgraph {self._compiled}", self.executors,
                                     self.transforms, _graph_break_being_compiled())
-        self.subgraphs.append(subgraph)
+        self._compiled += 1
+        self._subgraphs.append(weakref.ref(subgraph))
         return subgraph
 
 
