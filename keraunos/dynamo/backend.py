@@ -219,12 +219,22 @@ def _frames_of(compiled) -> list[tuple]:
         functions = [getattr(getattr(compiled, "forward", None), "_torchdynamo_orig_callable",
                              None)]
         functions += [type(m).forward for m in target.modules()]
+    # A decorated forward (functools.wraps) runs the function it wraps as a frame of its own
+    # when dynamo breaks inside the decorator: transformers 5 decorates every model's forward.
+    functions += [f for fn in list(functions) for f in _wrapped_chain(fn)]
     frames = {}
     for fn in functions:
         code, globals_ = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is not None and globals_ is not None:
             frames.setdefault(id(code), (code, globals_))
     return list(frames.values())
+
+
+def _wrapped_chain(fn) -> list:
+    chain = []
+    while (fn := getattr(fn, "__wrapped__", None)) is not None and len(chain) < 8:
+        chain.append(fn)
+    return chain
 
 
 def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
