@@ -12,8 +12,9 @@ Four models, each built from a tiny config with random weights (nothing is downl
   of the jitted and the eager run must coincide;
 * the causal LMs' default ``use_cache=True``: the returned ``DynamicCache`` must hold eager's keys and
   values, and must drive a decode step like eager's;
-* paths that avoid transformers' mask construction: a user-built 4-D additive mask (causal LMs) and
-  a 3-D mask (BERT), which is where these models work today.
+* paths that avoid transformers' mask construction: a user-built 4-D additive mask (causal LMs) and,
+  on transformers 4.x, a 3-D mask (BERT); transformers 5 rejects 3-D masks, and the jitted model
+  must raise eager's error.
 
 Tests that keraunos cannot pass yet are marked ``xfail(strict=True)`` with the blocking bug(s) as the
 reason (see the ``BUG_*`` strings); once a bug is fixed, the test XPASSes and fails until its marker
@@ -437,12 +438,35 @@ def test_custom_4d_mask_forward_loss_and_dropout(kind, attn):
     assert keraunos.cache_hits(jmodel) == 1 and keraunos.cache_misses(jmodel) == 3
 
 
+# transformers 5 dropped BERT's 3-D masks (masking_utils expands a (B, T, T) mask to 5 dims and
+# fails); 4.x accepted them through get_extended_attention_mask.
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def bert_mask_3d() -> torch.Tensor:
+    return padding_mask("bert")[:, None, :].expand(B, T, T)
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x accepts 3-D masks (tested below)")
+@pytest.mark.parametrize("attn", ATTNS)
+def test_bert_3d_mask_raises_eagers_error(attn):
+    """On transformers 5 a 3-D mask fails in eager; the jitted model raises the same error."""
+    model, ref = make_models("bert", attn)
+    x = tokens(B, T, seed=11)
+    with pytest.raises(RuntimeError) as eager_error:
+        ref(x, attention_mask=bert_mask_3d())
+    with pytest.raises(type(eager_error.value)) as jit_error:
+        keraunos.jit(model)(x, attention_mask=bert_mask_3d())
+    assert str(eager_error.value).splitlines()[0] in str(jit_error.value)
+
+
+@pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 rejects 3-D masks in eager too")
 @pytest.mark.parametrize("attn", ATTNS)
 def test_bert_3d_mask_forward_loss_and_dropout(attn):
     """BERT with a (B, T, T) mask, which skips transformers' data-dependent mask checks."""
     model, ref = make_models("bert", attn, dropout=DROPOUT)
     jmodel = keraunos.jit(model)
-    mask3d = padding_mask("bert")[:, None, :].expand(B, T, T)
+    mask3d = bert_mask_3d()
     x = tokens(B, T, seed=11)
     _, targets = loss_kwargs_and_targets("bert", seed=12)
 
@@ -466,9 +490,9 @@ def test_unused_output_leaves_grads_none(kind, attn):
     """A loss on last_hidden_state only: eager leaves the pooler's gradients None."""
     model, ref = make_models(kind, attn)
     jmodel = keraunos.jit(model)
-    mask3d = padding_mask("bert")[:, None, :].expand(B, T, T)  # the path that works today
+    mask = padding_mask("bert")
     x = tokens(B, T, seed=13)
-    jmodel(x, attention_mask=mask3d).last_hidden_state.square().mean().backward()
-    ref(x, attention_mask=mask3d).last_hidden_state.square().mean().backward()
+    jmodel(x, attention_mask=mask).last_hidden_state.square().mean().backward()
+    ref(x, attention_mask=mask).last_hidden_state.square().mean().backward()
     assert ref.pooler.dense.weight.grad is None
     assert_same_grads(model, ref)
