@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import executors
 from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
-from .errors import CaptureError, KeraunosError, UnsupportedInputError
+from .errors import CaptureError, DataDependentError, KeraunosError, UnsupportedInputError
 from .executors.prologue_cache import invalidate_module_structure
 from .jit import CacheMode, CompileStats, Fallback, JittedFunction, JittedModule, jit, state_of
 from .report import report
@@ -71,8 +71,8 @@ def compile_stats(jitted) -> CompileStats:
 
 
 __all__ = [
-    "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError", "KeraunosError",
-    "UnsupportedInputError", "CacheMode", "CompileStats", "Fallback", "JittedFunction", "JittedModule",
+    "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError",
+    "DataDependentError", "KeraunosError", "UnsupportedInputError", "CacheMode", "CompileStats", "Fallback", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
     "invalidate_module_structure", "report",

@@ -36,6 +36,12 @@ class CaptureError(KeraunosError):
     an output shape that depends on data, an operation no kernel can describe)."""
 
 
+class DataDependentError(CaptureError):
+    """A Python decision on tensor data (``if x.sum() > 0``, ``.item()``): the program cannot be
+    one trace. ``torch.compile(model, backend="keraunos")`` splits it at such decisions, and
+    ``keraunos.jit(..., fallback="dynamo")`` takes that route by itself."""
+
+
 class UnsupportedInputError(KeraunosError, TypeError):
     """An argument of a type keraunos cannot check on later calls."""
 

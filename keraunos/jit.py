@@ -28,7 +28,7 @@ from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
 from .capture.state import active_context
-from .errors import CaptureError, user_source
+from .errors import CaptureError, DataDependentError, user_source
 from .pipeline import compile_entry
 from .transforms import Transform
 
@@ -285,7 +285,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         try:
             entry = compile_entry(state, args, kwargs)
         except CaptureError as e:
-            if state.fallback is not Fallback.DYNAMO or _BACKEND_HINT not in str(e):
+            if state.fallback is not Fallback.DYNAMO or not isinstance(e, DataDependentError):
                 raise
             entry = _dynamo_fallback_entry(state, e)
             state.entries = [entry]  # dynamo's guards decide from now on: it always hits
@@ -311,9 +311,6 @@ def _inline_entry(state: _JitState) -> CacheEntry:
     target = state.module if state.module is not None else state.fn
     return CacheEntry(lambda *a, **k: None, lambda args, kwargs: target(*args, **kwargs),
                       lambda result, _: result, [], [], [], [], [], None, {})
-
-
-_BACKEND_HINT = 'backend=\"keraunos\"'  # in the message of data-dependent CaptureErrors
 
 
 def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:

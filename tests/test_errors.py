@@ -383,3 +383,14 @@ def test_subtracting_a_bool_raises_like_eager_even_when_unused():
     g = lambda a, m: (a - 1.5) * m  # noqa: E731  (a bool elsewhere in the line is fine)
     a, m = torch.randn(3), torch.tensor([True, False, True])
     assert_close(keraunos.jit(g)(a, m), g(a, m))
+
+
+def test_data_dependent_decision_raises_data_dependent_error_naming_the_backend_route():
+    def f(x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+    with pytest.raises(keraunos.DataDependentError) as info:
+        keraunos.jit(f)(torch.randn(3))
+    assert isinstance(info.value, keraunos.CaptureError)
+    assert 'torch.compile(model, backend="keraunos")' in str(info.value)

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..core.symbols import TorchSymbol
-from ..errors import CaptureError, user_source
+from ..errors import CaptureError, DataDependentError, user_source
 from .naming import is_inplace_by_name, is_random, torch_symbol
 
 
@@ -159,7 +159,7 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
         what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
     else:
         what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
-    return CaptureError(
+    return DataDependentError(
         f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
         f"  What to do: compile it with `torch.compile(model, backend=\"keraunos\")` instead, "
         f"which splits the program at such decisions (or pass `keraunos.jit(..., "
