@@ -115,3 +115,23 @@ def test_value_read_before_a_non_dense_input_is_written_with_grad_does_not_requi
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_a, want_a)
     torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_view_made_after_a_no_grad_write_through_another_view_stays_usable():
+    # Bumping the base's version for the refused view also made the other returned view stale.
+    def f(a, s):
+        t1 = a.expand_as(a)
+        t1.addcmul_(t1 - s, t1 - s, value=0.5)
+        return [a.transpose(0, 1)[::2], t1]
+
+    outs = []
+    for fn in (f, keraunos.jit(f)):
+        leaf = torch.randn(2, 4, requires_grad=True)
+        with torch.no_grad():
+            outs.append(fn(leaf.clone(), 0.5))
+    for eager, jitted in zip(*outs):
+        torch.testing.assert_close(jitted, eager)
+    assert outs[0][0].grad_fn is None and outs[1][0].grad_fn is None
+    for out in (outs[0][1], outs[1][1]):
+        with pytest.raises(RuntimeError, match="view was created in no_grad mode"):
+            out.grad_fn

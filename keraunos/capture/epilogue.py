@@ -280,6 +280,10 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
         mark_inputs(value)
     for _, template in container_writes:
         mark_inputs(template)
+    # Views that autograd must refuse are made (and their bases' versions bumped) first, so that
+    # the bump leaves the other views fresh, as eager's are.
+    views.sort(key=lambda v: not (v.grad is ViewGrad.NO_GRAD_THEN_WRITTEN
+                                  and not isinstance(v.base, (FromInput, ViewOf))))
     body += [BoundSymbol(MAKE_VIEW, (v,)) for v in views]
     for write, value in writes:
         body.append(BoundSymbol(WRITE_ATTRIBUTE, (want(write.module_path), write.name, value)))
