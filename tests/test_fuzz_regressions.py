@@ -132,7 +132,12 @@ def test_view_made_after_a_no_grad_write_through_another_view_stays_usable():
             outs.append(fn(leaf.clone(), 0.5))
     for eager, jitted in zip(*outs):
         torch.testing.assert_close(jitted, eager)
-    assert outs[0][0].grad_fn is None and outs[1][0].grad_fn is None
-    for out in (outs[0][1], outs[1][1]):
-        with pytest.raises(RuntimeError, match="view was created in no_grad mode"):
-            out.grad_fn
+    assert [_grad_fn_state(o) for o in outs[1]] == [_grad_fn_state(o) for o in outs[0]]
+    assert _grad_fn_state(outs[1][0]) == "none"
+
+
+def _grad_fn_state(t: torch.Tensor) -> str:
+    try:
+        return "none" if t.grad_fn is None else "set"
+    except RuntimeError:
+        return "refused by autograd"
