@@ -1019,3 +1019,65 @@ def test_reentrant_checkpoint_is_refused_with_advice():
     # the jitted function still works for a program it can capture
     g = keraunos.jit(lambda x: torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum())
     assert_close(g(torch.ones(2, 4)), lin(torch.ones(2, 4)).sum())
+
+
+# A torch.library custom op with register_autograd applies an autograd.Function from inside the
+# op's own call: that is the op's derivative, not a user Function whose backward would be lost.
+@torch.library.custom_op("keraunos_test::scaled_square", mutates_args=())
+def _scaled_square(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * x * scale
+
+
+@_scaled_square.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_square_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+def _scaled_square_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * 2 * ctx.scale * x, None
+
+
+torch.library.register_autograd("keraunos_test::scaled_square", _scaled_square_backward,
+                                setup_context=_scaled_square_setup)
+
+
+def test_custom_op_with_registered_autograd_gets_a_backward_trace():
+    def f(x):
+        return torch.ops.keraunos_test.scaled_square(x.sin(), 3.0).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    jf = keraunos.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a CaptureError nor the fallback to torch autograd
+        loss = jf(x)
+        loss.backward()
+    ref = f(x_ref)
+    ref.backward()
+    assert_close(loss, ref)
+    assert_close(x.grad, x_ref.grad)
+    assert keraunos.last_backward_traces(jf)
+
+
+def test_backward_trace_when_indexing_with_a_list():
+    """`qkv[:, :, [-2]]` (transformers' Falcon) makes its index tensor inside __getitem__; the
+    forward trace runs that op as its ATen ops and must make the index constant again."""
+    def f(qkv):
+        key = qkv[:, :, [-2]]
+        return (key.exp() * qkv).sum()
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    jf = keraunos.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to torch's autograd
+        jf(x).backward()
+    f(x_ref).backward()
+    assert_close(x.grad, x_ref.grad)
+    assert keraunos.last_backward_traces(jf)

@@ -599,3 +599,18 @@ def test_call_under_inference_mode():
         x = torch.ones(2)
         out = jf(x)
     assert_close(out, torch.full((2,), 2.0))
+
+
+def test_vmap_with_a_constant_made_inside_the_vmapped_function():
+    """transformers' Falcon masks with `lambda *args: torch.tensor(True)` under torch.vmap: the
+    constant is made again by the trace, as written, and is no input."""
+    def f(x):
+        scaled = torch.vmap(lambda row: row * torch.tensor(2.0))(x)
+        return torch.vmap(lambda row: row & torch.tensor(True))(scaled > 0)
+
+    jf = keraunos.jit(f)
+    for seed in (0, 1):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+        assert_close(jf(x), f(x))
+    assert keraunos.cache_hits(jf) == 1
+    assert "torch.tensor(2.0" in str(keraunos.last_traces(jf)[-1])

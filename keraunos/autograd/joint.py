@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.proxies import Proxy, TensorProxy
-from ..core.symbols import TorchSymbol
+from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.trace import Trace
 from .rules import DERIVATIVE_RULES
 
@@ -33,6 +33,29 @@ class AtenCall:
     kwargs: dict
     out: Any
     parent: int | None
+
+
+_LIFT_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def is_lifted_constant(call) -> bool:
+    """``torch.tensor(2.0)`` (also inside a vmapped function, or indexing with a list inside
+    ``__getitem__``) reaches dispatch as ``lift_fresh`` of a real tensor holding the Python data:
+    a constant the program makes, not an input."""
+    const = call.args[0] if call.args else None
+    return (call.func in _LIFT_FRESH and isinstance(const, torch.Tensor)
+            and not isinstance(const, torch._subclasses.FakeTensor) and const.numel() <= 64)
+
+
+def constant_line(const: torch.Tensor, output, source=None) -> BoundSymbol:
+    """The line that makes the constant again, as the user wrote it: ``torch.tensor(data)``."""
+    with torch._C.DisableTorchFunction():
+        data = const.tolist()
+    kwargs = {"dtype": const.dtype}
+    if const.device.type != "cpu":
+        kwargs["device"] = const.device
+    return BoundSymbol(TorchSymbol(torch.tensor, "torch.tensor", "function"), (data,), kwargs,
+                       output, source, set())
 
 
 class _AtenRecorder(TorchDispatchMode):

@@ -23,7 +23,7 @@ from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
-from .joint import record_joint
+from .joint import constant_line, is_lifted_constant, record_joint
 from .rules import recompute_in_backward, recompute_views_in_backward
 
 
@@ -164,6 +164,11 @@ def split_forward_backward(computation: Trace) -> Split:
     backward_lines: list[BoundSymbol] = []
     produced: set[int] = {id(g) for g in joint.grad_outputs}
     for call in joint.backward_calls:
+        if is_lifted_constant(call):
+            produced.add(id(call.out))
+            backward_lines.append(constant_line(call.args[0], namer.proxies[namer.name(call.out, "b")]))
+            continue
+
         def arg(x):
             if isinstance(x, torch.Tensor):
                 if id(x) in produced:
@@ -203,6 +208,10 @@ def split_forward_backward(computation: Trace) -> Split:
             forward_lines.append(bsym)
             continue
         for call in (c for c in joint.forward_calls if c.parent == index):
+            if is_lifted_constant(call):  # a list index inside __getitem__, say
+                forward_lines.append(constant_line(
+                    call.args[0], namer.proxies[namer.name_of[id(call.out)]], bsym.source))
+                continue
             args, kwargs = pytree.tree_map(
                 lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
                 else (_size_expression(x, namer, forward_known)

@@ -455,7 +455,7 @@ class CaptureContext:
     def record_vmap(self, batched, args, kwargs):
         """Run a ``torch.vmap``-ed function on the fakes, recording the ATen ops its batching
         rules run (functorch's batched tensors never reach the torch function level we record)."""
-        from ..autograd.joint import _AtenRecorder
+        from ..autograd.joint import _AtenRecorder, constant_line, is_lifted_constant
         self.record_global_state()
         recorder = _AtenRecorder()
         self.in_vmap = True
@@ -478,9 +478,12 @@ class CaptureContext:
                                    f"{source}")
             return x
         for call in recorder.calls:
-            call_args, call_kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
             outputs = pytree.tree_map(
                 lambda t: self.output_proxy(t) if isinstance(t, torch.Tensor) else t, call.out)
+            if is_lifted_constant(call):
+                self.bound_symbols.append(constant_line(call.args[0], outputs, source))
+                continue
+            call_args, call_kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
             tags = set()
             if call.func._schema.is_mutable:
                 tags.add(MUTATION)

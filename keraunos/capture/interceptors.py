@@ -45,9 +45,18 @@ _rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
 _function_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
 
 
+def _inside_recorded_call() -> bool:
+    """True while a recorded torch call runs (the recording mode pops itself from the stack for
+    that): a Function applied there is that op's own autograd (a torch.library custom op with
+    register_autograd), recorded as the one op, so its backward is the op's formula, not lost."""
+    from .recorder import Recorder
+    return not any(isinstance(mode, Recorder)
+                   for mode in torch.overrides._get_current_function_mode_stack())
+
+
 def _guarded_apply(cls, *args, **kwargs):
     ctx = active_context()
-    if ctx is not None and torch.is_grad_enabled() and any(
+    if ctx is not None and torch.is_grad_enabled() and not _inside_recorded_call() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)):
         raise CaptureError(
             f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
