@@ -44,10 +44,6 @@ UNSUPPORTED = {
     ("sparse.mm.reduce", "backward"): "sparse tensors are not captured",
     ("to_sparse", "forward"): "sparse tensors are not captured",
     ("to_sparse", "backward"): "sparse tensors are not captured",
-    ("nn.functional.linear_cross_entropy.chunked", "backward"): "implemented as a custom "
-        "autograd.Function, whose own backward a trace cannot keep (keraunos refuses it)",
-    ("nn.functional.linear_cross_entropy.chunked_none", "backward"): "implemented as a custom "
-        "autograd.Function, whose own backward a trace cannot keep (keraunos refuses it)",
     ("addbmm", "inplace"): "PyTorch's fake kernel of addbmm_ rejects a broadcast input that the "
                            "CPU kernel accepts (output shape [1] vs [5, 10])",
 }
