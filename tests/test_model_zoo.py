@@ -11,7 +11,10 @@ encoder-decoder and vision models. For every model, against an identical deep co
   labels, no attention mask, under one ``torch.manual_seed``: the loss, every output and every
   parameter's gradient (or its absence) must equal eager's.
 
-A model keraunos cannot run yet is marked ``xfail(strict=True)`` with the exact blocking error.
+A model keraunos cannot run yet is marked ``xfail(strict=True)`` with the exact blocking error;
+what it does instead is tested too: MoE training falls back to PyTorch's autograd with a warning,
+and BART's train-mode layerdrop (a Python decision on tensor data) trains through
+``torch.compile(backend="keraunos")``.
 """
 from __future__ import annotations
 
@@ -273,3 +276,25 @@ def test_moe_training_falls_back_to_torch_autograd(name):
     out.loss.backward()
     ref_out.loss.backward()
     assert_same_grads(model, ref)
+
+
+def test_bart_training_with_layerdrop_under_the_backend():
+    """BART's train-mode layerdrop check, which keraunos.jit refuses (BART_LAYERDROP), is a graph
+    break under torch.compile(backend="keraunos"): loss and every gradient are eager's."""
+    import keraunos.dynamo
+    torch._dynamo.reset()
+    model, ref = make_models("bart")
+    model.train()
+    ref.train()
+    compiled = torch.compile(model, backend="keraunos")
+    kwargs = inputs_of("bart", seed=3, mask=False, labels=True)
+    torch.manual_seed(10)
+    out = compiled(**kwargs)
+    torch.manual_seed(10)
+    ref_out = ref(**kwargs)
+    assert_same_output(out, ref_out)
+    out.loss.backward()
+    ref_out.loss.backward()
+    assert_same_grads(model, ref)
+    assert keraunos.dynamo.graph_breaks(compiled), "the layerdrop check should break the graph"
+    assert keraunos.dynamo.last_traces(compiled), "no subgraph went through keraunos"
