@@ -141,3 +141,29 @@ def _grad_fn_state(t: torch.Tensor) -> str:
         return "none" if t.grad_fn is None else "set"
     except RuntimeError:
         return "refused by autograd"
+
+
+def test_unused_read_between_two_in_place_writes_of_a_view_is_kept():
+    # DCE dropped `unused = a.sum(0)`; without that read, autograd has not refreshed the view's
+    # history when `clamp_` writes it and raises its leaf error, which eager (with the read) does not.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, a):
+            a[1:] = self.w
+            unused = a.sum(0)  # noqa: F841
+            a.clamp_(min=0.0)
+            return None
+
+    results = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = M()
+        base = torch.randn(5, 4)
+        (keraunos.jit(model) if jit else model)(base[1:-1])
+        base.sum().backward()
+        results.append((base, model.w.grad))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
