@@ -327,14 +327,19 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
                f"because of {where}\n  {lines[1].strip()}\n  The cost: dynamo's bytecode analysis "
                f"and guards on every call, and the program runs as several compiled subgraphs "
                f"split at graph breaks, with Python in between.")
-    source = user_source()
-    if source is None:
-        warnings.warn(message, UserWarning, stacklevel=4)
-    else:
-        warnings.warn_explicit(message, UserWarning, source.filename, source.lineno)
+    _warn_at_user_line(message, stacklevel=5)
     return CacheEntry(lambda *a, **k: ((a, k), None),
                       lambda args, kwargs: compiled(*args, **kwargs),
                       lambda result, _: result, [], [], [], [], [], None, {})
+
+
+def _warn_at_user_line(message: str, stacklevel: int) -> None:
+    """A warning attributed to the user's line that led here (or to the caller's frame)."""
+    source = user_source()
+    if source is None:
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    else:
+        warnings.warn_explicit(message, UserWarning, source.filename, source.lineno)
 
 
 def _insert(state: _JitState, entry: CacheEntry) -> None:
@@ -349,11 +354,7 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
                 f"used one was dropped. Last reasons: {state.last_miss_reasons[:3]}. Python values "
                 f"that change on every call (a step counter, a position) are compiled in as "
                 f"constants; pass them as tensors instead.")
-            source = user_source()
-            if source is None:
-                warnings.warn(message, UserWarning, stacklevel=2)
-            else:
-                warnings.warn_explicit(message, UserWarning, source.filename, source.lineno)
+            _warn_at_user_line(message, stacklevel=3)
     state.entries = entries
 
 
