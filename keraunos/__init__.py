@@ -49,6 +49,19 @@ def last_backward_traces(jitted) -> list[Trace]:
     return _last_entry(jitted).backward_traces
 
 
+def last_fusions(jitted) -> list:
+    """The fused regions of the cache entry that ran last (``executors=["inductor", "torch"]``):
+    each with its ``name``, ``inputs`` and ``outputs``, its own ``trace``, the FX ``graph`` handed
+    to Inductor, and Inductor's generated code (``kernel_code``, ``kernel_path``); ``source``
+    holds all of it as one text. Empty when nothing was fused.
+
+        >>> j = keraunos.jit(model, executors=["inductor", "torch"])  # doctest: +SKIP
+        >>> _ = j(x)  # doctest: +SKIP
+        >>> print(keraunos.last_fusions(j)[0].source)  # doctest: +SKIP
+    """
+    return list(getattr(_last_entry(jitted), "fusion_regions", None) or ())
+
+
 def cache_hits(jitted) -> int:
     return state_of(jitted).hits
 
@@ -74,6 +87,7 @@ __all__ = [
     "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError",
     "DataDependentError", "KeraunosError", "UnsupportedInputError", "CacheMode", "CompileStats", "Fallback", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
+    "last_fusions",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
     "invalidate_module_structure", "report",
 ]

@@ -11,8 +11,10 @@ from . import executors as executors_module
 from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
+from .core.proxies import Proxy
 from .core.tags import OPAQUE
 from .core.trace import Trace
+from .executors import fusion
 from .executors.prologue_cache import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
@@ -24,8 +26,10 @@ PIPELINE = (dead_code_elimination, common_subexpression_elimination, dead_code_e
 def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
     check_values = state.cache_mode is not CacheMode.SAME_INPUT
     target = state.module if state.module is not None else state.fn
-    program = capture_program(target, state.module, args, kwargs, check_values,
-                              state.specialize_data)
+    fusing = any(getattr(e, "is_fusion", False) for e in state.executors)
+    with fusion.tagging_layers(state.module if fusing else None):
+        program = capture_program(target, state.module, args, kwargs, check_values,
+                                  state.specialize_data)
     stages = dict(program.stages)
     prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
     prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
@@ -63,6 +67,7 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
             computation_traces.append(computation)
             epilogue_traces.append(epilogue)
             stages["reinplace"] = computation.seconds
+    records_autograd = backward is None and _needs_backward(computation)
     computation = executors_module.claim(computation, state.executors)
     computation_traces.append(computation)
     stages["executor claims"] = computation.seconds
@@ -71,6 +76,11 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
         backward_traces.append(backward)
         backward = executors_module.claim(backward, state.executors)
         backward_traces.append(backward)
+    fusion_regions = []
+    if fusing:
+        computation, backward, fusion_regions = _fuse(
+            computation, backward, split, state.executors, records_autograd, stages,
+            computation_traces, backward_traces)
     for t in state.transforms:
         t0 = time.perf_counter()
         computation = t.transform_trace_post_optimization(computation)
@@ -106,11 +116,45 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
     epilogue_fn = epilogue.python_callable()
     stages["codegen"] = time.perf_counter() - t0
     positions = tuple(range(len(program.computation.params)))
-    return CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
-                      computation_traces, epilogue_traces, backward_traces,
-                      program.check_descriptions, None, stages,
-                      alias_positions=positions if len(positions) > 1 else None,
-                      written_positions=_written_positions(program.computation))
+    entry = CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
+                       computation_traces, epilogue_traces, backward_traces,
+                       program.check_descriptions, None, stages,
+                       alias_positions=positions if len(positions) > 1 else None,
+                       written_positions=_written_positions(program.computation))
+    entry.fusion_regions = fusion_regions  # keraunos.last_fusions, KERAUNOS_DEBUG=3, report
+    return entry
+
+
+def _fuse(computation, backward, split, executors, records_autograd, stages,
+          computation_traces, backward_traces):
+    """The fusion executors' regions of the forward and backward traces (after the claims)."""
+    counter = [0]  # region names are unique within the entry
+    forward = computation
+    computation, regions = fusion.fuse(
+        forward, executors, observable=_returned(forward), enabled=not records_autograd,
+        counter=counter)
+    if computation is not forward:
+        computation_traces.append(computation)
+        stages["fusion"] = computation.seconds
+    if backward is not None:
+        grads = {p.name for p in backward.params[len(backward.params) - len(split.grad_metadata):]}
+        names = fusion.layers.layers_of_names(
+            forward, fusion.layers.layer_of_lines(forward.bound_symbols))
+        fused, backward_regions = fusion.fuse(
+            backward, executors, observable=_returned(backward), always_checked=grads,
+            layer_of_name=names, counter=counter)
+        if fused is not backward:
+            backward = fused
+            backward_traces.append(backward)
+            stages["fusion"] = stages.get("fusion", 0.0) + backward.seconds
+        regions += backward_regions
+    return computation, backward, regions
+
+
+def _returned(trace: Trace) -> set[str]:
+    """The names a trace hands to its caller (not the tensors a forward saves for backward)."""
+    outputs = trace.bound_symbols[-1].args[0]
+    return {p.name for p in outputs if isinstance(p, Proxy)}
 
 
 def _written_positions(computation: Trace) -> tuple | None:

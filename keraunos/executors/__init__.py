@@ -97,3 +97,8 @@ def claim(trace: Trace, executors: list[Executor]) -> Trace:
                 f"`{bsym.symbol.name}` (from {bsym.source}); add 'torch' to the executors list")
     names = ", ".join(dict.fromkeys(b.executor for b in lines))
     return trace.derive(lines, f"Executor Claims [{names}]", time.perf_counter() - start)
+
+
+from .fusion import InductorExecutor  # noqa: E402 - a subclass of Executor, defined above
+
+register(InductorExecutor())

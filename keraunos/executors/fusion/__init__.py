@@ -1,0 +1,206 @@
+"""The ``inductor`` fusion executor: regions of a trace compiled by TorchInductor.
+
+``keraunos.jit(fn, executors=["inductor", "torch"])``. The executor claims the lines it may fuse
+(``regions.fusible``); after the claims, :func:`fuse` turns each maximal run of its lines (cut at
+layer boundaries, see ``layers.py``) into one line of the trace that calls the compiled region::
+
+    # inductor_region1: layer h.0, 17 lines, kernel k1 (compiled for this region)
+    #   t4 = torch.nn.functional.layer_norm(t3, (64,), weight=ln_1_weight, ...)
+    #   ...
+    t24, = inductor_region1(t3, ln_1_weight, ln_1_bias, ...)
+
+The region's lines stay in the trace as comments and as the line's ``subsymbols``;
+``keraunos.last_fusions(jitted)`` lists every region with its own trace, its FX graph and
+Inductor's generated code. Lines of runs too small to be worth a compile, or whose compile
+failed, go to the next executor in the list.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.symbols import BoundSymbol, CodeWriter, GlueSymbol, Symbol
+from ...core.trace import Trace
+from .. import Executor
+from . import compiler, fx_graph, layers
+from .regions import Region, find_regions, fusible
+
+__all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers"]
+
+tagging_layers = layers.tagging_layers
+
+
+class InductorExecutor(Executor):
+    """Fuses regions of the forward and backward traces with TorchInductor."""
+
+    name = "inductor"
+    is_fusion = True
+
+    def claims(self, bsym):
+        return fusible(bsym)
+
+
+@dataclass
+class FusionRegion:
+    """One fused region of a compiled entry (``keraunos.last_fusions``)."""
+
+    name: str
+    trace_name: str                 # "computation" or "backward"
+    layer: str | None
+    inputs: list[str]
+    outputs: list[str]
+    trace: Trace                    # the region's own lines, as a runnable trace
+    graph: torch.fx.GraphModule     # what Inductor was given
+    kernel: compiler.Kernel
+    shared_with: str | None = None  # the region the kernel was compiled for, when not this one
+    lines: list[BoundSymbol] = field(default_factory=list)
+
+    @property
+    def kernel_code(self) -> str:
+        return self.kernel.code
+
+    @property
+    def kernel_path(self) -> str | None:
+        return self.kernel.path
+
+    @property
+    def source(self) -> str:
+        """Everything about the region in one text: its trace, FX graph and generated code."""
+        reuse = (f"shares kernel k{self.kernel.number} with {self.shared_with}" if self.shared_with
+                 else f"kernel k{self.kernel.number}: {self.kernel.cache} in "
+                      f"{self.kernel.seconds:.2f} s")
+        return (f"# {self.name} ({self.trace_name}; {reuse})\n{self.trace}\n"
+                f"# The FX graph handed to Inductor\n{self.graph.code.strip()}\n\n"
+                f"# Inductor's generated code ({self.kernel.path})\n{self.kernel.code}")
+
+    def __repr__(self) -> str:
+        return (f"<FusionRegion {self.name}: {len(self.lines)} lines, {len(self.inputs)} inputs, "
+                f"{len(self.outputs)} outputs, kernel k{self.kernel.number}>")
+
+
+class FusionSymbol(Symbol):
+    """A fused region as one line: the call of its compiled kernel, its lines as comments."""
+
+    def __init__(self, region: FusionRegion, call: compiler.RegionCall):
+        self.name = region.name
+        self.region = region
+        self.call = call
+
+    def format(self, bsym, w):
+        w.namespace[self.name] = self.call
+        r = self.region
+        where = f"layer {r.layer}, " if r.layer else ""
+        reuse = (f"the kernel of {r.shared_with}" if r.shared_with
+                 else "compiled for this region")
+        lines = [f"# {self.name}: {where}{len(r.lines)} lines, kernel k{r.kernel.number} "
+                 f"({reuse})"]
+        sub = CodeWriter({})  # comments only: nothing may enter the trace's namespace
+        sub.defined = set(w.defined)
+        for b in r.lines:
+            lines += [f"#   {line}" for line in b.symbol.format(b, sub)]
+            sub.defined.update(p.name for p in b.output_proxies())
+        args = ", ".join(p.name for p in bsym.args)
+        return lines + [w.assignment(bsym, f"{self.name}({args})")]
+
+
+def _region_return_formatter(bsym, w):
+    return [f"return {', '.join(p.name for p in bsym.args)},"]
+
+
+_REGION_RETURN = GlueSymbol("return", _region_return_formatter)
+
+
+def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
+         always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
+         enabled: bool = True, counter: list[int] | None = None) -> tuple[Trace, list[FusionRegion]]:
+    """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
+
+    ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
+    whose strides can change from call to call (the backward's incoming gradients);
+    ``enabled=False`` gives every claimed line to the next executor (autograd must record the
+    torch ops as they run)."""
+    start = time.perf_counter()
+    fusion = [e for e in executors if getattr(e, "is_fusion", False)]
+    lines = list(trace.bound_symbols)
+    claimed = [b.executor in {e.name for e in fusion} for b in lines]
+    if not any(claimed):
+        return trace, []
+    problem = _why_not(enabled, lines, claimed)
+    regions = [] if problem else find_regions(lines, claimed, layers.layer_of_lines(
+        lines, layer_of_name), observable)
+    counter = counter if counter is not None else [0]
+    fused: dict[int, tuple[BoundSymbol, FusionRegion]] = {}
+    environment = compiler.environment() if regions else ()
+    done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
+    for r in regions:
+        made = _fuse_region(r, trace.name, counter, environment, always_checked, done)
+        if made is not None:
+            fused[r.start] = (made, r)
+    result, kept = [], []
+    i = 0
+    while i < len(lines):
+        if i in fused:
+            bsym, r = fused[i]
+            result.append(bsym)
+            kept.append(bsym.symbol.region)
+            i = r.stop
+            continue
+        b = lines[i]
+        result.append(b.replace(executor=_next_executor(b, executors, fusion)) if claimed[i] else b)
+        i += 1
+    names = ", ".join(dict.fromkeys(b.executor for b in result))
+    return trace.derive(result, f"Fusion [{names}]: {len(kept)} regions",
+                        time.perf_counter() - start), kept
+
+
+def _why_not(enabled: bool, lines, claimed) -> str | None:
+    if not enabled:
+        return "autograd records the program's torch ops as they run"
+    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
+                                            and torch.is_autocast_enabled("cuda")):
+        return "autocast is on"  # the trace's ops would run under autocast; a region not
+    if any(b.symbol.name == "set_global_state" for b in lines):
+        return "the program switches grad mode or autocast"
+    devices = {b.output_proxies()[0].device.type for b, c in zip(lines, claimed) if c}
+    for device in sorted(devices):
+        problem = compiler.toolchain_problem(device)
+        if problem is not None:
+            compiler.warn_once(f"keraunos: the inductor executor cannot build {device} kernels "
+                               f"here ({problem}); the torch executor runs its ops instead.")
+            return problem
+    return None
+
+
+def _next_executor(bsym, executors, fusion) -> str:
+    for e in executors:
+        if e not in fusion and e.claims(bsym):
+            return e.name
+    raise NotImplementedError(f"keraunos: no executor after the fusion executors can run "
+                              f"`{bsym.symbol.name}`; add 'torch' to the executors list")
+
+
+def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
+    name = f"inductor_region{counter[0]}"
+    gm = fx_graph.region_graph(r.lines, r.inputs, r.outputs)
+    key = fx_graph.region_key(gm, r.inputs, environment)
+    display = fx_graph.region_graph(r.lines, r.inputs, r.outputs)  # compile_fx mutates its graph
+    kernel, existed = compiler.kernel_for(key, gm, r.inputs, r.outputs, name)
+    if isinstance(kernel, compiler.CompileFailure):
+        compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
+                           f"({type(kernel.error).__name__}: {kernel.error}); its "
+                           f"{len(r.lines)} lines run on the next executor.")
+        return None
+    counter[0] += 1
+    shared = done.get(kernel.number) or ("a region compiled earlier" if existed else None)
+    done.setdefault(kernel.number, name)
+    region_trace = Trace(name, list(r.inputs), list(r.lines) + [
+        BoundSymbol(_REGION_RETURN, tuple(r.outputs))])
+    region = FusionRegion(name, trace_name, r.layer, [p.name for p in r.inputs],
+                          [p.name for p in r.outputs], region_trace, display, kernel, shared,
+                          list(r.lines))
+    checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
+    call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked)
+    return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
+                       subsymbols=list(r.lines), executor="inductor")

@@ -1,0 +1,201 @@
+"""Compiling a region's FX graph with Inductor, once per distinct region, and calling it exactly.
+
+``compile_fx`` runs inside a ``TracingContext`` whose fake mode has a ``ShapeEnv``, with fake
+inputs of the recorded metadata and grad mode off (every region is an inference graph), so
+Inductor's AOTAutograd and FX graph caches serve identical regions of later processes from disk.
+Within a process, ``Kernel``s are kept by region key: identical layers share one.
+
+Each region's call goes through ``RegionCall``, which checks on its first call that the inputs
+arrive with the strides the kernel was compiled for and that the outputs leave with the strides
+the trace says, and then calls the kernel directly (or keeps fixing the strides that differed).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ...core.proxies import TensorProxy
+from . import fx_graph
+
+# Inductor options for every region. ``fallback_random``: should a random op ever reach a
+# region, it draws from eager's generator, in eager's order.
+CONFIG_PATCHES = {"fallback_random": True}
+
+_kernels: dict[tuple, "Kernel | CompileFailure"] = {}
+_kernel_numbers = itertools.count()
+
+
+@dataclass
+class Kernel:
+    """One compiled region graph, shared by every region with the same key."""
+
+    fn: object              # Inductor's callable: (*inputs) -> list of outputs
+    number: int             # kernel k{number}, as the traces say
+    first_region: str       # the region it was compiled for
+    code: str               # Inductor's generated wrapper, with its C++ or Triton kernels
+    path: str | None        # where that code lives on disk
+    seconds: float          # compile time
+    cache: str              # how Inductor got it: "compiled", "AOTAutograd cache", "FX graph cache"
+
+
+@dataclass
+class CompileFailure:
+    error: Exception
+
+
+def environment() -> tuple:
+    """What besides the graph and its inputs decides the compiled code: CPU kernels bake the
+    thread count in; the default dtype, determinism flag, torch version and Inductor's config."""
+    from torch._inductor import config
+    return (torch.get_num_threads(), torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(), torch.__version__, config.get_hash(),
+            tuple(sorted(CONFIG_PATCHES.items())))
+
+
+def kernel_for(key: tuple, gm, inputs: list[TensorProxy], outputs: list[TensorProxy],
+               region_name: str) -> tuple["Kernel | CompileFailure", bool]:
+    """The kernel for ``key`` and whether it was already there (compiled for another region)."""
+    found = _kernels.get(key)
+    if found is not None:
+        return found, True
+    try:
+        kernel = _compile(gm, inputs, outputs, region_name)
+    except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
+        kernel = CompileFailure(e)
+    _kernels[key] = kernel
+    return kernel, False
+
+
+def _compile(gm, inputs, outputs, region_name) -> Kernel:
+    from torch._dynamo.utils import counters
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    start = time.perf_counter()
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = fx_graph.fake_inputs(inputs, fake_mode)
+    fx_graph.propagate(gm, fakes, fake_mode, outputs)
+    before = _cache_counts(counters)
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources:
+        fn = compile_fx(gm, fakes, ignore_shape_env=True, config_patches=dict(CONFIG_PATCHES))
+    after = _cache_counts(counters)
+    cache = ("AOTAutograd cache" if after[0] > before[0] else
+             "FX graph cache" if after[1] > before[1] else "compiled")
+    code = sources[-1] if sources else ""
+    path = PyCodeCache.write(code)[1] if code else None
+    return Kernel(fn, next(_kernel_numbers), region_name, code, path,
+                  time.perf_counter() - start, cache)
+
+
+def _cache_counts(counters) -> tuple[int, int]:
+    return (counters["aot_autograd"].get("autograd_cache_hit", 0),
+            counters["inductor"].get("fxgraph_cache_hit", 0))
+
+
+class _saving_output_code:
+    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code``, on a fresh
+    compile and on both cache hits; collect them (and pass them on to a hook already set)."""
+
+    def __enter__(self) -> list[str]:
+        from torch._inductor.graph import GraphLowering
+        self.previous = GraphLowering.save_output_code
+        sources: list[str] = []
+
+        def save(code: str) -> None:
+            sources.append(code)
+            if self.previous is not None:
+                self.previous(code)
+        GraphLowering.save_output_code = save
+        return sources
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor.graph import GraphLowering
+        GraphLowering.save_output_code = self.previous
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain_problem(device_type: str) -> str | None:
+    """Why Inductor cannot build kernels for ``device_type`` here (``None``: it can)."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+        return None if has_triton() else "Triton is not installed"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        compiler = get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - Inductor's own search failed
+        return f"no C++ compiler found ({e})"
+    if shutil.which(compiler) is None:
+        return f"the C++ compiler {compiler!r} is not on PATH"
+    try:
+        subprocess.run([compiler, "-x", "c++", "-fsyntax-only", "-"], input=b"int main() {}\n",
+                       check=True, capture_output=True, timeout=60)
+    except Exception as e:  # noqa: BLE001 - any failure means it cannot build kernels
+        return f"the C++ compiler {compiler!r} does not work ({type(e).__name__}: {e})"
+    return None
+
+
+class RegionCall:
+    """What a fusion line calls: the region's kernel, with strides checked on the first call.
+
+    Inputs the caller passes in (gradients, in the backward) can come with any strides on any
+    call; ``always_checked`` names their positions. Other inputs and the outputs are checked once:
+    layouts follow from the input metadata, which the prologue checks."""
+
+    def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
+                 always_checked: tuple[int, ...]):
+        self.kernel = kernel
+        self.inputs = [(p.shape, p.stride) for p in inputs]
+        self.outputs = [(p.shape, p.stride) for p in outputs]
+        self.always_checked = always_checked
+        self.fixed_outputs: tuple[int, ...] = ()
+        self.run = self._first_call
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+    def _first_call(self, *args):
+        fix_inputs = tuple(i for i, t in enumerate(args) if t.stride() != self.inputs[i][1])
+        checked = tuple(sorted(set(self.always_checked) | set(fix_inputs)))
+        self.always_checked = checked
+        outs = self.kernel.fn(*_restrided(args, checked, self.inputs))
+        self.fixed_outputs = tuple(i for i, t in enumerate(outs) if t.stride() != self.outputs[i][1])
+        self.run = self.kernel.fn if not (checked or self.fixed_outputs) else self._fixing_call
+        return _restrided(outs, self.fixed_outputs, self.outputs)
+
+    def _fixing_call(self, *args):
+        outs = self.kernel.fn(*_restrided(args, self.always_checked, self.inputs))
+        return _restrided(outs, self.fixed_outputs, self.outputs)
+
+
+def _restrided(tensors, positions, metas) -> list:
+    """``tensors`` with those at ``positions`` given the recorded strides (a copy only when the
+    element order differs; dims of size 0 or 1 take any stride without moving memory)."""
+    if not positions:
+        return tensors
+    tensors = list(tensors)
+    for i in positions:
+        t, (shape, stride) = tensors[i], metas[i]
+        if t.stride() == stride:
+            continue
+        if all(a == b or n <= 1 for a, b, n in zip(t.stride(), stride, shape)):
+            tensors[i] = torch.empty((0,), dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage(), t.storage_offset(), shape, stride)
+        else:
+            tensors[i] = torch.empty_strided(shape, stride, dtype=t.dtype,
+                                             device=t.device).copy_(t)
+    return tensors
+
+
+def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a per-process memory
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=2)

@@ -1,0 +1,127 @@
+"""Which repeated module (a layer of a ``ModuleList``) each recorded line came from.
+
+Fusion cuts regions at layer boundaries so that identical layers make identical regions, which
+share one compiled kernel. The boundary is where the layer's ``forward`` starts and ends, which
+only the module calls themselves know: during capture, global module hooks note the position in
+the recording when a layer is entered and tag the lines recorded until it returns with
+``info["layer"]`` (its qualified name, ``h.3``). Passes copy ``info`` with the line, so the tag
+reaches the trace the executors see. Lines that later passes make anew (ATen ops of a lowered
+line) carry no tag; :func:`layer_of_lines` fills such gaps from their neighbours.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ...capture.state import active_context
+from ...core.symbols import TorchSymbol
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+def repeated_modules(module: torch.nn.Module | None) -> dict[int, str]:
+    """id -> qualified name of each layer: a child of a module container whose class another
+    child shares and which has submodules of its own (a transformer block, not a lone ReLU of a
+    ``Sequential``, which would cut every small op into a region of its own)."""
+    if module is None:
+        return {}
+    layers: dict[int, str] = {}
+    for name, container in module.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        children = list(container.named_children())
+        classes = [type(c) for _, c in children]
+        for key, child in children:
+            if classes.count(type(child)) > 1 and next(child.children(), None) is not None:
+                layers.setdefault(id(child), f"{name}.{key}" if name else key)
+    return layers
+
+
+@contextlib.contextmanager
+def tagging_layers(module: torch.nn.Module | None):
+    """While capturing, tag each recorded line with the outermost layer whose call recorded it."""
+    layers = repeated_modules(module)
+    if not layers:
+        yield
+        return
+    open_calls: list[tuple[int, int]] = []  # (id of the layer, lines recorded when it began)
+
+    def enter(mod, args):
+        ctx = active_context()
+        if ctx is not None and id(mod) in layers:
+            open_calls.append((id(mod), len(ctx.bound_symbols)))
+
+    def leave(mod, args, output):
+        ctx = active_context()
+        if ctx is None or id(mod) not in layers or not open_calls or open_calls[-1][0] != id(mod):
+            return
+        _, start = open_calls.pop()
+        for bsym in ctx.bound_symbols[start:]:  # an outer layer leaves last and wins
+            bsym.info["layer"] = layers[id(mod)]
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[str | None]:
+    """The layer of each line: its own tag; else, for a line made by a pass (the backward's ATen
+    ops), the one layer of the values it reads (``layer_of_name`` for the forward's, and what is
+    computed from those alone); then an untagged run
+    between two lines of the same layer belongs to that layer."""
+    known = dict(layer_of_name or {})
+    gradients: set[str] = set()  # values computed from the incoming gradients
+    tags = []
+    for b in lines:
+        tag = b.info.get("layer")
+        inputs = b.input_proxies()
+        if tag is None and layer_of_name:
+            found = {known.get(p.name) for p in inputs} - {None}
+            tag = found.pop() if len(found) == 1 else None
+            made = [p.name for p in b.output_proxies()]
+            if any(p.name in gradients or (p.name not in known and p.name not in layer_of_name)
+                   for p in inputs):
+                gradients.update(made)  # from a gradient (it flows through every layer) or a
+                # value of no layer: no label to hand on
+            elif tag is not None:
+                known.update((name, tag) for name in made)  # a view of a layer's weight, say
+        tags.append(tag)
+    i = 0
+    while i < len(tags):
+        if tags[i] is not None:
+            i += 1
+            continue
+        j = i
+        while j < len(tags) and tags[j] is None:
+            j += 1
+        if 0 < i and j < len(tags) and tags[i - 1] == tags[j]:
+            tags[i:j] = [tags[j]] * (j - i)
+        i = j
+    return tags
+
+
+def layers_of_names(trace, tags: list[str | None]) -> dict[str, str]:
+    """Proxy name -> layer, for the values of a forward trace: the one layer whose lines read it
+    (a layer's output belongs to the next layer, whose norm reads it and whose backward reads it
+    back), or, for a value no line reads, the layer of the line that makes it. Values read by
+    several layers (a RoPE table) belong to none."""
+    readers: dict[str, set] = {}
+    for b, tag in zip(trace.bound_symbols, tags):
+        if not isinstance(b.symbol, TorchSymbol):
+            continue  # the return, which hands every saved value on
+        for p in b.input_proxies():
+            readers.setdefault(p.name, set()).add(tag)
+    result = {}
+    for b, tag in zip(trace.bound_symbols, tags):
+        for p in b.output_proxies():
+            if p.name not in readers and tag is not None:
+                result[p.name] = tag
+    for name, layers in readers.items():
+        if len(layers) == 1 and None not in layers:
+            result[name] = next(iter(layers))
+    return result

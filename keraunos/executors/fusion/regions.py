@@ -1,0 +1,184 @@
+"""Regions: maximal runs of lines a fusion executor claimed, made safe to hand over as one graph.
+
+A region is compiled as a pure function of its inputs, so only lines whose effect is their
+outputs' values may enter one: no writes (in-place ops, the copies made for written inputs), no
+draws from the random number generator (Inductor's generator is not eager's), no op of unknown
+effect, nothing whose shape the metadata of the trace does not fix. Two more rules keep what
+the rest of the program can observe exact:
+
+- an output may not share memory with what the region reads: a view of an input computed
+  inside a compiled graph comes back as a new tensor (or as a view rebuilt by a wrapper), so the
+  line that makes it runs outside;
+- outputs that share memory with each other (``q, k, v = qkv.split(...)``) may come back as
+  separate tensors, which matters only when someone can see it: when they are returned to the
+  user or written in place later. Then the line that makes the view runs outside too.
+
+Regions are cut where the layer (see ``layers.py``) or the device changes, so that the regions of
+identical layers are identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...capture.naming import is_inplace_by_name, is_random
+from ...core.proxies import Proxy, TensorProxy
+from ...core.symbols import BoundSymbol, TorchSymbol
+from ...core.tags import MUTATION, OPAQUE, RANDOM
+
+# Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
+MIN_COMPUTE_LINES = 2
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, slice, type(Ellipsis))
+# Outputs whose shape depends on data; capture refuses most, these are kept out regardless.
+_DATA_DEPENDENT = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select",
+                             "argwhere", "bincount", "histc", "repeat_interleave", "nonzero_static"})
+_STYLES = frozenset({"function", "method", "operator", "getitem"})
+
+
+def fusible(bsym: BoundSymbol) -> bool:
+    """Whether a line may enter a region (the fusion executor's per-line claim)."""
+    symbol = bsym.symbol
+    if not isinstance(symbol, TorchSymbol) or symbol.style not in _STYLES:
+        return False
+    if bsym.tags & {RANDOM, MUTATION, OPAQUE} or bsym.info.get("copy_of_written_input"):
+        return False
+    if is_inplace_by_name(symbol) or is_random(symbol) or _draws_random(bsym):
+        return False
+    short = symbol.name.rsplit(".", 1)[-1]
+    if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
+        return False
+    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
+    if not all(isinstance(x, TensorProxy) or isinstance(x, _PLAIN) for x in leaves):
+        return False
+    outputs = pytree.tree_leaves(bsym.outputs)
+    if not outputs or not all(isinstance(x, TensorProxy) for x in outputs):
+        return False
+    tensors = [x for x in leaves if isinstance(x, TensorProxy)] + outputs
+    return all(_static_supported(t) for t in tensors) and len({t.device for t in tensors}) == 1
+
+
+def _static_supported(t: TensorProxy) -> bool:
+    return (all(type(d) is int for d in t.shape) and all(type(s) is int for s in t.stride)
+            and t.device.type in ("cpu", "cuda") and not t.dtype.is_complex
+            and t.dtype not in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2))
+
+
+def _draws_random(bsym: BoundSymbol) -> bool:
+    """Random ops the name test misses: ATen ops marked as seeded, attention with dropout."""
+    fn = bsym.symbol.fn
+    if isinstance(fn, torch._ops.OpOverload):
+        names = [a.name for a in fn._schema.arguments]
+        if "dropout_p" in names:  # attention: seeded, but draws nothing without dropout
+            i = names.index("dropout_p")
+            p = bsym.args[i] if i < len(bsym.args) else bsym.kwargs.get("dropout_p", 0.0)
+            return p != 0.0
+        return torch.Tag.nondeterministic_seeded in fn.tags
+    if bsym.symbol.name.endswith("scaled_dot_product_attention"):
+        p = bsym.args[4] if len(bsym.args) > 4 else bsym.kwargs.get("dropout_p", 0.0)
+        return p != 0.0
+    return False
+
+
+def _allocates(bsym: BoundSymbol) -> bool:
+    """A line whose outputs live in new memory (not a view of what it reads)."""
+    read = {p.storage for p in bsym.input_proxies() if isinstance(p, TensorProxy)}
+    return any(p.storage is None or p.storage not in read for p in bsym.output_proxies())
+
+
+@dataclass
+class Region:
+    """A run of lines ``[start, stop)`` of a trace, with what it reads and what it hands on."""
+
+    start: int
+    stop: int
+    lines: list[BoundSymbol]
+    layer: str | None
+    inputs: list[TensorProxy] = field(default_factory=list)
+    outputs: list[TensorProxy] = field(default_factory=list)
+
+
+def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str | None],
+                 observable: set[str]) -> list[Region]:
+    """The regions of a trace's lines. ``claimed[i]``: the fusion executor claimed line ``i``;
+    ``observable``: names whose memory sharing the program's caller can see (returned values).
+    Lines that break a rule above are given back (``claimed`` is updated) and the runs are formed
+    again until every region keeps the rules."""
+    claimed = list(claimed)
+    while True:
+        regions = _runs(lines, claimed, layers)
+        refused = [i for r in regions for i in _unsafe_lines(lines, r, observable)]
+        if not refused:
+            return [r for r in regions
+                    if sum(_allocates(b) for b in r.lines) >= MIN_COMPUTE_LINES]
+        for i in refused:
+            claimed[i] = False
+
+
+def _runs(lines, claimed, layers) -> list[Region]:
+    regions: list[Region] = []
+    current: list[int] = []
+
+    def close():
+        if current:
+            start, stop = current[0], current[-1] + 1
+            regions.append(Region(start, stop, lines[start:stop], layers[start]))
+            current.clear()
+    for i, b in enumerate(lines):
+        if not claimed[i]:
+            close()
+            continue
+        if current and (layers[i] != layers[current[0]] or _device(b) != _device(lines[current[0]])):
+            close()
+        current.append(i)
+    close()
+    for r in regions:
+        _connect(r, lines)
+    return regions
+
+
+def _device(bsym: BoundSymbol):
+    return next(iter(bsym.output_proxies())).device
+
+
+def _connect(region: Region, lines: list[BoundSymbol]) -> None:
+    """The region's inputs (read, defined before it) and outputs (defined in it, read after)."""
+    defined: dict[str, TensorProxy] = {}
+    inputs: dict[str, TensorProxy] = {}
+    for b in region.lines:
+        for p in b.input_proxies():
+            if p.name not in defined and p.name not in inputs:
+                inputs[p.name] = p
+        for p in b.output_proxies():
+            defined[p.name] = p
+    used_after = {p.name for b in lines[region.stop:] for p in _all_proxies(b)}
+    region.inputs = list(inputs.values())
+    region.outputs = [p for name, p in defined.items() if name in used_after]
+
+
+def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
+    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
+    return [x for x in leaves if isinstance(x, Proxy)]
+
+
+def _unsafe_lines(lines, region: Region, observable: set[str]) -> list[int]:
+    """Lines of ``region`` that make an output whose memory sharing would change."""
+    outside = {p.storage for p in region.inputs}
+    written_later = {p.storage for b in lines[region.stop:]
+                     if b.tags & {MUTATION, OPAQUE} for p in _all_proxies(b)
+                     if isinstance(p, TensorProxy)}
+    observed = {p.storage for p in region.outputs if p.name in observable}
+    first_of_storage: set[int] = set()
+    bad = set()
+    for p in region.outputs:  # in the order the region makes them
+        if p.storage is None or p.storage in outside or p.storage in written_later:
+            bad.add(p.name)  # a view of an input, or memory written in place afterwards
+        elif p.storage in first_of_storage and p.storage in observed:
+            bad.add(p.name)  # a view of an earlier output, and the caller sees the sharing
+        first_of_storage.add(p.storage)
+    return [region.start + k for k, b in enumerate(region.lines)
+            if any(p.name in bad for p in b.output_proxies())]
+
