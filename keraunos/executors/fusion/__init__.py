@@ -127,9 +127,10 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     claimed = [b.executor in {e.name for e in fusion} for b in lines]
     if not any(claimed):
         return trace, []
-    problem = _why_not(enabled, lines, claimed)
-    regions = [] if problem else find_regions(lines, claimed, layers.layer_of_lines(
-        lines, layer_of_name), observable)
+    regions = []
+    if _why_not(enabled, lines, claimed) is None:
+        lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
+                                      observable)
     counter = counter if counter is not None else [0]
     fused: dict[int, tuple[BoundSymbol, FusionRegion]] = {}
     environment = compiler.environment() if regions else ()
@@ -148,7 +149,9 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
             i = r.stop
             continue
         b = lines[i]
-        result.append(b.replace(executor=_next_executor(b, executors, fusion)) if claimed[i] else b)
+        if b.executor in {e.name for e in fusion}:  # claimed, but in no region
+            b = b.replace(executor=_next_executor(b, executors, fusion))
+        result.append(b)
         i += 1
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     return trace.derive(result, f"Fusion [{names}]: {len(kept)} regions",

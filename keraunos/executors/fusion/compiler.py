@@ -195,7 +195,11 @@ def _restrided(tensors, positions, metas) -> list:
     return tensors
 
 
-def warn_once(message: str, _seen: set = set()) -> None:  # noqa: B006 - a per-process memory
-    if message not in _seen:
-        _seen.add(message)
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn once per process: a missing compiler concerns every compilation alike."""
+    if message not in _warned:
+        _warned.add(message)
         warnings.warn(message, stacklevel=2)

@@ -102,20 +102,82 @@ class Region:
 
 
 def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str | None],
-                 observable: set[str]) -> list[Region]:
-    """The regions of a trace's lines. ``claimed[i]``: the fusion executor claimed line ``i``;
-    ``observable``: names whose memory sharing the program's caller can see (returned values).
-    Lines that break a rule above are given back (``claimed`` is updated) and the runs are formed
-    again until every region keeps the rules."""
+                 observable: set[str]) -> tuple[list[BoundSymbol], list[Region]]:
+    """The regions of a trace's lines, and the lines in the order the regions need.
+
+    ``claimed[i]``: the fusion executor claimed line ``i``; ``observable``: names whose memory
+    sharing the program's caller can see (returned values). Lines that break a rule above are
+    given back and the runs are formed again until every region keeps the rules. A pure line
+    that is not fused and reads nothing of the run it sits in moves before the run, so that it
+    does not cut the run in two (a view of a RoPE table made inside the first layer only)."""
     claimed = list(claimed)
     while True:
-        regions = _runs(lines, claimed, layers)
-        refused = [i for r in regions for i in _unsafe_lines(lines, r, observable)]
+        sunk = _sunk(lines, claimed, layers)
+        order = [sunk[k] for k in _hoisted([lines[i] for i in sunk], [claimed[i] for i in sunk],
+                                           [layers[i] for i in sunk])]
+        ordered = [lines[i] for i in order]
+        regions = _runs(ordered, [claimed[i] for i in order], [layers[i] for i in order])
+        refused = [order[k] for r in regions for k in _unsafe_lines(ordered, r, observable)]
         if not refused:
-            return [r for r in regions
-                    if sum(_allocates(b) for b in r.lines) >= MIN_COMPUTE_LINES]
+            return ordered, [r for r in regions
+                             if sum(_allocates(b) for b in r.lines) >= MIN_COMPUTE_LINES]
         for i in refused:
             claimed[i] = False
+
+
+def _sunk(lines, claimed, layers) -> list[int]:
+    """The line order with each claimed line moved down to just before the first line that reads
+    it, when that line is claimed for the same layer and nothing but pure lines lie between: the
+    backward recomputes cheap forward values at its start, which then join their layer's region.
+
+    Each line gets a sort key: its own position, or (sunk) just below the smallest key of the
+    lines reading it, so that a line always stays before every line that reads it."""
+    readers: dict[str, list[int]] = {}
+    for i, b in enumerate(lines):
+        for p in b.input_proxies():
+            readers.setdefault(p.name, []).append(i)
+    barrier_after = [len(lines)] * (len(lines) + 1)
+    for i in range(len(lines) - 1, -1, -1):
+        barrier_after[i] = i if not _movable(lines[i]) else barrier_after[i + 1]
+    keys: list[tuple] = [()] * len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        keys[i] = (i, 0, i)
+        later = [j for p in lines[i].output_proxies() for j in readers.get(p.name, ()) if j > i]
+        if not claimed[i] or not later:
+            continue
+        first = min(later, key=lambda j: keys[j])
+        if claimed[first] and layers[first] == layers[i] and keys[first][0] <= barrier_after[i + 1]:
+            keys[i] = (keys[first][0], keys[first][1] - 1, i)
+    return sorted(range(len(lines)), key=lambda i: keys[i])
+
+
+def _hoisted(lines, claimed, layers) -> list[int]:
+    """The line order with each movable line that is not claimed moved before the claimed run
+    it interrupts, when it reads nothing that run defines."""
+    order: list[int] = []
+    run_start, run_key, run_defined = None, None, set()
+    for i, b in enumerate(lines):
+        if claimed[i]:
+            key = (layers[i], _device(b))
+            if run_start is None or key != run_key:
+                run_start, run_key, run_defined = len(order), key, set()
+            order.append(i)
+            run_defined.update(p.name for p in b.output_proxies())
+        elif run_start is not None and _movable(b) and not (
+                {p.name for p in b.input_proxies()} & run_defined):
+            order.insert(run_start, i)
+            run_start += 1
+        else:
+            order.append(i)
+            run_start = None
+    return order
+
+
+def _movable(bsym: BoundSymbol) -> bool:
+    """A line whose only effect is its outputs: it may run earlier than written."""
+    return (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {RANDOM, MUTATION, OPAQUE}
+            and not is_inplace_by_name(bsym.symbol) and not is_random(bsym.symbol)
+            and not bsym.info.get("copy_of_written_input"))
 
 
 def _runs(lines, claimed, layers) -> list[Region]:
@@ -153,7 +215,8 @@ def _connect(region: Region, lines: list[BoundSymbol]) -> None:
             if p.name not in defined and p.name not in inputs:
                 inputs[p.name] = p
         for p in b.output_proxies():
-            defined[p.name] = p
+            if p.name not in inputs:  # ``x.float()`` of a float x: x itself, made before
+                defined[p.name] = p
     used_after = {p.name for b in lines[region.stop:] for p in _all_proxies(b)}
     region.inputs = list(inputs.values())
     region.outputs = [p for name, p in defined.items() if name in used_after]

@@ -1,0 +1,356 @@
+"""The inductor fusion executor against eager PyTorch.
+
+``executors=["inductor", "torch"]`` compiles regions of the trace with TorchInductor. Inductor is
+not bitwise equal to eager (it reorders reductions and fuses elementwise math), so values are
+compared at rtol = atol = 1e-4 in float32; everything else a caller can see is compared exactly:
+in-place effects on inputs and buffers, returned views and their memory sharing, the random
+stream under ``torch.manual_seed``, strides, gradients.
+
+Compiles take seconds each on a small CPU, so compiled models are shared by module-scoped
+fixtures and the shapes are small; Inductor's on-disk cache makes reruns faster.
+"""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import keraunos
+from keraunos.examples.gpt import GPT, GPTConfig
+from keraunos.executors import fusion
+from keraunos.executors.fusion import compiler
+from keraunos.jit import state_of
+
+FUSED = ["inductor", "torch"]
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def executors_of(trace):
+    return [b.executor for b in trace.bound_symbols]
+
+
+def fusion_lines(trace):
+    return [b for b in trace.bound_symbols if isinstance(b.symbol, fusion.FusionSymbol)]
+
+
+# ----------------------------------------------------------------------------- GPT, inference
+@pytest.fixture(scope="module")
+def gpt_inference():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2)).eval()
+    jitted = keraunos.jit(model, executors=FUSED)
+    idx = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        out = jitted(idx)
+    return model, jitted, idx, out
+
+
+def test_gpt_inference_matches_eager(gpt_inference):
+    model, jitted, idx, out = gpt_inference
+    with torch.no_grad():
+        assert_close(out, model(idx), **TOL)
+        other = torch.randint(0, 256, (2, 8))  # the cached entry, its kernels called directly
+        assert_close(jitted(other), model(other), **TOL)
+    assert keraunos.cache_misses(jitted) == 1
+
+
+def test_gpt_layers_share_one_kernel(gpt_inference):
+    _, jitted, _, _ = gpt_inference
+    regions = keraunos.last_fusions(jitted)
+    layers = [r for r in regions if r.layer is not None]
+    assert [r.layer for r in layers] == ["h.0", "h.1"]
+    assert layers[0].kernel is layers[1].kernel
+    assert layers[0].shared_with is None and layers[1].shared_with == layers[0].name
+    assert f"(the kernel of {layers[0].name})" in str(keraunos.last_traces(jitted)[-1])
+
+
+def test_gpt_trace_shows_region_lines_and_calls(gpt_inference):
+    _, jitted, _, _ = gpt_inference
+    trace = keraunos.last_traces(jitted)[-1]
+    text = str(trace)
+    region = keraunos.last_fusions(jitted)[1]
+    assert f"= {region.name}({', '.join(region.inputs)})" in text
+    assert "#   t4 = torch.nn.functional.layer_norm(" in text  # its lines, as comments
+    assert "torch" not in executors_of(trace)  # every op of this model is in a region
+
+
+def test_last_fusions_lists_graph_and_generated_code(gpt_inference):
+    _, jitted, _, _ = gpt_inference
+    region = keraunos.last_fusions(jitted)[1]
+    assert region.inputs[0] == "t3" and region.outputs == ["t24"]
+    assert "def forward(self, i0, i1" in region.graph.code
+    assert "def call(" in region.kernel_code
+    assert os.path.isfile(region.kernel_path)
+    assert "def inductor_region1(" in str(region.trace)
+    assert region.name in region.source and region.kernel_code in region.source
+
+
+def test_region_trace_runs_like_the_region(gpt_inference):
+    model, jitted, idx, _ = gpt_inference
+    region = keraunos.last_fusions(jitted)[1]
+    x = torch.randn(2, 8, 64)
+    block = model.h[0]
+    params = [block.ln_1.weight, block.ln_1.bias, block.attn.qkv.weight, block.attn.qkv.bias,
+              block.attn.proj.weight, block.attn.proj.bias, block.ln_2.weight, block.ln_2.bias,
+              block.mlp.fc.weight, block.mlp.fc.bias, block.mlp.proj.weight, block.mlp.proj.bias]
+    with torch.no_grad():
+        (by_trace,) = region.trace.python_callable()(x, *params)
+        assert_close(by_trace, block(x))
+        assert_close(region.kernel.fn(x, *params)[0], block(x), **TOL)
+
+
+def test_debug_dump_and_report_show_fusion_regions(gpt_inference, tmp_path):
+    from keraunos import debug
+    _, jitted, _, _ = gpt_inference
+    entry = state_of(jitted).last_entry
+    debug.write_fusion_kernels(str(tmp_path), entry)
+    written = sorted(os.listdir(tmp_path / "fusion"))
+    assert len(written) == len(keraunos.last_fusions(jitted)) and "inductor_region1" in written[1]
+    page = open(keraunos.report(jitted, str(tmp_path / "r.html"))).read()
+    assert "Fusion regions" in page and "inductor_region1" in page
+
+
+# ----------------------------------------------------------------------------- GPT, training
+@pytest.fixture(scope="module")
+def gpt_training():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED)
+    idx = torch.randint(0, 256, (2, 8))
+    return model, reference, jitted, idx
+
+
+def test_gpt_training_step_matches_eager(gpt_training):
+    model, reference, jitted, idx = gpt_training
+    for step in range(2):
+        for m in (model, reference):
+            m.zero_grad()
+        logits, loss = jitted(idx, idx)
+        loss.backward()
+        ref_logits, ref_loss = reference(idx, idx)
+        ref_loss.backward()
+        assert_close(logits, ref_logits, **TOL)
+        assert_close(loss, ref_loss, **TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert keraunos.cache_misses(jitted) == 1
+
+
+def test_gpt_backward_layers_share_one_kernel(gpt_training):
+    _, _, jitted, idx = gpt_training
+    jitted(idx, idx)
+    backward = [r for r in keraunos.last_fusions(jitted) if r.trace_name == "backward"]
+    layers = [r for r in backward if r.layer is not None]
+    assert [r.layer for r in layers] == ["h.1", "h.0"]  # the backward runs the layers in reverse
+    assert layers[0].kernel is layers[1].kernel
+    assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
+
+
+# ----------------------------------------------------------------------------- N identical layers
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x))) * 0.5
+
+
+class Stack(nn.Module):
+    def __init__(self, n, width=16):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(n))
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x * self.scale).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    torch.manual_seed(0)
+    model = Stack(4)
+    jitted = keraunos.jit(model, executors=FUSED)
+    x = torch.randn(3, 16, requires_grad=True)
+    out = jitted(x)
+    return model, jitted, x, out
+
+
+def test_modulelist_layers_compile_one_region(stack):
+    model, jitted, x, out = stack
+    assert_close(out, model(x), **TOL)
+    for trace_name in ("computation", "backward"):
+        layers = [r for r in keraunos.last_fusions(jitted)
+                  if r.trace_name == trace_name and r.layer is not None]
+        assert len(layers) == 4, trace_name
+        assert len({id(r.kernel) for r in layers}) == 1, trace_name
+
+
+def test_modulelist_gradients_match_eager(stack):
+    model, jitted, x, _ = stack
+    model.zero_grad()
+    reference = copy.deepcopy(model)
+    x1 = x.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    grad = torch.randn(3)
+    jitted(x1).backward(grad)
+    reference(x2).backward(grad)
+    assert_close(x1.grad, x2.grad, **TOL)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+def test_incoming_gradient_with_other_strides(stack):
+    model, jitted, x, _ = stack
+    # Strides 2 and 0 where the backward was compiled for 1 (``.sum().backward()`` expands).
+    for grad in (torch.randn(6)[::2], torch.randn(1).expand(3)):
+        model.zero_grad()
+        reference = copy.deepcopy(model)
+        x1 = x.detach().clone().requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        jitted(x1).backward(grad)
+        reference(x2).backward(grad)
+        assert_close(x1.grad, x2.grad, **TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+def test_identical_model_reuses_kernels_across_jits(stack):
+    torch.manual_seed(1)
+    other = Stack(4)
+    jitted = keraunos.jit(other, executors=FUSED)
+    x = torch.randn(3, 16, requires_grad=True)
+    assert_close(jitted(x), other(x), **TOL)
+    layers = [r for r in keraunos.last_fusions(jitted) if r.layer is not None]
+    assert all(r.shared_with is not None for r in layers)
+    assert keraunos.compile_stats(jitted).stages["fusion"] < 5.0  # no Inductor compile
+
+
+# ----------------------------------------------------------------------------- exact semantics
+def test_inplace_update_of_input_and_buffer_matches_eager():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(4))
+
+        def forward(self, x, cache):
+            y = torch.relu(x * 2 + 1).sin()
+            self.total.add_(y.sum(0))
+            cache[0] = y[0] * 3  # a write into an input, as a KV cache does
+            return (y * y).exp()
+
+    eager, jit_model = Counter(), Counter()
+    jitted = keraunos.jit(jit_model, executors=FUSED)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        c1, c2 = torch.zeros(2, 4), torch.zeros(2, 4)
+        assert_close(jitted(x, c1), eager(x, c2), **TOL)
+        assert_close(c1, c2, **TOL)
+        assert_close(jit_model.total, eager.total, **TOL)
+    assert fusion_lines(keraunos.last_traces(jitted)[-1])
+
+
+def test_returned_views_share_memory_as_in_eager():
+    def f(x):
+        y = torch.tanh(x * 2) + 1
+        return y, y.t(), y[0], x.view(-1)
+
+    x = torch.randn(3, 4)
+    jitted = keraunos.jit(f, executors=FUSED)
+    out, ref = jitted(x), f(x)
+    for a, b in zip(out, ref):
+        assert_close(a, b, **TOL)
+        assert a.stride() == b.stride()
+    storage = out[0].untyped_storage().data_ptr()
+    assert out[1].untyped_storage().data_ptr() == storage
+    assert out[2].untyped_storage().data_ptr() == storage
+    assert out[3]._base is x
+
+
+def test_output_strides_are_the_traced_ones():
+    def f(x):
+        y = (x * 3).exp().permute(2, 0, 1)
+        return y * 2, y.sum(0, keepdim=True)
+
+    x = torch.randn(2, 3, 5)
+    out, ref = keraunos.jit(f, executors=FUSED)(x), f(x)
+    for a, b in zip(out, ref):
+        assert_close(a, b, **TOL)
+        assert a.stride() == b.stride()
+
+
+def test_random_ops_give_eager_values_and_leave_the_stream_where_eager_does():
+    def f(x):
+        y = torch.sigmoid(x * 2) + 1
+        z = F.dropout(y, p=0.5, training=True) * y
+        return torch.tanh(z + torch.rand_like(z))
+
+    x = torch.randn(8, 8)
+    jitted = keraunos.jit(f, executors=FUSED)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        out = jitted(x)
+        after = torch.rand(3)
+        torch.manual_seed(seed)
+        ref = f(x)
+        assert_close(out, ref, **TOL)
+        assert_close(after, torch.rand(3))
+    trace = keraunos.last_traces(jitted)[-1]
+    random_lines = [b for b in trace.bound_symbols if "dropout" in b.symbol.name
+                    or "rand" in b.symbol.name]
+    assert random_lines and all(b.executor == "torch" for b in random_lines)
+
+
+def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
+    monkeypatch.setattr(compiler, "toolchain_problem", lambda device: "no C++ compiler found")
+    monkeypatch.setattr(compiler, "_warned", set())
+
+    def f(x):
+        return torch.tanh(x * 2).exp() + 1
+
+    x = torch.randn(4)
+    jitted = keraunos.jit(f, executors=FUSED)
+    with pytest.warns(UserWarning, match="cannot build cpu kernels here .*no C\\+\\+ compiler"):
+        assert_close(jitted(x), f(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per compilation
+        keraunos.jit(f, executors=FUSED)(x)
+    trace = keraunos.last_traces(jitted)[-1]
+    assert not fusion_lines(trace) and "torch" in executors_of(trace)
+    assert keraunos.last_fusions(jitted) == []
+
+
+def test_thread_count_is_part_of_the_region_key():
+    def f(x):
+        return torch.cos(x * 5).exp() - 1
+
+    x = torch.randn(16)
+    threads = torch.get_num_threads()
+    kernels = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            jitted = keraunos.jit(f, executors=FUSED)
+            assert_close(jitted(x), f(x), **TOL)
+            kernels.append(keraunos.last_fusions(jitted)[0].kernel)
+    finally:
+        torch.set_num_threads(threads)
+    assert kernels[0] is not kernels[1]
+
+
+def test_default_executors_do_not_fuse():
+    def f(x):
+        return torch.tanh(x * 2).exp() + 1
+
+    jitted = keraunos.jit(f)
+    jitted(torch.randn(4))
+    assert not fusion_lines(keraunos.last_traces(jitted)[-1])
+    assert keraunos.last_fusions(jitted) == []
