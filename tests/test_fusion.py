@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import keraunos
+import keraunos.dynamo
 from keraunos.examples.gpt import GPT, GPTConfig
 from keraunos.executors import fusion
 from keraunos.executors.fusion import compiler
@@ -408,3 +409,32 @@ def test_litgpt_adamw_losses_and_gradients_match_eager(family):
         # layers use, a mask say, are computed once, in the first).
         first, second = kernels.values()
         assert second <= first, kernels
+
+
+def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypatch):
+    def refuse(*args):
+        raise RuntimeError("lowering failed")
+    monkeypatch.setattr(compiler, "_compile", refuse)
+    monkeypatch.setattr(compiler, "_kernels", {})
+    monkeypatch.setattr(compiler, "_warned", set())
+
+    def f(x):
+        return torch.sin(x * 3).exp() + 2
+
+    x = torch.randn(5)
+    jitted = keraunos.jit(f, executors=FUSED)
+    with pytest.warns(UserWarning, match="Inductor could not compile .*lowering failed"):
+        assert_close(jitted(x), f(x))
+    assert not fusion_lines(keraunos.last_traces(jitted)[-1])
+
+
+def test_dynamo_front_end_fuses_too():
+    def f(x, y):
+        return torch.tanh(x @ y).exp() * 2 - 1
+
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
+    backend = keraunos.dynamo.backend(executors=FUSED)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    assert_close(compiled(x, y), f(x, y), **TOL)
+    (subgraph,) = backend.subgraphs
+    assert fusion_lines(keraunos.last_traces(subgraph.jitted)[-1])

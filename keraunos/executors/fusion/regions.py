@@ -35,7 +35,7 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.la
           torch.memory_format, slice, type(Ellipsis))
 # Outputs whose shape depends on data; capture refuses most, these are kept out regardless.
 _DATA_DEPENDENT = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select",
-                             "argwhere", "bincount", "histc", "repeat_interleave", "nonzero_static"})
+                             "argwhere", "bincount", "histc", "nonzero_static"})
 _STYLES = frozenset({"function", "method", "operator", "getitem"})
 
 
@@ -51,14 +51,24 @@ def fusible(bsym: BoundSymbol) -> bool:
     short = symbol.name.rsplit(".", 1)[-1]
     if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
         return False
-    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
-    if not all(isinstance(x, TensorProxy) or isinstance(x, _PLAIN) for x in leaves):
+    if short.startswith("repeat_interleave") and any(  # tensor repeats: a size from data
+            isinstance(x, TensorProxy) for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs))):
         return False
-    outputs = pytree.tree_leaves(bsym.outputs)
+    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
+    if not all(isinstance(x, TensorProxy) or _plain(x) for x in leaves):
+        return False
+    outputs = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
     if not outputs or not all(isinstance(x, TensorProxy) for x in outputs):
         return False
     tensors = [x for x in leaves if isinstance(x, TensorProxy)] + outputs
     return all(_static_supported(t) for t in tensors) and len({t.device for t in tensors}) == 1
+
+
+def _plain(x) -> bool:
+    """A constant the FX graph can hold as is (a slice's bounds are not flattened: no proxies)."""
+    if type(x) is slice:
+        return all(v is None or type(v) is int for v in (x.start, x.stop, x.step))
+    return isinstance(x, _PLAIN)
 
 
 def _static_supported(t: TensorProxy) -> bool:
