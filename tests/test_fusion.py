@@ -259,6 +259,59 @@ def test_inplace_update_of_input_and_buffer_matches_eager():
     assert fusion_lines(keraunos.last_traces(jitted)[-1])
 
 
+class CachedAttention(nn.Module):
+    """Attention over a key/value cache written in place, as generation does."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("k_cache", torch.zeros(1, 8, 16))
+        self.register_buffer("v_cache", torch.zeros(1, 8, 16))
+
+    def forward(self, x, pos):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        self.k_cache.index_copy_(1, pos, k)
+        self.v_cache.index_copy_(1, pos, v)
+        scores = torch.softmax(q @ self.k_cache.transpose(1, 2) * 0.25, dim=-1)
+        return torch.tanh(scores @ self.v_cache) * 2
+
+
+def test_kv_cache_written_in_place_matches_eager():
+    torch.manual_seed(0)
+    eager = CachedAttention().eval()
+    jit_model = copy.deepcopy(eager)
+    jitted = keraunos.jit(jit_model, executors=FUSED)
+    with torch.no_grad():
+        steps = [(torch.randn(1, 3, 16), torch.arange(3))] + [
+            (torch.randn(1, 1, 16), torch.tensor([t])) for t in range(3, 6)]
+        for x, pos in steps:
+            assert_close(jitted(x, pos), eager(x, pos), **TOL)
+            assert_close(jit_model.k_cache, eager.k_cache, **TOL)
+            assert_close(jit_model.v_cache, eager.v_cache, **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    assert fusion_lines(trace)
+    writes = [b for b in trace.bound_symbols if b.symbol.name == "index_copy_"]
+    assert len(writes) == 2 and all(b.executor == "torch" for b in writes)
+
+
+def test_batchnorm_training_statistics_and_gradients_match_eager():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 4))
+    jit_model = copy.deepcopy(eager)
+    jitted = keraunos.jit(jit_model, executors=FUSED)
+    for _ in range(2):
+        x = torch.randn(6, 8)
+        out, ref = jitted(x), eager(x)
+        assert_close(out, ref, **TOL)
+        (out * out).sum().backward()
+        (ref * ref).sum().backward()
+        for a, b in zip(jit_model.buffers(), eager.buffers()):
+            assert_close(a, b, **TOL)
+        for (name, p), q in zip(jit_model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
+
+
 def test_returned_views_share_memory_as_in_eager():
     def f(x):
         y = torch.tanh(x * 2) + 1

@@ -232,6 +232,17 @@ def _connect(region: Region, lines: list[BoundSymbol]) -> None:
     region.outputs = [p for name, p in defined.items() if name in used_after]
 
 
+def _written(bsym: BoundSymbol) -> list[TensorProxy]:
+    """The tensors a line may write: the first argument of an in-place op (``k_cache.index_copy_(
+    0, pos, k)`` writes the cache, not ``k``); every tensor of another line that writes."""
+    if not bsym.tags & {MUTATION, OPAQUE}:
+        return []
+    if isinstance(bsym.symbol, TorchSymbol) and OPAQUE not in bsym.tags \
+            and is_inplace_by_name(bsym.symbol) and isinstance(bsym.args[0], TensorProxy):
+        return [bsym.args[0]]
+    return [p for p in _all_proxies(bsym) if isinstance(p, TensorProxy)]
+
+
 def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
     leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
     return [x for x in leaves if isinstance(x, Proxy)]
@@ -240,9 +251,7 @@ def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
 def _unsafe_lines(lines, region: Region, observable: set[str]) -> list[int]:
     """Lines of ``region`` that make an output whose memory sharing would change."""
     outside = {p.storage for p in region.inputs}
-    written_later = {p.storage for b in lines[region.stop:]
-                     if b.tags & {MUTATION, OPAQUE} for p in _all_proxies(b)
-                     if isinstance(p, TensorProxy)}
+    written_later = {p.storage for b in lines[region.stop:] for p in _written(b)}
     observed = {p.storage for p in region.outputs if p.name in observable}
     first_of_storage: set[int] = set()
     bad = set()
