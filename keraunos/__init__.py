@@ -14,6 +14,7 @@ from .core.trace import Trace
 from .errors import CaptureError, DataDependentError, KeraunosError, UnsupportedInputError
 from .executors.prologue_cache import invalidate_module_structure
 from .jit import CacheMode, CompileStats, Fallback, JittedFunction, JittedModule, jit, state_of
+from .capture.symbolic import mark_dynamic, mark_static
 from .report import report
 from .transforms import Transform
 
@@ -89,5 +90,5 @@ __all__ = [
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
     "last_fusions",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
-    "invalidate_module_structure", "report",
+    "invalidate_module_structure", "report", "mark_dynamic", "mark_static",
 ]

@@ -27,7 +27,8 @@ import torch
 from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
-from .capture.state import active_context
+from .capture.state import _active, active_context
+from .capture.symbolic import DynamicRequest
 from .errors import CaptureError, DataDependentError, user_source
 from .pipeline import compile_entry
 from .transforms import Transform
@@ -65,10 +66,13 @@ class _JitState:
     """What a jitted callable holds: its program, options and cache."""
 
     def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile,
-                 specialize_data=False, fallback="error"):
+                 specialize_data=False, fallback="error", dynamic=None):
         self.options = dict(executors=executors, transforms=transforms, cache=cache,
                             max_cache_entries=max_cache_entries, profile=profile,
-                            specialize_data=specialize_data, fallback=fallback)
+                            specialize_data=specialize_data, fallback=fallback, dynamic=dynamic)
+        if dynamic not in (None, True, False):
+            raise ValueError(f"keraunos.jit: dynamic must be None, True or False, got {dynamic!r}")
+        self.dynamic = dynamic
         try:
             self.fallback = Fallback(fallback)
         except ValueError:
@@ -88,9 +92,6 @@ class _JitState:
         except ValueError:
             raise ValueError(f"keraunos.jit: cache must be one of "
                              f"{[m.value for m in CacheMode]}, got {cache!r}") from None
-        if self.cache_mode is CacheMode.SYMBOLIC_VALUES:
-            raise NotImplementedError("keraunos.jit: cache='symbolic values' is not implemented "
-                                      "yet; use 'constant values' (one entry per set of shapes)")
         if max_cache_entries < 1:
             raise ValueError("keraunos.jit: max_cache_entries must be at least 1")
         self.max_cache_entries = max_cache_entries
@@ -105,6 +106,10 @@ class _JitState:
         self.last_miss_reasons: list[str] = []
         self.warned_recompiles = False
         self.warned_no_backward = False
+        # Automatic dynamic: the sizes and ints of earlier compilations, by path (see
+        # capture/symbolic.py); a value that changed is compiled as a symbol from then on.
+        self.seen_sizes: dict = {}
+        self.symbolic_fallbacks: list[str] = []  # why symbolic entries were compiled exactly
 
     @property
     def name(self) -> str:
@@ -283,7 +288,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         with state.counter_lock:
             state.misses += 1
         try:
-            entry = compile_entry(state, args, kwargs)
+            entry = _compile(state, args, kwargs)
         except CaptureError as e:
             if state.fallback is not Fallback.DYNAMO or not isinstance(e, DataDependentError):
                 raise
@@ -296,6 +301,9 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
                                  f"the call it was compiled for ({explain(entry, args, kwargs)})")
+        if entry.alias_positions is not None:  # the tensors among the inputs (not sizes)
+            positions = tuple(i for i in entry.alias_positions if isinstance(r[0][i], torch.Tensor))
+            entry.alias_positions = positions if len(positions) > 1 else None
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
         entry.alias_check = _alias_check_for(entry)
@@ -304,6 +312,37 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         state.last_entry = entry
         state.last_lookup = time.perf_counter() - start
         return entry, r[0], r[1]
+
+
+def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
+    """``compile_entry``, with the sizes and ints that vary between calls made symbolic.
+
+    In ``cache="symbolic values"`` every size and int of the call is a symbol; in the default
+    mode those the user marked dynamic and those that changed since an earlier compilation
+    (automatic dynamic). When capture with symbols meets something it cannot handle yet, the
+    entry is compiled with exact sizes instead; ``symbolic_fallbacks`` says why."""
+    if state.cache_mode not in (CacheMode.CONSTANT_VALUES, CacheMode.SYMBOLIC_VALUES) or (
+            state.dynamic is False and state.cache_mode is CacheMode.CONSTANT_VALUES):
+        return compile_entry(state, args, kwargs)
+    request = DynamicRequest(state.cache_mode is CacheMode.SYMBOLIC_VALUES or state.dynamic is True,
+                             state.seen_sizes)
+    _active.dynamic = request
+    try:
+        entry = compile_entry(state, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - exact sizes are the safe way for anything
+        if not request.any_dynamic:
+            raise
+        state.symbolic_fallbacks.append(f"{type(e).__name__}: {e}")
+        entry = None
+    finally:
+        _active.dynamic = None
+    state.seen_sizes = {**state.seen_sizes, **request.updated}
+    if entry is None:
+        return compile_entry(state, args, kwargs)
+    if request.changes:
+        state.last_miss_reasons = state.last_miss_reasons + [
+            f"{change}; recompiled with it symbolic" for change in request.changes]
+    return entry
 
 
 def _inline_entry(state: _JitState) -> CacheEntry:
@@ -483,7 +522,8 @@ def _rejit(module, options):
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
         transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
         max_cache_entries: int = 8, profile: bool | None = None,
-        specialize_data: bool = False, fallback: str | Fallback = "error"):
+        specialize_data: bool = False, fallback: str | Fallback = "error",
+        dynamic: bool | None = None):
     """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
 
     The first call captures the program into traces, transforms and compiles them, and caches the
@@ -500,13 +540,21 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         executors: who runs the operations, in order of preference (names or ``Executor``s);
             default ``["torch"]``.
         transforms: ``keraunos.Transform`` instances whose hooks run at fixed points.
-        cache: ``"constant values"`` (default), ``"same input"`` or ``"no caching"``.
+        cache: ``"constant values"`` (default: sizes and Python numbers are compiled in and
+            checked; a size or int that changes between calls is compiled as a symbol on the next
+            compilation, so one more entry serves all its later values), ``"symbolic values"``
+            (every size and int argument is a symbol from the first call on; the prologue checks
+            the guards the capture recorded), ``"same input"`` or ``"no caching"``.
         max_cache_entries: entries kept per jitted callable; past it the least recently used goes.
         profile: wrap each call step in a profiler range (default: ``KERAUNOS_PROFILE=1``).
         specialize_data: instead of raising ``CaptureError`` when the program reads a Python value
             from tensor data (``.item()``, ``if t.any():``), compute it from the inputs, compile
             it in as a constant and check it in the prologue on every call (a new value
             recompiles). Right for values that rarely change, such as a position in a KV cache.
+        dynamic: in the default cache mode, ``None`` (default) compiles a size or int argument
+            that changed between calls as a symbol (automatic dynamic); ``False`` never does (one
+            entry per set of sizes); ``True`` makes every size and int argument a symbol from the
+            first call on, as ``cache="symbolic values"`` does.
         fallback: on such a decision (without ``specialize_data``), ``"error"`` (default) raises
             ``CaptureError`` naming the line; ``"dynamo"`` warns once and runs the program through
             ``torch.compile(backend="keraunos")`` instead (graph breaks at such decisions).
@@ -516,7 +564,8 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
                    max_cache_entries=max_cache_entries,
                    profile=_profile_default() if profile is None else profile,
                    specialize_data=specialize_data,
-                   fallback=fallback.value if isinstance(fallback, Fallback) else fallback)
+                   fallback=fallback.value if isinstance(fallback, Fallback) else fallback,
+                   dynamic=dynamic)
     if isinstance(fn_or_module, (JittedFunction, JittedModule)):
         raise TypeError("keraunos.jit: this callable is already jitted")
     if isinstance(fn_or_module, torch.nn.Module):

@@ -450,9 +450,13 @@ def test_cache_mode_enum_is_accepted():
     assert counts(jf) == (2, 0)
 
 
-def test_symbolic_values_mode_is_not_implemented():
-    with pytest.raises(NotImplementedError):
-        keraunos.jit(lambda x: x, cache="symbolic values")
+def test_symbolic_values_mode_serves_two_sizes_with_one_entry():
+    # (Was test_symbolic_values_mode_is_not_implemented; the mode exists now: tests/test_symbolic.py.)
+    jf = keraunos.jit(lambda x: x * 2, cache="symbolic values")
+    for n in (3, 4):
+        x = torch.randn(n)
+        torch.testing.assert_close(jf(x), x * 2)
+    assert counts(jf) == (1, 1)
 
 
 def test_invalid_cache_mode_raises_value_error():
@@ -470,7 +474,8 @@ def shape_dependent_program(x):
 
 
 def test_cache_bound_warns_once_about_recompiling():
-    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2)
+    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2,
+                      dynamic=False)  # every size an entry of its own
     with pytest.warns(UserWarning, match="shape_dependent_program.*recompiling") as record:
         for n in range(1, 6):
             x = torch.randn(n)
@@ -488,7 +493,8 @@ def test_recompiling_warning_points_at_the_callers_line():
 
 
 def test_cache_bound_keeps_at_most_max_entries():
-    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2)
+    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2,
+                      dynamic=False)  # every size an entry of its own
     xs = [torch.randn(n) for n in range(1, 5)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -505,7 +511,8 @@ def test_cache_bound_keeps_at_most_max_entries():
 
 
 def test_cache_bound_evicts_least_recently_used():
-    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2)
+    jf = keraunos.jit(shape_dependent_program, max_cache_entries=2,
+                      dynamic=False)  # every size an entry of its own
     a, b, c = torch.randn(1), torch.randn(2), torch.randn(3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -530,7 +537,7 @@ def test_no_warning_within_cache_bound():
 
 # ------------------------------------------------------------------------------ miss reasons
 def test_miss_reasons_give_one_sentence_per_entry():
-    jf = keraunos.jit(lambda x: x + 1)
+    jf = keraunos.jit(lambda x: x + 1, dynamic=False)  # every size an entry of its own
     jf(torch.randn(1))
     jf(torch.randn(2))
     jf(torch.randn(3))
@@ -559,7 +566,7 @@ def test_last_traces_before_first_call_raises():
 # ---------------------------------------------------------------------------------- threads
 def test_threads_calling_jitted_function_concurrently_get_eager_results():
     f = lambda x, y: (x @ y).relu().sum(-1)  # noqa: E731
-    jf = keraunos.jit(f)
+    jf = keraunos.jit(f, dynamic=False)  # every shape an entry of its own
     shapes = [(2, 3), (4, 3), (3, 3), (5, 3)]
     inputs = [(torch.randn(*s), torch.randn(3, 2)) for s in shapes for _ in range(2)]
     errors = []

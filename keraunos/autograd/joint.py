@@ -17,7 +17,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.proxies import Proxy, TensorProxy
+from ..capture.symbolic import SymbolicValue
+from ..core.proxies import NumberProxy, Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.trace import Trace
 from .rules import DERIVATIVE_RULES
@@ -94,13 +95,36 @@ def _is_differentiable(t) -> bool:
         t.dtype.is_floating_point or t.dtype.is_complex)
 
 
+def _shape_env_of(computation: Trace):
+    """The capture's ``ShapeEnv`` when the computation has symbolic sizes: the backward is
+    recorded on the same symbols, so the guards its formulas add reach the prologue too."""
+    for p in computation.params:
+        if isinstance(p, NumberProxy) and p.value is not None:
+            return p.value.node.shape_env
+    return None
+
+
+def symbolic_value(x, env: dict):
+    """A trace value as the fake recording needs it: a symbolic size as its ``SymInt``."""
+    if isinstance(x, Proxy):
+        return env[x.name]
+    if type(x) is slice:
+        return slice(*(symbolic_value(v, env) for v in (x.start, x.stop, x.step)))
+    return x.value if isinstance(x, SymbolicValue) else x
+
+
 def record_joint(computation: Trace) -> Joint:
-    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    shape_env = _shape_env_of(computation)
+    mode = FakeTensorMode(shape_env=shape_env or ShapeEnv(), static_shapes=shape_env is None)
     recorder = _AtenRecorder()
     env: dict[str, Any] = {}
     inputs = []
     with mode:
         for p in computation.params:
+            if isinstance(p, NumberProxy):  # a symbolic size: the SymInt capture gave it
+                env[p.name] = p.value
+                inputs.append(p.value)
+                continue
             t = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
             if p.requires_grad:
                 t.requires_grad_(True)
@@ -120,9 +144,8 @@ def record_joint(computation: Trace) -> Joint:
                     continue
                 if isinstance(symbol, TorchSymbol):
                     recorder.parent = index
-                    args, kwargs = pytree.tree_map(
-                        lambda x: env[x.name] if isinstance(x, Proxy) else x,
-                        (bsym.args, bsym.kwargs))
+                    args, kwargs = pytree.tree_map(lambda x: symbolic_value(x, env),
+                                                   (bsym.args, bsym.kwargs))
                     if symbol.style == "getter" and symbol.name == "grad":
                         # The fake inputs have no .grad; the real ones have what capture saw.
                         _bind(bsym.outputs, _fake_like(bsym.outputs), env)
@@ -142,7 +165,7 @@ def record_joint(computation: Trace) -> Joint:
             recorder.parent = None
             outputs = [env[p.name] for p in outputs_proxies]
             differentiable = [i for i, o in enumerate(outputs) if _is_differentiable(o)]
-            needs_grad = [i for i, t in enumerate(inputs) if t.requires_grad]
+            needs_grad = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
             recorder_calls_forward = list(recorder.calls)
             recorder.calls = []
         with mode:

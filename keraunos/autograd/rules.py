@@ -15,7 +15,21 @@ from torch.utils import _pytree as pytree
 from ..core.symbols import BoundSymbol, TorchSymbol
 
 
-def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set[int]):
+def _keep(x):
+    return x
+
+
+def _trace_args(call, namer, number):
+    """A recorded call's arguments for a trace line: fakes by name, symbolic sizes by ``number``."""
+    def value(x):
+        if isinstance(x, torch.Tensor):
+            return namer.proxies[namer.name_of[id(x)]]
+        return number(x) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+    return pytree.tree_map(value, (call.args, call.kwargs))
+
+
+def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set[int],
+                                number=_keep):
     """A saved value that is a view (``t(weight)``, ``view``) of values the forward names anyway
     is recomputed in the backward, for free: the torch-level op that made it (``linear``) then
     need not run as its ATen ops just to hand the view over."""
@@ -40,9 +54,7 @@ def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set
         for x in reads:
             if namer.name_of[id(x)] not in saved:
                 saved.append(namer.name_of[id(x)])
-        args, kwargs = pytree.tree_map(
-            lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor) else x,
-            (call.args, call.kwargs))
+        args, kwargs = _trace_args(call, namer, number)
         lines.append(BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}", "function"),
                                  tuple(args), dict(kwargs), namer.proxies[name],
                                  info={"comment": "a view, recomputed rather than saved"}))
@@ -53,7 +65,7 @@ def _is_cheap_pointwise(func) -> bool:
     return torch.Tag.pointwise in getattr(func, "tags", ()) and not func._schema.is_mutable
 
 
-def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
+def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered, number=_keep):
     """Move saved values that a cheap pointwise op makes from already-saved values (or forward
     inputs) into the backward; returns the new saved list and the lines to recompute them."""
     producer = {}
@@ -92,9 +104,7 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered):
             if None in read_names or not all(n in saved for n in read_names):
                 continue
             saved.remove(name)
-            args, kwargs = pytree.tree_map(
-                lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
-                else x, (call.args, call.kwargs))
+            args, kwargs = _trace_args(call, namer, number)
             lines.insert(0, BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}",
                                                     "function"), tuple(args), dict(kwargs),
                                         namer.proxies[name],

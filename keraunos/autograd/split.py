@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..core.proxies import ObjectProxy, TensorProxy
+from ..capture.symbolic import as_code, expr_key, is_backed, layout_key, refuse_raw_symbols
+from ..core.proxies import NumberProxy, ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
@@ -96,9 +97,9 @@ class _Namer:
         back as a new object over the same memory)."""
         key = _storage_key(fake)
         for name, other in self.fakes.items():
-            if (_storage_key(other) == key and other.shape == fake.shape
-                    and other.stride() == fake.stride()
-                    and other.storage_offset() == fake.storage_offset()
+            # Compared as expressions: ``==`` on symbolic sizes would add guards.
+            if (_storage_key(other) == key and layout_key(other) == layout_key(fake)
+                    and expr_key(other.storage_offset()) == expr_key(fake.storage_offset())
                     and other.dtype == fake.dtype):
                 return name
         return None
@@ -143,7 +144,19 @@ def split_forward_backward(computation: Trace) -> Split:
         taken.update(p.name for p in b.output_proxies())
     namer = _Namer(_Names(taken))
     for p, fake in zip(computation.params, joint.inputs):
-        namer.bind(fake, p.name)
+        if isinstance(fake, torch.Tensor):
+            namer.bind(fake, p.name)
+    # Symbolic sizes (s0, ...): inputs of the forward; the backward gets those it reads.
+    numbers = {p.symbol: p for p in computation.params if isinstance(p, NumberProxy)}
+    numbers_read: dict[str, NumberProxy] = {}
+
+    def number(x):
+        if not is_backed(x, numbers):
+            return x  # a size that depends on data: handled where it is read
+        value = as_code(x, numbers)
+        for p in getattr(value, "proxies", ()):
+            numbers_read[p.name] = p
+        return value
     for name, fake in joint.env.items():
         if isinstance(fake, torch.Tensor):
             namer.bind(fake, name)
@@ -184,7 +197,7 @@ def split_forward_backward(computation: Trace) -> Split:
                     saved.append(name)
                 return namer.proxies[name]
             if isinstance(x, (torch.SymInt, torch.SymFloat)):
-                return sizes.proxy(x)
+                return number(x) if is_backed(x, numbers) else sizes.proxy(x)
             return x
         args, kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
         outputs = pytree.tree_map(
@@ -197,7 +210,7 @@ def split_forward_backward(computation: Trace) -> Split:
 
     # Views of named values are recomputed; other saved values that exist only inside a
     # torch-level op make that op run as its ATen ops.
-    saved, view_lines = recompute_views_in_backward(saved, joint, namer, torch_level)
+    saved, view_lines = recompute_views_in_backward(saved, joint, namer, torch_level, number)
     lowered = {parent_of[id(namer.fakes[n])] for n in saved
                if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
     forward_lines: list[BoundSymbol] = []
@@ -214,7 +227,7 @@ def split_forward_backward(computation: Trace) -> Split:
                 continue
             args, kwargs = pytree.tree_map(
                 lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
-                else (_size_expression(x, namer, forward_known)
+                else (_size_expression(x, namer, forward_known, numbers)
                       if isinstance(x, (torch.SymInt, torch.SymFloat)) else x),
                 (call.args, call.kwargs))
             outputs = pytree.tree_map(
@@ -226,12 +239,12 @@ def split_forward_backward(computation: Trace) -> Split:
             forward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
                                              outputs, bsym.source, tags))
     # Cheap elementwise values are recomputed in the backward rather than saved.
-    saved, recomputed = recompute_in_backward(saved, joint, namer, parent_of, lowered)
+    saved, recomputed = recompute_in_backward(saved, joint, namer, parent_of, lowered, number)
     backward_lines = recomputed + view_lines + backward_lines  # views may read recomputed values
 
     outputs = list(computation.bound_symbols[-1].args[0])
     saved_proxies = [namer.proxies[n] for n in saved]
-    size_proxies = list(sizes.proxies.values())
+    size_proxies = list(sizes.proxies.values()) + list(numbers_read.values())
     forward_lines = sizes.place(forward_lines)
     forward_lines.append(BoundSymbol(_FORWARD_RETURN, (outputs, saved_proxies + size_proxies)))
     grads = []
@@ -251,6 +264,9 @@ def split_forward_backward(computation: Trace) -> Split:
     backward = dead_code_elimination(
         common_subexpression_elimination(backward, distinct_outputs=False))
     backward = _gradients_in_own_memory(backward, namer, joint.keep_alive[0])
+    if numbers:  # a symbolic size left as a constant would be wrong: no backward trace then
+        for trace in (forward, backward):
+            refuse_raw_symbols(trace)
     dependencies = _grad_dependencies(backward, grad_names)
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
     return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
@@ -347,8 +363,11 @@ def _tensor_with_size(x, namer: _Namer, available: set[int]) -> tuple[str, int]:
     raise NotImplementedError(f"a size {expr} that no tensor at hand has")
 
 
-def _size_expression(x, namer: _Namer, available: set[int]):
-    """A size that depends on data (an unbacked symbol), read from a tensor that has it."""
+def _size_expression(x, namer: _Namer, available: set[int], numbers: dict):
+    """A size in the forward: an expression of its symbolic sizes (``s0``), or one that depends
+    on data (an unbacked symbol), read from a tensor that has it."""
+    if is_backed(x, numbers):
+        return as_code(x, numbers)
     name, d = _tensor_with_size(x, namer, available)
     return Code(f"{name}.size({d})")
 

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..core.proxies import NameGenerator, TensorProxy
-from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
@@ -33,6 +33,9 @@ from .provenance import Path, root
 
 from .recording import _recording_module_class, _recording_object_class
 from .state import SET_GLOBAL_STATE, global_state
+from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported, has_symbols,
+                       is_backed)
+from .symbolic import hint as size_hint
 
 
 @dataclass
@@ -56,12 +59,17 @@ class AttributeWrite:
 
 class CaptureContext:
     def __init__(self, names: NameGenerator, module: torch.nn.Module | None,
-                 fn: Callable | None):
+                 fn: Callable | None, dynamic: DynamicRequest | None = None):
         self.names = names
         # A shape environment lets ops whose output shape depends on data (torch.where(mask),
         # nonzero, boolean indexing) produce fakes of unknown size; Python decisions on such a size
-        # still fail, as a CaptureError.
-        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+        # still fail, as a CaptureError. Fakes are static unless ``dynamic`` asks for symbolic
+        # sizes (see symbolic.py); each input dimension then gets a symbol of its own (no duck
+        # sizing: equal sizes are only tied together when the program relies on it).
+        self.fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=dynamic is None),
+                                        static_shapes=True)
+        self.dynamic = dynamic
+        self.symbols = Symbols(self.fake_mode, names) if dynamic is not None else None
         self.inputs: list[TensorInput] = []
         self._input_by_real: dict[int, TensorInput] = {}
         self.proxy_of: dict[int, TensorProxy] = {}   # id(fake) -> proxy
@@ -131,14 +139,24 @@ class CaptureContext:
             if known.path != path:
                 self.guard("identity", path, known)  # the same tensor reached two ways
             return known.fake
+        dynamic = self.dynamic.tensor_dims(real, path) if self.dynamic is not None else None
         with self.fake_mode, torch._C.DisableTorchFunction():  # conversion is not the program
-            fake = self.fake_mode.from_tensor(real)
+            fake = None
+            if dynamic is not None and any(d and n > 1 for d, n in zip(dynamic, real.shape)):
+                try:
+                    fake = self.symbols.tensor_fake(real, path, dynamic)
+                except SymbolicUnsupported:
+                    fake = None  # this input keeps its exact sizes
+            if fake is None:
+                fake = self.fake_mode.from_tensor(real)
         hint = path.name_hint()
         if path.parent is not None and path.parent.kind == "root" and path.parent.key == "args":
             hint = self.arg_names.get(path.key, hint)
         elif path.parent is not None and path.parent.kind == "root" and path.parent.key == "kwargs":
             hint = str(path.key)
         proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
+        if self.symbols is not None:
+            self.symbols.bind_tensor(fake, proxy, path)
         entry = TensorInput(path, real, fake, proxy)
         self.inputs.append(entry)
         self._input_by_real[id(real)] = entry
@@ -154,6 +172,12 @@ class CaptureContext:
         """The stand-in the program sees for ``value`` found at ``path``; records its guards."""
         if isinstance(value, torch.Tensor):
             return self.tensor_input(value, path, tags)
+        if type(value) is int and self.dynamic is not None and \
+                self.dynamic.int_is_dynamic(value, path):
+            symint, proxy = self.symbols.int_input(value, path)
+            if proxy is not None:
+                self.guard("symbolic int", path, proxy)
+                return symint
         if is_plain(value) and path.kind != "root":
             self.guard("value", path, value)
             return value
@@ -429,6 +453,9 @@ class CaptureContext:
         env = {e.proxy.name: e.real for e in self.inputs}
         with unset_fake_temporarily(), torch._C.DisableTorchFunction():
             for b in lines:
+                if any(isinstance(x, Code) for x in pytree.tree_leaves((b.args, b.kwargs))):
+                    raise SymbolicUnsupported("a value read from tensor data depends on a "
+                                              "symbolic size")
                 fn_args, fn_kwargs = pytree.tree_map(
                     lambda x: env[x.name] if isinstance(x, TensorProxy) else x, (b.args, b.kwargs))
                 out = b.symbol.fn(*fn_args, **fn_kwargs)
@@ -474,6 +501,8 @@ class CaptureContext:
                                        f"at {source}; pass it to the vmapped function instead.")
                 return proxy
             if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                if self.backed(x):
+                    return self.symbols.code(x)
                 raise CaptureError(f"keraunos: a size that depends on data inside torch.vmap at "
                                    f"{source}")
             return x
@@ -514,19 +543,30 @@ class CaptureContext:
                                               user_source(), {MUTATION, RANDOM}))
         return result
 
-    def run_opaque(self, func, args, kwargs):
+    def backed(self, value) -> bool:
+        """Whether a symbolic value is an expression of the input symbols (not of tensor data)."""
+        return self.symbols is not None and is_backed(value, self.symbols.bindings)
+
+    def run_opaque(self, func, args, kwargs, for_output: bool = True):
         """Run ``func`` on real zero tensors shaped like the fakes; return fakes of its outputs."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         def real(x):
             if isinstance(x, torch.Tensor):
-                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                t = torch.empty_strided([size_hint(n) for n in x.shape],
+                                        [size_hint(n) for n in x.stride()],
+                                        dtype=x.dtype, device=x.device)
                 return t.zero_().requires_grad_(x.requires_grad) if x.dtype.is_floating_point \
                     else t.zero_()
             return x
         with unset_fake_temporarily(), torch._C.DisableTorchFunction():
             real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
             out = func(*real_args, **real_kwargs)
+            if for_output and self.symbols is not None and any(
+                    isinstance(x, SYMBOLIC_TYPES) or isinstance(x, torch.Tensor) and
+                    has_symbols(x) for x in pytree.tree_leaves((args, kwargs))):
+                # Its output's sizes would be those of this call, not symbols.
+                raise SymbolicUnsupported(f"{func} has no fake kernel")
             return pytree.tree_map(
                 lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                 out)
@@ -534,6 +574,10 @@ class CaptureContext:
     def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor],
                opaque: bool = False):
         def to_proxy(x):
+            if isinstance(x, SYMBOLIC_TYPES):
+                return self.symbols.code(x)
+            if type(x) is slice and self.symbols is not None:  # x[:, :n]: pytree keeps slices
+                return slice(to_proxy(x.start), to_proxy(x.stop), to_proxy(x.step))
             return self.proxy(x) if isinstance(x, torch.Tensor) else x
         p_args, p_kwargs = pytree.tree_map(to_proxy, (args, kwargs))
         outputs = pytree.tree_map(

@@ -20,6 +20,7 @@ from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
 from ..errors import CaptureError
 from .provenance import Path
+from .symbolic import SymbolicValue
 
 
 @dataclass
@@ -84,7 +85,7 @@ def new_object(cls, state: dict):
 
 
 def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: True,
-                _building: set | None = None) -> Any:
+                _building: set | None = None, number: Callable | None = None) -> Any:
     """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes.
 
     An object the program made (``known(obj)`` is false: it existed before the call in no form
@@ -92,11 +93,16 @@ def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: Tru
     ``__dict__``, so that no call shares it and no capture-time tensor leaks out in it."""
     if isinstance(value, torch.Tensor):
         return leaf(value)
+    if number is not None:  # symbolic sizes returned (``x.shape[1]``, ``x.shape``)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return number(value)
+        if isinstance(value, torch.Size) and not all(type(n) is int for n in value):
+            return _symbolic_size(value, number)
     if _building is None:
         _building = set()
 
     def child(v):
-        return template_of(v, leaf, known, _building)
+        return template_of(v, leaf, known, _building, number)
     if (not known(value) and hasattr(value, "__dict__") and not isinstance(value, type)
             and not callable(value) and not isinstance(value, torch.nn.Module)
             and type(value).__module__ != "builtins" and not dataclasses.is_dataclass(value)):
@@ -108,6 +114,13 @@ def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: Tru
         _building.discard(id(value))
         return Build(type(value), "object", state)
     return _template_containers(value, child)
+
+
+def _symbolic_size(size: torch.Size, number: Callable) -> SymbolicValue:
+    dims = [number(n) for n in size]
+    proxies = {p.name: p for d in dims if isinstance(d, SymbolicValue) for p in d.proxies}
+    text = "torch.Size([" + ", ".join(str(d) for d in dims) + "])"
+    return SymbolicValue(text, size, list(proxies.values()))
 
 
 def _template_containers(value: Any, child) -> Any:
@@ -162,8 +175,10 @@ def _view_formatter(bsym, w):
     if getattr(node, "absolute", False):
         offset = str(node.offset)
     else:
-        offset = f"{base}.storage_offset()" + (f" + {node.offset}" if node.offset else "")
-    line = f"{node.name} = {source}.as_strided({node.size}, {node.stride}, {offset})"
+        offset = f"{base}.storage_offset()" + (f" + ({node.offset})" if isinstance(
+            node.offset, SymbolicValue) else f" + {node.offset}" if node.offset else "")
+    line = (f"{node.name} = {source}.as_strided({w.value(node.size)}, {w.value(node.stride)}, "
+            f"{offset})")
     if node.grad is ViewGrad.NO_GRAD_THEN_WRITTEN:
         return [f"with torch.no_grad(): {line}  # the program made this view under no_grad",
                 f"torch.autograd.graph.increment_version({base})  # ... then wrote {base}"]
@@ -204,6 +219,16 @@ def _write_formatter(bsym, w):
 
 def _return_formatter(bsym, w):
     return [f"return {_code(bsym.args[0], w)}"]
+
+
+def _symbolic_values(node) -> list[SymbolicValue]:
+    """The symbolic sizes a template node reads itself (not those of its children)."""
+    if isinstance(node, SymbolicValue):
+        return [node]
+    if isinstance(node, (FromInput, ViewOf)):
+        return [v for v in (*node.size, *node.stride, node.offset)
+                if isinstance(v, SymbolicValue)]
+    return []
 
 
 UNPACK = GlueSymbol("unpack", _unpack_formatter)
@@ -257,6 +282,9 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
     views: list[FromInput | ViewOf] = []
 
     def mark_inputs(node):
+        for v in _symbolic_values(node):  # the sizes a view or a returned number reads
+            for p in v.proxies:
+                want(p)
         if isinstance(node, (FromInput, ViewOf)):
             if isinstance(node, FromInput):
                 want(node.base)

@@ -53,6 +53,8 @@ class Guard:
             if hasattr(self.expected, "proxy"):  # a tensor reached two ways (tied weights)
                 return f"{where} is the same tensor as {self.expected.path}"
             return f"{where} is the same object as when compiled ({type(self.expected).__name__})"
+        if self.kind == "symbolic int":
+            return f"{where} is an int (compiled as the symbol {self.expected.name})"
         if self.kind == "absent":
             return f"{where} does not exist"
         if self.kind == "type":

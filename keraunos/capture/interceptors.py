@@ -106,7 +106,8 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
 def _not_user_code(frame) -> bool:
     module = frame.f_globals.get("__name__") or ""
     top = module.partition(".")[0]
-    return top in ("torch", "keraunos") or top in sys.stdlib_module_names
+    # sympy and mpmath run inside PyTorch's symbolic shapes, not in the program.
+    return top in ("torch", "keraunos", "sympy", "mpmath") or top in sys.stdlib_module_names
 
 
 def _on_python_call(frame, event, arg):

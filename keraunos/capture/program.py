@@ -32,10 +32,12 @@ from .state import global_state, restore_global_state
 from .context import CaptureContext
 from .interceptors import intercepting_torch
 from .recorder import Recorder
-from .state import _active
+from .state import _active, requested_dynamic
+from .symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
+                       refuse_raw_symbols)
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .epilogue import FromInput, ViewGrad, ViewOf, build_epilogue, template_of
+from .epilogue import Build, FromInput, ViewGrad, ViewOf, build_epilogue, template_of
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -50,9 +52,19 @@ class Program:
     stages: dict[str, float] = field(default_factory=dict)
 
 
-def _plain_view(t) -> bool:
-    """Whether a view's layout is known numbers (not sizes that depend on data)."""
-    return all(type(v) is int for v in (*t.shape, *t.stride(), t.storage_offset()))
+def _plain_view(t, ctx) -> bool:
+    """Whether a view's layout is known numbers or symbolic sizes of the inputs (not sizes that
+    depend on data)."""
+    return all(type(v) is int or isinstance(v, torch.SymInt) and ctx.backed(v)
+               for v in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _layout(ctx, *values):
+    """Sizes, strides and offsets as trace values (symbolic ones as ``s0``-expressions)."""
+    if ctx.symbols is None:
+        return values
+    return tuple(tuple(map(ctx.symbols.code, v)) if isinstance(v, tuple) else ctx.symbols.code(v)
+                 for v in values)
 
 
 def _changed(now, before) -> bool:
@@ -122,7 +134,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
                     check_values: bool = True, specialize_data: bool = False) -> Program:
     t0 = time.perf_counter()
     names = NameGenerator()
-    ctx = CaptureContext(names, module, fn)
+    ctx = CaptureContext(names, module, fn, requested_dynamic())
     ctx.specialize_data = specialize_data
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
@@ -173,6 +185,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             continue
         first = members[0]
         real = first.real
+        symbolic = ctx.symbols is not None and any(has_symbols(m.fake) for m in members)
+        if symbolic and (len(members) > 1 or layout_key(first.fake) != (
+                *map(expr_key, first.proxy.shape), *map(expr_key, first.proxy.stride))):
+            raise SymbolicUnsupported("an input with symbolic sizes shares memory with another "
+                                      "input the program writes to, or changes its shape")
         dense = (len(members) == 1 and real.is_contiguous() and real.storage_offset() == 0
                  and real.numel() * real.element_size() == real.untyped_storage().nbytes())
         if dense:
@@ -184,10 +201,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                                                  "copy_of_written_input": True}))
             final = first.fake
             # The offset as a change: a later call may pass the same layout at another offset.
+            # (Compared only when it is numbers: comparing symbols would add guards.)
             meta = (tuple(final.shape), tuple(final.stride()),
                     final.storage_offset() - real.storage_offset())
             new_metadata = None
-            if meta != (tuple(real.shape), tuple(real.stride()), 0):
+            if not symbolic and meta != (tuple(real.shape), tuple(real.stride()), 0):
                 new_metadata = meta + (final.numel() != real.numel(),)
             groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
                                        new_metadata))
@@ -252,36 +270,39 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             # The view is rebuilt after the copy-back, from the input (or its whole storage).
             owner, absolute = view_source.get(proxy.name, (group.members[0].proxy, False))
             base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
-            return FromInput(None, group.base, tuple(tensor.shape), tuple(tensor.stride()),
-                             tensor.storage_offset() - (0 if absolute else base_offset),
-                             _view_grad(tensor, ctx.fake_of[owner.name]), absolute)
+            return FromInput(None, group.base, *_layout(
+                ctx, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset() - (0 if absolute else base_offset)),
+                _view_grad(tensor, ctx.fake_of[owner.name]), absolute)
         if proxy.name in input_names:  # the input itself: the very object, as in eager
             return FromInput(proxy, proxy, (), (), 0)
-        if _plain_view(tensor):
+        if _plain_view(tensor, ctx):
             # A view is returned as a view of what it views: of the input itself (so that
             # writing to it writes to the input, as in eager), or of a returned intermediate.
             owner, absolute = view_source.get(proxy.name, (None, False))
             if owner is not None and owner.dtype == tensor.dtype:
                 source = ctx.fake_of[owner.name]
-                return FromInput(None, owner, tuple(tensor.shape), tuple(tensor.stride()),
-                                 tensor.storage_offset() - (0 if absolute else
-                                                            source.storage_offset()),
-                                 _view_grad(tensor, source), absolute)
+                return FromInput(None, owner, *_layout(
+                    ctx, tuple(tensor.shape), tuple(tensor.stride()),
+                    tensor.storage_offset() - (0 if absolute else source.storage_offset())),
+                    _view_grad(tensor, source), absolute)
             base = tensor._base
             if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
                     ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
-                return ViewOf(collect(base), tuple(tensor.shape), tuple(tensor.stride()),
-                              tensor.storage_offset() - base.storage_offset(),
-                              _view_grad(tensor, base))
+                return ViewOf(collect(base), *_layout(
+                    ctx, tuple(tensor.shape), tuple(tensor.stride()),
+                    tensor.storage_offset() - base.storage_offset()), _view_grad(tensor, base))
         proxy = renames.get(proxy.name, proxy)
         if proxy.name not in seen:
             seen.add(proxy.name)
             flat.append(proxy)
         return proxy
 
-    out_template = template_of(out, collect, ctx.saw_before_the_call)
-    writes = [(w, template_of(w.value, collect)) for w in ctx.attribute_writes]
-    container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect))
+    number = ctx.symbols.code if ctx.symbols is not None else None
+    out_template = template_of(out, collect, ctx.saw_before_the_call, number=number)
+    writes = [(w, template_of(w.value, collect, number=number)) for w in ctx.attribute_writes]
+    container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect,
+                                           number=number))
                         for path, now, before in ctx.containers if _changed(now, before)]
     for g in groups:
         if g.updated.name not in seen:
@@ -297,8 +318,13 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                 params.append(g.base)
         else:
             params.append(entry.proxy)
+    if ctx.symbols is not None:
+        params += ctx.symbols.proxies  # the sizes the prologue reads: s0, s1, ...
     computation = Trace("computation", params, body, ["Constructed by capture"])
     epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes)
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
                                             check_values)
+    if ctx.symbols is not None:
+        for trace in (computation, epilogue.trace):
+            refuse_raw_symbols(trace)
     return Program(prologue, computation, epilogue.trace, descriptions)

@@ -22,6 +22,7 @@ from ..core.tags import MODULE_CHECK
 from ..core.trace import Trace
 from .guards import Guard
 from .provenance import Path
+from .symbolic import has_symbols
 
 
 @dataclass
@@ -155,6 +156,10 @@ class _Builder:
                 for table in ("__dict__", "_parameters", "_buffers", "_modules")),
                 g.from_module, guard=g, subject=g.path, uses=(parent,))
             return
+        if g.kind == "symbolic int":  # the int is the symbol: s0 = args[1]
+            v = self.var(g.path, g.expected)
+            self.check(g.description, lambda w: f"type({v}) is not int", False, uses=(v,))
+            return
         v = self.var(g.path)
         check = functools.partial(self.check, guard=g, subject=g.path, uses=(v,))
         if g.kind == "value":
@@ -193,6 +198,82 @@ class _Builder:
                       f"{w.value(list(keys))}", g.from_module)
         else:
             raise AssertionError(g.kind)
+
+
+def is_tensor_of_rank(t, ndim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == ndim
+
+
+def _bind_formatter(bsym, w):
+    return [f"{bsym.outputs.name} = {bsym.info['read']}  # {bsym.info['where']}"]
+
+
+def _symbolic_tensor_formatter(bsym, w):
+    (t,), e = bsym.args, bsym.info["expected"]
+    return [f"if not check_tensor({t.name}, {w.value(e['shape'])}, {w.value(e['stride'])}, "
+            f"{w.value(e['dtype'])}, {w.value(e['device'])}, {e['requires_grad']}): "
+            f"return {bsym.info['index']}"]
+
+
+def _size_checks_formatter(bsym, w):
+    # Read from the ShapeEnv now, when the prologue is generated: after the capture, the
+    # backward's recording on the same symbols may have added guards.
+    lines = []
+    for condition, why in bsym.info["symbols"].checks():
+        text = f"{condition} ({why})" if why else condition
+        lines.append(f"if not ({condition}): return {text!r}")
+    return lines or ["pass  # no guards on the symbolic sizes"]
+
+
+BIND = GlueSymbol("bind_symbol", _bind_formatter)
+CHECK_SYMBOLIC_TENSOR = GlueSymbol("check_symbolic_tensor", _symbolic_tensor_formatter,
+                                   {"check_tensor": check_tensor})
+CHECK_SIZES = GlueSymbol("check_sizes", _size_checks_formatter)
+
+
+def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
+    """Read each size symbol from where it lives (``s0 = x.shape[1]``) after checking that the
+    tensor has the rank to read it from, then check the guards on the symbols."""
+    b.namespace["is_tensor_of_rank"] = is_tensor_of_rank
+    by_tensor: dict[str, list] = {}
+    for binding in ctx.symbols.bindings.values():
+        if binding.tensor is not None:
+            by_tensor.setdefault(binding.tensor.name, []).append(binding)
+        else:  # an int argument: its variable is the symbol (checked to be an int with guards)
+            b.var(binding.path, binding.proxy)
+    for entry in ctx.inputs:
+        bindings = by_tensor.get(entry.proxy.name)
+        if not bindings:
+            continue
+        name, ndim = entry.proxy.name, entry.real.dim()
+        b.check(f"{entry.path} is a tensor of {ndim} dimensions",
+                lambda w, name=name, ndim=ndim: f"not is_tensor_of_rank({name}, {ndim})", False,
+                uses=(name,))
+        for binding in bindings:
+            b.bsyms.append(BoundSymbol(BIND, (entry.proxy,), outputs=binding.proxy, info={
+                "read": binding.read(), "where": binding.where()}))
+    if check_values:
+        b.bsyms.append(BoundSymbol(CHECK_SIZES, tuple(p.name for p in ctx.symbols.proxies),
+                                   info={"symbols": ctx.symbols}))
+
+
+def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
+    """The metadata check of a tensor with symbolic sizes: its shape and strides as expressions
+    of the symbols (``(1, s0, 64)``, ``(64*s0, 64, 1)``)."""
+    fake, code = entry.fake, ctx.symbols.code
+    expected = {"shape": tuple(map(code, fake.shape)), "stride": tuple(map(code, fake.stride())),
+                "dtype": entry.real.dtype, "device": entry.real.device,
+                "requires_grad": entry.real.requires_grad}
+    index = len(b.descriptions)
+    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected['shape'])}, stride "
+                          f"{_show(expected['stride'])}, dtype, device and requires_grad it was "
+                          f"compiled for")
+    b.bsyms.append(BoundSymbol(CHECK_SYMBOLIC_TENSOR, (entry.proxy,), info={
+        "expected": expected, "index": index}))
+
+
+def _show(values: tuple) -> str:
+    return "(" + ", ".join(map(str, values)) + ("," if len(values) == 1 else "") + ")"
 
 
 def data_guard(b: _Builder, g: Guard) -> None:
@@ -254,6 +335,8 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
             b.guard(g)
     for entry in ctx.inputs:
         b.var(entry.path, entry.proxy)
+    if ctx.symbols is not None:
+        bind_symbols(b, ctx, check_values)
     if check_values:
         for g in ctx.guards:
             if g.kind == "data":
@@ -286,6 +369,9 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
     if check_values:
         for entry in ctx.inputs:
             real = entry.real
+            if ctx.symbols is not None and has_symbols(entry.fake):
+                check_symbolic_tensor(b, ctx, entry)
+                continue
             expected = {"shape": tuple(real.shape), "stride": tuple(real.stride()),
                         "dtype": real.dtype, "device": real.device,
                         "requires_grad": real.requires_grad}

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, user_source
 from .naming import is_inplace_by_name, is_random, torch_symbol
+from .symbolic import hint as size_hint
 
 
 class Recorder(TorchFunctionMode):
@@ -42,7 +43,7 @@ class Recorder(TorchFunctionMode):
             if ctx.specialize_data:
                 return ctx.specialize_on_data(symbol, func, args, kwargs)
             raise _data_dependent_error(symbol, DataDependentOutputException(func))
-        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not ctx.backed(x)
                for x in pytree.tree_leaves((args, kwargs))):
             raise CaptureError(
                 f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
@@ -117,7 +118,8 @@ def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
     ``None`` when it does not raise or the call is too large to rerun."""
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     try:
-        if sum(t.numel() for t in tensors) > _REAL_RERUN_MAX_ELEMENTS:
+        # Symbolic sizes at their values in this call: comparing them would add a guard.
+        if sum(size_hint(t.numel()) for t in tensors) > _REAL_RERUN_MAX_ELEMENTS:
             return None
     except Exception:  # noqa: BLE001 - a size the fakes cannot tell (data-dependent)
         return None
@@ -125,7 +127,7 @@ def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
         # Without autograd: the zeros are leaves, and autograd's own errors (an in-place write to
         # a leaf that requires grad) are raised alike by the fake kernels, which run under it.
         with torch.no_grad():
-            ctx.run_opaque(func, args, kwargs)
+            ctx.run_opaque(func, args, kwargs, for_output=False)
     except Exception as real:  # noqa: BLE001 - whatever the real kernel raises is eager's error
         return real
     return None

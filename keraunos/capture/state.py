@@ -15,6 +15,12 @@ def active_context():
     return getattr(_active, "ctx", None)
 
 
+def requested_dynamic():
+    """What the next capture in this thread makes symbolic (a ``DynamicRequest``, set by ``jit``
+    around its compilation), or None: exact sizes."""
+    return getattr(_active, "dynamic", None)
+
+
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)

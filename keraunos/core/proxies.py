@@ -3,6 +3,7 @@
 A ``TensorProxy`` carries the metadata of the tensor it stands for (shape, stride, dtype, device,
 requires_grad), the tags passes and transforms read, and, for trace inputs, its provenance: the
 Python expression that finds it from what the user passed (``args[0]``, ``module.lm_head.weight``).
+A ``NumberProxy`` is a symbolic size or int (``s0``) of an entry compiled with symbolic sizes.
 Every other value in a trace (numbers, strings, dtypes, shapes) is a constant: in the "constant
 values" cache mode the prologue checks that it is the same on every call.
 """
@@ -58,7 +59,37 @@ class TensorProxy(Proxy):
     def describe(self) -> str:
         dtype = _DTYPE_ABBREVIATIONS.get(self.dtype, str(self.dtype).removeprefix("torch."))
         grad = " requires_grad" if self.requires_grad else ""
-        return f'"{self.device.type} {dtype}{list(self.shape)}{grad}"'
+        shape = ", ".join(map(_size_text, self.shape))
+        return f'"{self.device.type} {dtype}[{shape}]{grad}"'
+
+
+def _size_text(size) -> str:
+    """A size as traces print it: ``64``, or a symbolic size in the trace's names (``2*s0``)."""
+    if type(size) is int:
+        return str(size)
+    names = getattr(getattr(size.node, "shape_env", None), "keraunos_names", None)
+    if names:  # the symbols capture named (see capture/symbolic.py)
+        from ..capture.symbolic import print_expression
+        return print_expression(size.node.expr, names)
+    return str(size)
+
+
+class NumberProxy(Proxy):
+    """A Python number that is a symbol of the trace (a symbolic size ``s0``, an int argument):
+    the prologue reads it from the call and the computation receives it. ``value`` is the
+    ``SymInt`` it stood for during capture, ``symbol`` its ``ShapeEnv`` symbol."""
+
+    __slots__ = ("python_type", "value", "symbol")
+
+    def __init__(self, name: str, python_type: type, value=None, symbol=None, tags=None,
+                 provenance=None):
+        super().__init__(name, tags, provenance)
+        self.python_type = python_type
+        self.value = value
+        self.symbol = symbol
+
+    def describe(self) -> str:
+        return self.python_type.__name__
 
 
 class ObjectProxy(Proxy):

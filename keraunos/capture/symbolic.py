@@ -1,0 +1,361 @@
+"""Symbolic sizes: one cache entry for many sizes of the dimensions that vary.
+
+Which dimensions (and which Python ints of the call) are symbolic is decided per compilation by a
+``DynamicRequest``: all of them in ``cache="symbolic values"``; in the default mode, those the
+user marked (``keraunos.mark_dynamic``) and those whose value changed since an earlier
+compilation (automatic dynamic, as ``torch.compile`` does). Everything else stays a constant.
+
+A symbolic dimension is a symbol of PyTorch's ``ShapeEnv``: the fake tensor of that input has a
+``SymInt`` size, Python arithmetic on it stays symbolic, and every decision the program (or a
+meta kernel) takes on it is recorded by the ``ShapeEnv`` as a guard. ``Symbols`` gives each
+symbol a name in the traces (``s0``, ``s1``, ...), the place it is read from on every call
+(``x.shape[1]``, an int argument), and turns the ``ShapeEnv``'s facts into the prologue's checks:
+replacements (``s1 == 64``), divisibility (``s0 % 8 == 0``), ranges (``2 <= s0``) and the
+remaining guards, each simplified and dropped when the others imply it.
+
+Sizes 0 and 1 are never symbolic (the ``ShapeEnv`` specializes them, as in ``torch.compile``): a
+size-1 dimension broadcasts and a size-0 one makes a tensor empty, so the program captured for a
+general size would be wrong for them, and guarding ``s0 != 1`` on every broadcast would fill the
+prologue. A symbol's range starts at 2; a call with 0 or 1 there compiles an entry of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.printers import PythonPrinter
+
+from ..core.proxies import NumberProxy
+from ..core.symbols import Code
+from .provenance import Path
+
+SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class SymbolicUnsupported(Exception):
+    """Raised during a symbolic capture for what it does not handle yet; the entry is then
+    compiled with exact sizes instead (never an error to the user)."""
+
+
+class SymbolicValue(Code):
+    """A size expression in a trace (``2*s0``): printed as Python over the size symbols, with the
+    ``SymInt`` it stands for (``value``) and the symbols it reads (``proxies``)."""
+
+    value: Any
+    proxies: tuple
+
+    def __new__(cls, text: str, value, proxies):
+        self = super().__new__(cls, text)
+        self.value = value
+        self.proxies = tuple(proxies)
+        return self
+
+
+def mark_dynamic(t: torch.Tensor, dim: int | list[int]) -> None:
+    """Compile dimension ``dim`` of ``t`` with a symbolic size from the first call on.
+
+    >>> import torch, keraunos
+    >>> x = torch.randn(4, 16)
+    >>> keraunos.mark_dynamic(x, 1)
+    """
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    t._keraunos_dynamic = set(getattr(t, "_keraunos_dynamic", ())) | {d % t.dim() for d in dims}
+
+
+def mark_static(t: torch.Tensor, dim: int | list[int]) -> None:
+    """Never make dimension ``dim`` of ``t`` symbolic (each size compiles its own entry)."""
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    t._keraunos_static = set(getattr(t, "_keraunos_static", ())) | {d % t.dim() for d in dims}
+
+
+def _from_call(path: Path) -> bool:
+    """Whether the path starts at the call's arguments (not the module, globals or closure)."""
+    p = path
+    while p.parent is not None:
+        p = p.parent
+    return p.kind == "root" and p.key in ("args", "kwargs")
+
+
+@dataclass
+class DynamicRequest:
+    """Which sizes and ints one compilation makes symbolic.
+
+    ``seen`` is the jitted callable's memory: for each tensor path, the sizes of earlier
+    compilations (``None`` for a dimension already symbolic), for each int path, its value in a
+    1-tuple. ``changes`` collects the sentences a miss reason shows; ``updated`` is the memory
+    after this compilation, kept by ``jit`` once it succeeds."""
+
+    all_arguments: bool
+    seen: dict
+    changes: list[str] = field(default_factory=list)
+    updated: dict = field(default_factory=dict)
+    any_dynamic: bool = False
+
+    def tensor_dims(self, real: torch.Tensor, path: Path) -> list[bool]:
+        n = real.dim()
+        if not _from_call(path):
+            return [False] * n
+        marked = set(getattr(real, "_keraunos_dynamic", ())) | set(
+            getattr(real, "_dynamo_dynamic_indices", ()))
+        static = set(getattr(real, "_keraunos_static", ()))
+        before = self.seen.get(path)
+        shape = tuple(real.shape)
+        dynamic = []
+        for d in range(n):
+            changed = before is not None and len(before) == n and (
+                before[d] is None or before[d] != shape[d])
+            if changed and before[d] is not None and d not in static:
+                self.changes.append(f"{path} dimension {d} changed {before[d]} → {shape[d]}")
+            dynamic.append(d not in static and (self.all_arguments or d in marked or changed))
+        self.updated[path] = tuple(None if dyn else s for dyn, s in zip(dynamic, shape))
+        # A size of 0 or 1 is specialized (see the module docstring): not a symbol.
+        if any(dyn and s > 1 for dyn, s in zip(dynamic, shape)):
+            self.any_dynamic = True
+        return dynamic
+
+    def int_is_dynamic(self, value: int, path: Path) -> bool:
+        if not _from_call(path) or path.kind == "root":
+            return False
+        before = self.seen.get(path)
+        changed = before is not None and (before[0] is None or before[0] != value)
+        if changed and before[0] is not None:
+            self.changes.append(f"{path} changed {before[0]} → {value}")
+        dynamic = self.all_arguments or changed
+        self.updated[path] = (None if dynamic else value,)
+        if dynamic and value not in (0, 1):
+            self.any_dynamic = True
+        return dynamic
+
+
+@dataclass
+class Binding:
+    """Where a symbol is read from on every call: ``x.shape[d]``, ``x.stride(d)``,
+    ``x.storage_offset()`` of a tensor input (``tensor`` its proxy), or an int input itself."""
+
+    proxy: NumberProxy
+    path: Path
+    tensor: Any = None
+    prop: str | None = None  # "size", "stride", "storage_offset"; None for an int input
+    dim: int | None = None
+
+    def read(self) -> str:
+        t = self.tensor.name if self.tensor is not None else None
+        if self.prop == "size":
+            return f"{t}.shape[{self.dim}]"
+        if self.prop == "stride":
+            return f"{t}.stride({self.dim})"
+        if self.prop == "storage_offset":
+            return f"{t}.storage_offset()"
+        return str(self.path)
+
+    def where(self) -> str:
+        if self.prop == "size":
+            return f"{self.path}.shape[{self.dim}]"
+        if self.prop == "stride":
+            return f"{self.path}.stride({self.dim})"
+        if self.prop == "storage_offset":
+            return f"{self.path}.storage_offset()"
+        return str(self.path)
+
+
+class _Printer(PythonPrinter):
+    def __init__(self, names: dict, strict: bool = True):
+        super().__init__()
+        self.names = names
+        self.strict = strict
+
+    def _print_Symbol(self, expr) -> str:
+        name = self.names.get(expr)
+        if name is None:  # a symbol with no place to read it from (data-dependent)
+            if not self.strict:
+                return str(expr)
+            raise SymbolicUnsupported(f"the size {expr} is not read from any input")
+        return name
+
+
+def print_expression(expr, names: dict) -> str:
+    """A size expression in the trace's names, for reading (data-dependent sizes as ``u0``)."""
+    return _Printer(names, strict=False).doprint(expr)
+
+
+def as_code(value, proxies: dict) -> SymbolicValue | Any:
+    """``value`` as a trace value: a ``SymInt`` (``SymFloat``, ``SymBool``) over the symbols of
+    ``proxies`` (symbol -> its ``NumberProxy``) becomes a ``SymbolicValue``, one a guard made a
+    constant becomes that constant; anything else is returned unchanged. Raises
+    ``SymbolicUnsupported`` for sizes that depend on tensor data."""
+    if not isinstance(value, SYMBOLIC_TYPES):
+        return value
+    expr = value.node.expr
+    if expr.is_number:  # specialized to a constant by a guard the prologue checks
+        if isinstance(value, torch.SymBool):
+            return bool(expr)
+        return int(expr) if isinstance(value, torch.SymInt) else float(expr)
+    used = sorted(expr.free_symbols, key=str)
+    if not all(s in proxies for s in used):
+        raise SymbolicUnsupported(f"the size {expr} depends on tensor data")
+    printer = _Printer({s: proxies[s].name for s in used})
+    return SymbolicValue(printer.doprint(expr), value, [proxies[s] for s in used])
+
+
+def is_backed(value, proxies: dict) -> bool:
+    """Whether a symbolic value is an expression of the given symbols (not of tensor data)."""
+    return value.node.expr.free_symbols <= set(proxies)
+
+
+def has_symbols(fake) -> bool:
+    """Whether a fake tensor's sizes, strides or offset are symbolic."""
+    return any(isinstance(v, torch.SymInt) for v in (*fake.shape, *fake.stride(),
+                                                      fake.storage_offset()))
+
+
+def expr_key(value):
+    """A size as something to compare without guarding: its expression when symbolic
+    (``==`` on ``SymInt``s would record a guard in the ``ShapeEnv``)."""
+    return value.node.expr if isinstance(value, SYMBOLIC_TYPES) else value
+
+
+def layout_key(fake) -> tuple:
+    """Sizes and strides of a fake tensor, comparable without guarding."""
+    return (*map(expr_key, fake.shape), *map(expr_key, fake.stride()))
+
+
+def hint(value):
+    """The capture-time value of a symbolic int (the int itself for a plain one)."""
+    return value.node.hint if isinstance(value, SYMBOLIC_TYPES) else value
+
+
+class Symbols:
+    """The size symbols of one capture: their names, bindings and the prologue's checks."""
+
+    def __init__(self, fake_mode, names):
+        self.fake_mode = fake_mode
+        self.env = fake_mode.shape_env
+        self.names = names
+        self.bindings: dict[sympy.Symbol, Binding] = {}
+        self._printer = _Printer({})
+        # Trace comments print shapes in these names too (TensorProxy.describe).
+        self.env.keraunos_names = self._printer.names
+
+    # ------------------------------------------------------------------------- inputs
+    def tensor_fake(self, real: torch.Tensor, path: Path, dynamic: list[bool]):
+        """A fake of ``real`` whose ``dynamic`` dimensions are symbols."""
+        from torch._dynamo.source import ConstantSource  # already imported by fake tensors
+        if real._base is not None or real.is_sparse:
+            raise SymbolicUnsupported(f"{path} is a view; views keep exact sizes")
+        context = StatelessSymbolicContext(dynamic_sizes=[
+            DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic])
+        return self.fake_mode.from_tensor(real, static_shapes=False,
+                                          source=ConstantSource(str(path)),
+                                          symbolic_context=context)
+
+    def bind_tensor(self, fake, proxy, path: Path) -> None:
+        """Name the symbols of a tensor input's sizes, strides and offset, where each is read."""
+        places = [("size", d, s) for d, s in enumerate(fake.shape)]
+        places += [("stride", d, s) for d, s in enumerate(fake.stride())]
+        places.append(("storage_offset", None, fake.storage_offset()))
+        for prop, dim, value in places:
+            if isinstance(value, torch.SymInt):
+                expr = value.node._expr  # as created: the symbol itself, before replacements
+                if isinstance(expr, sympy.Symbol) and expr not in self.bindings:
+                    self._bind(expr, value, path, proxy, prop, dim)
+
+    def int_input(self, value: int, path: Path):
+        """A symbolic int for an int argument; its proxy is the prologue's variable for it."""
+        from torch._dynamo.source import ConstantSource
+        expr = self.env.create_symbol(value, ConstantSource(str(path)), DimDynamic.DYNAMIC,
+                                      positive=None)
+        if not isinstance(expr, sympy.Symbol):  # 0 and 1 are specialized
+            return value, None
+        symint = self.env.create_symintnode(expr, hint=value)
+        return symint, self._bind(expr, symint, path, None, None, None)
+
+    def _bind(self, expr, value, path, tensor, prop, dim) -> NumberProxy:
+        proxy = NumberProxy(self.names.fresh(f"s{len(self.bindings)}"), int, value, expr)
+        self.bindings[expr] = Binding(proxy, path, tensor, prop, dim)
+        proxy.provenance = self.bindings[expr].where()
+        self._printer.names[expr] = proxy.name
+        return proxy
+
+    @property
+    def proxies(self) -> list[NumberProxy]:
+        return [b.proxy for b in self.bindings.values()]
+
+    # ---------------------------------------------------------------------- expressions
+    def code(self, value) -> SymbolicValue | Any:
+        """A ``SymInt`` (``SymFloat``, ``SymBool``) as a trace value; plain values unchanged."""
+        return as_code(value, {s: b.proxy for s, b in self.bindings.items()})
+
+    def print(self, expr) -> str:
+        return self._printer.doprint(expr)
+
+    # ----------------------------------------------------------------------------- guards
+    def checks(self) -> list[tuple[str, str]]:
+        """(Python condition that must hold, readable description) for everything the capture
+        assumed about the symbols, read from the ``ShapeEnv`` when asked: the prologue asks
+        when it is generated, after the backward was recorded on the same symbols."""
+        env = self.env
+        out: list[tuple[str, str]] = []
+        seen: set[str] = set()
+
+        def add(expr, why: str = ""):
+            text = self.print(expr)
+            if text not in seen:
+                seen.add(text)
+                out.append((text, why))
+        for sym, b in self.bindings.items():
+            target = env.replacements.get(sym)
+            if target is not None:
+                add(sympy.Eq(sym, env.replace(target)), f"{b.proxy.name} is {b.where()}")
+        for expr in sorted(env.divisible, key=str):
+            if not expr.free_symbols <= set(self.bindings):
+                continue
+            add(sympy.Eq(expr, 0))
+        for sym, b in self.bindings.items():
+            if sym in env.replacements and env.replace(sym).is_number:
+                continue
+            r = env.var_to_range.get(sym)
+            if r is None:
+                continue
+            if r.lower.is_number and r.lower not in (-int_oo, -sympy.oo):
+                add(sympy.Le(int(r.lower), sym, evaluate=False), f"{b.proxy.name} is {b.where()}")
+            if r.upper.is_number and r.upper not in (int_oo, sympy.oo):
+                add(sympy.Le(sym, int(r.upper), evaluate=False), f"{b.proxy.name} is {b.where()}")
+        for guard in env.guards:
+            expr = env.simplify(guard.expr)
+            if expr == sympy.true or env._maybe_evaluate_static(expr) == sympy.true:
+                continue  # implied by the replacements, divisibility and ranges checked above
+            if not expr.free_symbols <= set(self.bindings):
+                raise SymbolicUnsupported(f"a guard on data-dependent sizes: {expr}")
+            add(expr)
+        return out
+
+
+def refuse_raw_symbols(trace) -> None:
+    """A ``SymInt`` left in a trace as a constant would run with its capture-time value (or
+    fail): raise ``SymbolicUnsupported`` instead, so that the entry is compiled otherwise."""
+    seen: set[int] = set()
+
+    def visit(x):
+        if id(x) in seen or isinstance(x, (str, int, float, type(None), torch.Tensor)):
+            return
+        seen.add(id(x))
+        if isinstance(x, SYMBOLIC_TYPES):
+            raise SymbolicUnsupported(f"a symbolic value {x} reached {trace.name} as a constant")
+        if isinstance(x, (tuple, list)):
+            for v in x:
+                visit(v)
+        elif type(x) is slice:
+            visit((x.start, x.stop, x.step))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(k)
+                visit(v)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # epilogue templates
+            visit(vars(x))
+    for b in trace.bound_symbols:
+        visit((b.args, b.kwargs))

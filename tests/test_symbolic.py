@@ -1,0 +1,260 @@
+"""Symbolic sizes: one cache entry serves many sizes, and every call still gives eager's results.
+
+``cache="symbolic values"`` makes every size and int argument a symbol from the first call on; the
+default mode makes a size (or int) symbolic once it changed between calls (automatic dynamic).
+Every test compares against eager PyTorch.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import keraunos
+from keraunos.examples.gpt import GPT, GPTConfig
+
+
+def counts(jitted):
+    return keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)
+
+
+def prologue_text(jitted) -> str:
+    return "\n".join(str(t) for t in keraunos.last_prologue_traces(jitted))
+
+
+def attention_like(x, w):
+    q = x @ w
+    scores = (q @ x.transpose(-1, -2)) / x.shape[-1] ** 0.5
+    return scores.softmax(-1) @ x
+
+
+# ----------------------------------------------------------------------------- entries
+def test_twenty_sequence_lengths_compile_at_most_two_entries():
+    jf = keraunos.jit(attention_like)
+    w = torch.randn(64, 64)
+    for n in range(2, 22):
+        x = torch.randn(1, n, 64)
+        assert_close(jf(x, w), attention_like(x, w))
+    assert keraunos.cache_misses(jf) <= 2
+    # A second sweep compiles nothing.
+    misses = keraunos.cache_misses(jf)
+    for n in range(2, 22):
+        x = torch.randn(1, n, 64)
+        assert_close(jf(x, w), attention_like(x, w))
+    assert keraunos.cache_misses(jf) == misses
+
+
+def test_symbolic_values_mode_compiles_one_entry_for_all_lengths():
+    jf = keraunos.jit(attention_like, cache="symbolic values")
+    w = torch.randn(64, 64)
+    for n in (5, 9, 17, 33):
+        x = torch.randn(1, n, 64)
+        assert_close(jf(x, w), attention_like(x, w))
+    assert counts(jf) == (1, 3)
+
+
+def test_traces_print_symbolic_shapes():
+    jf = keraunos.jit(attention_like)
+    w = torch.randn(64, 64)
+    jf(torch.randn(1, 23, 64), w)
+    jf(torch.randn(1, 24, 64), w)
+    text = str(keraunos.last_traces(jf)[-1])
+    assert '"cpu f32[1, s0, 64]"' in text
+    assert '"cpu f32[1, s0, s0]"' in text
+
+
+def test_prologue_checks_guards_instead_of_exact_sizes():
+    jf = keraunos.jit(lambda x: x.view(x.shape[0], -1, 8).sum(-1), cache="symbolic values")
+    x = torch.randn(3, 40)
+    assert_close(jf(x), x.view(3, -1, 8).sum(-1))
+    text = prologue_text(jf)
+    assert "2 <= s0" in text and "% (8*s0)) == 0" in text  # the view needs 8 | s1
+    assert "check_tensor(x, (s0, s1), (s1, 1)" in text
+    # A size the view cannot take fails the guard, and the new entry raises eager's error.
+    y = torch.randn(3, 41)
+    with pytest.raises(RuntimeError):
+        y.view(3, -1, 8)
+    with pytest.raises(RuntimeError):
+        jf(y)
+
+
+def test_a_decision_on_a_size_is_guarded_and_both_branches_give_eager_results():
+    def f(x):
+        if x.shape[0] > 6:
+            return x.sum(0)
+        return x.mean(0)
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 5, 8, 9, 3):
+        x = torch.randn(n, 4)
+        assert_close(jf(x), f(x))
+    assert keraunos.cache_misses(jf) == 2
+    assert "s0 > 6" in prologue_text(jf) or "s0 <= 6" in prologue_text(jf) or \
+        "7 <= s0" in prologue_text(jf) or "s0 <= 6" in prologue_text(jf)
+
+
+# ------------------------------------------------------------------------- 0/1 sizes
+def test_sizes_zero_and_one_are_specialized():
+    f = lambda x: (x * 2).sum(0)  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 1, 0, 7, 1, 0):
+        x = torch.randn(n, 3)
+        assert_close(jf(x), f(x))
+    assert keraunos.cache_misses(jf) == 3  # one symbolic entry, one for 1, one for 0
+
+
+def test_size_one_broadcasts_like_eager_after_a_symbolic_entry():
+    f = lambda x, y: x + y  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    assert_close(jf(a, b), f(a, b))
+    a, b = torch.randn(5, 3), torch.randn(1, 3)  # broadcasts: a separate entry
+    assert_close(jf(a, b), f(a, b))
+
+
+# ---------------------------------------------------------------------------- ints
+def test_int_arguments_are_symbolic():
+    f = lambda x, n: x[:, :n] * n  # noqa: E731
+    jf = keraunos.jit(f)
+    x = torch.randn(2, 40)
+    for n in range(5, 30):
+        assert_close(jf(x, n), f(x, n))
+    assert keraunos.cache_misses(jf) <= 2
+    assert "is an int" in prologue_text(jf)
+
+
+def test_int_argument_returned_is_the_callers_value():
+    f = lambda x, n: (x + n, n * 2)  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (3, 7):
+        out, m = jf(torch.ones(2), n)
+        assert_close(out, torch.ones(2) + n)
+        assert m == n * 2 and type(m) is int
+
+
+def test_size_returned_as_python_int_and_torch_size():
+    f = lambda x: (x.shape[0] * 3, x.shape)  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 6):
+        x = torch.randn(n, 2)
+        assert jf(x) == f(x)
+        assert type(jf(x)[1]) is torch.Size
+
+
+# --------------------------------------------------------------- automatic dynamic
+def test_miss_reason_names_the_dimension_that_changed():
+    jf = keraunos.jit(lambda x: x.relu())
+    jf(torch.randn(2, 23))
+    jf(torch.randn(2, 24))
+    reasons = keraunos.last_cache_miss_reasons(jf)
+    assert "args[0] dimension 1 changed 23 → 24; recompiled with it symbolic" in reasons
+    x = torch.randn(2, 25)
+    assert_close(jf(x), x.relu())
+    assert counts(jf) == (2, 1)
+
+
+def test_mark_dynamic_makes_the_first_entry_symbolic():
+    jf = keraunos.jit(lambda x: x.cos())
+    x = torch.randn(3, 8)
+    keraunos.mark_dynamic(x, 1)
+    assert_close(jf(x), x.cos())
+    y = torch.randn(3, 11)
+    assert_close(jf(y), y.cos())
+    assert counts(jf) == (1, 1)
+    assert "s0 = " in prologue_text(jf)
+
+
+def test_mark_static_keeps_one_entry_per_size():
+    jf = keraunos.jit(lambda x: x.sin())
+    for n in (3, 4, 5):
+        x = torch.randn(n)
+        keraunos.mark_static(x, 0)
+        assert_close(jf(x), x.sin())
+    assert counts(jf) == (3, 0)
+
+
+def test_dynamic_false_compiles_each_size():
+    jf = keraunos.jit(lambda x: x.sin(), dynamic=False)
+    for n in (3, 4, 5):
+        x = torch.randn(n)
+        assert_close(jf(x), x.sin())
+    assert counts(jf) == (3, 0)
+
+
+# -------------------------------------------------------------------------- autograd
+def test_gradients_equal_eager_over_many_lengths():
+    lin = torch.nn.Linear(16, 8)
+    lin_ref = copy.deepcopy(lin)
+    f = lambda m, x: F.gelu(m(x)).reshape(x.shape[0], -1).softmax(-1).sum()  # noqa: E731
+    jf = keraunos.jit(lambda x: f(lin, x))
+    for n in (3, 5, 8, 13):
+        x = torch.randn(n, 2, 16, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, ref = jf(x), f(lin_ref, xr)
+        assert_close(out, ref)
+        out.backward()
+        ref.backward()
+        assert_close(x.grad, xr.grad)
+        assert_close(lin.weight.grad, lin_ref.weight.grad)
+    assert keraunos.cache_misses(jf) == 2
+    backward = str(keraunos.last_backward_traces(jf)[-1])
+    assert "s0" in backward
+
+
+# ------------------------------------------------------------------------ effects
+def test_in_place_write_to_a_symbolic_input_is_copied_back():
+    def f(x):
+        x.mul_(2)
+        return x.sum(0)
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 6):
+        x = torch.randn(n, 3)
+        xe = x.clone()
+        assert_close(jf(x), f(xe))
+        assert_close(x, xe)
+
+
+def test_returned_view_of_a_symbolic_input_is_a_view_of_it():
+    f = lambda x: x.t()[1:]  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 6):
+        x = torch.randn(n, 5)
+        out = jf(x)
+        assert_close(out, f(x))
+        assert out._base is x or out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        out[0, 0] = 100.0
+        assert x[0, 1] == 100.0
+
+
+# ---------------------------------------------------------------------------- models
+def test_example_gpt_over_several_sequence_lengths():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    model_ref = copy.deepcopy(model)
+    jm = keraunos.jit(model)
+    for t in (5, 9, 16, 23, 31):
+        idx = torch.randint(0, GPTConfig().vocab_size, (2, t))
+        out, ref = jm(idx), model_ref(idx)
+        out = out[0] if isinstance(out, tuple) else out
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        assert_close(out, ref)
+    assert keraunos.cache_misses(jm) <= 2
+
+
+def test_example_gpt_training_step_over_lengths():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    model_ref = copy.deepcopy(model)
+    jm = keraunos.jit(model)
+    for t in (6, 10, 14):
+        idx = torch.randint(0, GPTConfig().vocab_size, (2, t))
+        out, ref = jm(idx), model_ref(idx)
+        out = out[0] if isinstance(out, tuple) else out
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        for (name, p), (_, pr) in zip(model.named_parameters(), model_ref.named_parameters()):
+            assert_close(p.grad, pr.grad, msg=name)
+    assert keraunos.cache_misses(jm) <= 2
