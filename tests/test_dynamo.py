@@ -327,3 +327,48 @@ def test_dynamic_module_trains_like_eager_and_keeps_its_metadata_check():
     assert traces.backward
     prologue = str(traces.prologue[-1])
     assert "tensors checked" in prologue and "shape (" in prologue
+
+
+def test_a_static_subgraph_runs_its_computation_function_with_nothing_around_it():
+    """Dynamo's guards already checked the inputs: once compiled, what dynamo calls for a graph
+    that writes no input is keraunos's computation function itself (no lookup, no prologue)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    be = kd.backend()
+    compiled = torch.compile(copy.deepcopy(model), backend=be)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), model(x))
+    subgraphs = be.subgraphs
+    assert len(subgraphs) == 2  # one per grad mode: dynamo guards it
+    for subgraph in subgraphs:
+        assert subgraph.run is subgraph.jitted._keraunos.last_entry.computation_fn
+    # the GraphModule's lazy code generation was not captured as writes to replay on every call
+    assert "_code" not in str(subgraphs[0].jitted._keraunos.last_entry.epilogue_traces[-1])
+
+
+def test_a_subgraph_that_writes_an_input_still_checks_memory_shared_between_inputs():
+    """A program that writes an input keeps keraunos's alias check on the lean path: inputs that
+    share memory, unlike when it was compiled, are a keraunos cache miss and give eager's
+    result (dynamo does not see sharing made with ``set_``, so its guards pass)."""
+    def bump_then_multiply(a, b):
+        a.add_(1)
+        return a * b
+
+    def overlapping():  # b's first two elements are a's last two
+        base = torch.arange(8.0)
+        return base[:4], torch.empty(0).set_(base.untyped_storage(), 2, (4,), (1,)), base
+
+    be = kd.backend()
+    compiled = torch.compile(bump_then_multiply, backend=be)
+    torch.testing.assert_close(compiled(torch.zeros(4), torch.ones(4)),
+                               bump_then_multiply(torch.zeros(4), torch.ones(4)))
+    for _ in range(2):
+        a, b, base = overlapping()
+        eager_a, eager_b, eager_base = overlapping()
+        torch.testing.assert_close(compiled(a, b), bump_then_multiply(eager_a, eager_b))
+        torch.testing.assert_close(base, eager_base)
+    (subgraph,) = be.subgraphs
+    assert keraunos.cache_misses(subgraph.jitted) == 2  # the overlap was compiled for

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from ..cache import CacheEntry
 from ..core.trace import Trace
 from ..jit import jit
 from ..transforms import Transform
@@ -53,6 +55,9 @@ class CompiledSubgraph:
         self.gm = gm  # dynamo's graph, as it is: what the eager fallback runs
         if has_vmap_regions(gm):
             gm = rewrite_vmap_regions(copy.deepcopy(gm))
+        # A lazy GraphModule writes its generated code into attributes on its first call:
+        # capture would record those writes and the epilogue would replay them on every call.
+        _LazyGraphModule.force_recompile(gm)
         self.name = name
         self.order = next(_compile_order)
         self.eager = False  # keraunos could not compile the graph: dynamo's FX graph runs as is
@@ -64,15 +69,25 @@ class CompiledSubgraph:
         transforms = [UserSourceLines(gm), *(transforms or ())]
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
                           max_cache_entries=64 if self.dynamic else 8)
+        # What later calls run, once compiled: the entry's functions without keraunos's call
+        # path around them (see lean_call). None until then, and for a dynamic graph.
+        self.run = None
 
     def __call__(self, *args):
+        run = self.run
+        if run is not None:
+            return run(*args)
+        return self._compile_and_call(args)
+
+    def _compile_and_call(self, args: tuple):
+        """The calls before ``run`` is set: keraunos's whole call path, which compiles."""
         if self.eager:
             return self.gm(*args)
         state = self.jitted._keraunos
         misses, entry = state.misses, state.last_entry
         depth = _functorch_depth()
         try:
-            return self.jitted(*args)
+            out = self.jitted(*args)
         except Exception as error:
             if state.misses == misses or state.last_entry is not entry:
                 raise  # it compiled: what failed is the program itself, as it would in eager
@@ -80,12 +95,16 @@ class CompiledSubgraph:
             # capture that failed inside left those levels entered.
             _unwind_functorch(depth)
             return self._run_eagerly(args, error)
+        if not self.dynamic and not state.profile and state.entries:
+            self.run = lean_call(state.entries[0], len(args), self.jitted)
+        return out
 
     def _run_eagerly(self, args, error: Exception):
         """keraunos could not compile this graph (an op capture does not handle, say): run the
         FX graph as PyTorch does, which also raises eager's error if the program has one."""
         out = self.gm(*args)
         self.eager = True
+        self.run = self.gm
         warnings.warn(f"keraunos.dynamo: {self.name} runs eagerly (its FX graph, uncompiled): "
                       f"keraunos could not compile it ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''})", UserWarning,
@@ -98,6 +117,55 @@ class CompiledSubgraph:
             return None
         return SubgraphTraces(self.name, list(entry.computation_traces),
                               list(entry.backward_traces), list(entry.prologue_traces), self.gm)
+
+
+def lean_call(entry: CacheEntry, n_args: int, jitted):
+    """What dynamo can call in place of a static graph's ``jitted`` callable, whose cache entry
+    is ``entry`` (compiled with ``cache="same input"``: its prologue checks nothing, dynamo's
+    guards did). It skips the call path's lookup, counters and timers: the computation function
+    itself when the prologue passes dynamo's arguments through in order, the epilogue only
+    rebuilds the output tuple and no memory sharing between inputs can matter; otherwise the
+    prologue, the alias check where one matters, the computation and the epilogue in a row."""
+    prologue, computation, epilogue = entry.prologue_fn, entry.computation_fn, entry.epilogue_fn
+    # jit's _alias_check_for makes the same decision: sharing matters only for a program that
+    # writes an input (or one compiled for inputs that shared memory).
+    sharing_matters = entry.alias_positions is not None and (
+        entry.alias_pattern is not None or entry.written_positions != ())
+    if sharing_matters:
+        alias_check = entry.alias_check
+
+        def checked_call(*args):
+            inputs, pro_to_epi = prologue(*args)
+            if alias_check(inputs):
+                return epilogue(computation(*inputs), pro_to_epi)
+            return jitted(*args)  # shared differently: keraunos compiles an entry for it
+        return checked_call
+    passes_through = _passes_arguments_through(entry, n_args)
+    if passes_through and _returns_outputs_as_is(entry.epilogue_traces[-1]):
+        return computation
+
+    def prologue_computation_epilogue(*args):
+        inputs, pro_to_epi = prologue(*args)
+        return epilogue(computation(*inputs), pro_to_epi)
+    return prologue_computation_epilogue
+
+
+def _passes_arguments_through(entry: CacheEntry, n_args: int) -> bool:
+    """The computation's inputs are dynamo's ``n_args`` arguments, all of them, in order."""
+    params = entry.computation_traces[0].params
+    return [p.provenance for p in params] == [f"args[{i}]" for i in range(n_args)]
+
+
+def _returns_outputs_as_is(epilogue: Trace) -> bool:
+    """The epilogue unpacks the outputs and returns them in a tuple, in order: nothing else."""
+    *unpacks, ret = epilogue.bound_symbols
+    if ret.symbol.name != "return_value" or any(b.symbol.name != "unpack" for b in unpacks):
+        return False
+    outputs = [b.outputs for b in unpacks if b.args == ("outputs",)]
+    rest = [b.outputs for b in unpacks if b.args != ("outputs",)]
+    built = ret.args[0] if len(ret.args) == 1 else None
+    return (len(outputs) == 1 and all(not r for r in rest) and getattr(built, "kind", None)
+            == "tuple" and list(built.children) == list(outputs[0]))
 
 
 def _functorch_depth() -> int:
