@@ -52,7 +52,7 @@ class FusionRegion:
     inputs: list[str]
     outputs: list[str]
     trace: Trace                    # the region's own lines, as a runnable trace
-    graph: torch.fx.GraphModule     # what Inductor was given
+    graph: torch.fx.GraphModule     # what Inductor was given (the same for regions sharing it)
     kernel: compiler.Kernel
     shared_with: str | None = None  # the region the kernel was compiled for, when not this one
     lines: list[BoundSymbol] = field(default_factory=list)
@@ -186,10 +186,11 @@ def _next_executor(bsym, executors, fusion) -> str:
 
 def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
     name = f"inductor_region{counter[0]}"
-    gm = fx_graph.region_graph(r.lines, r.inputs, r.outputs)
-    key = fx_graph.region_key(gm, r.inputs, environment)
-    display = fx_graph.region_graph(r.lines, r.inputs, r.outputs)  # compile_fx mutates its graph
-    kernel, existed = compiler.kernel_for(key, gm, r.inputs, r.outputs, name)
+    key = fx_graph.region_key(fx_graph.region_graph(r.lines, r.inputs, r.outputs), r.inputs,
+                              environment)
+    kernel, existed = compiler.kernel_for(
+        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs, r.outputs)),
+        r.inputs, r.outputs, name)
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
@@ -201,7 +202,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     region_trace = Trace(name, list(r.inputs), list(r.lines) + [
         BoundSymbol(_REGION_RETURN, tuple(r.outputs))])
     region = FusionRegion(name, trace_name, r.layer, [p.name for p in r.inputs],
-                          [p.name for p in r.outputs], region_trace, display, kernel, shared,
+                          [p.name for p in r.outputs], region_trace, kernel.graph, kernel, shared,
                           list(r.lines))
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked)

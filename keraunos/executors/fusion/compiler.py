@@ -37,6 +37,7 @@ class Kernel:
     """One compiled region graph, shared by every region with the same key."""
 
     fn: object              # Inductor's callable: (*inputs) -> list of outputs
+    graph: object           # the FX graph it was compiled from (a copy: compile_fx changes its own)
     number: int             # kernel k{number}, as the traces say
     first_region: str       # the region it was compiled for
     code: str               # Inductor's generated wrapper, with its C++ or Triton kernels
@@ -59,21 +60,22 @@ def environment() -> tuple:
             tuple(sorted(CONFIG_PATCHES.items())))
 
 
-def kernel_for(key: tuple, gm, inputs: list[TensorProxy], outputs: list[TensorProxy],
+def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[TensorProxy],
                region_name: str) -> tuple["Kernel | CompileFailure", bool]:
-    """The kernel for ``key`` and whether it was already there (compiled for another region)."""
+    """The kernel for ``key`` and whether it was already there (compiled for another region);
+    ``make_graph()`` builds the region's FX graph module, only when it must be compiled."""
     found = _kernels.get(key)
     if found is not None:
         return found, True
     try:
-        kernel = _compile(gm, inputs, outputs, region_name)
+        kernel = _compile(make_graph, inputs, outputs, region_name)
     except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
         kernel = CompileFailure(e)
     _kernels[key] = kernel
     return kernel, False
 
 
-def _compile(gm, inputs, outputs, region_name) -> Kernel:
+def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
@@ -81,6 +83,7 @@ def _compile(gm, inputs, outputs, region_name) -> Kernel:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
+    gm, shown = make_graph(), make_graph()
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = fx_graph.fake_inputs(inputs, fake_mode)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
@@ -92,7 +95,7 @@ def _compile(gm, inputs, outputs, region_name) -> Kernel:
              "FX graph cache" if after[1] > before[1] else "compiled")
     code = sources[-1] if sources else ""
     path = PyCodeCache.write(code)[1] if code else None
-    return Kernel(fn, next(_kernel_numbers), region_name, code, path,
+    return Kernel(fn, shown, next(_kernel_numbers), region_name, code, path,
                   time.perf_counter() - start, cache)
 
 

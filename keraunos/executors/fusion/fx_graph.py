@@ -19,7 +19,7 @@ from ...core.symbols import BoundSymbol
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
-                 outputs: list[TensorProxy]) -> fx.GraphModule:
+                 outputs: list[TensorProxy]) -> fx.Graph:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {p.name: graph.placeholder(f"i{k}") for k, p in enumerate(inputs)}
     for b in lines:
@@ -27,6 +27,10 @@ def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
                                        (b.args, b.kwargs))
         _bind(graph, b.outputs, _node(graph, b.symbol, tuple(args), dict(kwargs)), env)
     graph.output(tuple(env[p.name] for p in outputs))
+    return graph
+
+
+def graph_module(graph: fx.Graph) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
@@ -81,8 +85,8 @@ def alias_pattern(inputs: list[TensorProxy]) -> tuple:
                  for k, p in enumerate(inputs))
 
 
-def region_key(gm: fx.GraphModule, inputs: list[TensorProxy], environment: tuple) -> tuple:
+def region_key(graph: fx.Graph, inputs: list[TensorProxy], environment: tuple) -> tuple:
     """What decides the compiled code: the ops and constants (the graph's code, free of trace
     names), each input's metadata, which inputs share memory, and the compile environment."""
     metas = tuple((p.shape, p.stride, p.dtype, p.device) for p in inputs)
-    return (gm.code, metas, alias_pattern(inputs), environment)
+    return (graph.python_code(root_module="self").src, metas, alias_pattern(inputs), environment)

@@ -93,10 +93,34 @@ def _draws_random(bsym: BoundSymbol) -> bool:
     return False
 
 
-def _allocates(bsym: BoundSymbol) -> bool:
+class _Proxies:
+    """Each line's proxies, found once (walking arguments with pytree is the slow part of forming
+    the regions of a long trace)."""
+
+    def __init__(self):
+        self._memo: dict[int, tuple] = {}
+
+    def _of(self, bsym: BoundSymbol) -> tuple:
+        found = self._memo.get(id(bsym))
+        if found is None:
+            found = self._memo[id(bsym)] = (bsym, bsym.input_proxies(), bsym.output_proxies(),
+                                            _all_proxies(bsym))
+        return found
+
+    def ins(self, bsym):
+        return self._of(bsym)[1]
+
+    def outs(self, bsym):
+        return self._of(bsym)[2]
+
+    def all(self, bsym):
+        return self._of(bsym)[3]
+
+
+def _allocates(bsym: BoundSymbol, io: _Proxies) -> bool:
     """A line whose outputs live in new memory (not a view of what it reads)."""
-    read = {p.storage for p in bsym.input_proxies() if isinstance(p, TensorProxy)}
-    return any(p.storage is None or p.storage not in read for p in bsym.output_proxies())
+    read = {p.storage for p in io.ins(bsym) if isinstance(p, TensorProxy)}
+    return any(p.storage is None or p.storage not in read for p in io.outs(bsym))
 
 
 @dataclass
@@ -121,21 +145,24 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
     that is not fused and reads nothing of the run it sits in moves before the run, so that it
     does not cut the run in two (a view of a RoPE table made inside the first layer only)."""
     claimed = list(claimed)
+    io = _Proxies()
     while True:
-        sunk = _sunk(lines, claimed, layers)
+        sunk = _sunk(lines, claimed, layers, io)
         order = [sunk[k] for k in _hoisted([lines[i] for i in sunk], [claimed[i] for i in sunk],
-                                           [layers[i] for i in sunk])]
+                                           [layers[i] for i in sunk], io)]
         ordered = [lines[i] for i in order]
-        regions = _runs(ordered, [claimed[i] for i in order], [layers[i] for i in order])
-        refused = [order[k] for r in regions for k in _unsafe_lines(ordered, r, observable)]
+        regions = _runs(ordered, [claimed[i] for i in order], [layers[i] for i in order], io)
+        last_write = _last_writes(ordered, io)
+        refused = [order[k] for r in regions
+                   for k in _unsafe_lines(r, observable, last_write, io)]
         if not refused:
             return ordered, [r for r in regions
-                             if sum(_allocates(b) for b in r.lines) >= MIN_COMPUTE_LINES]
+                             if sum(_allocates(b, io) for b in r.lines) >= MIN_COMPUTE_LINES]
         for i in refused:
             claimed[i] = False
 
 
-def _sunk(lines, claimed, layers) -> list[int]:
+def _sunk(lines, claimed, layers, io: _Proxies) -> list[int]:
     """The line order with each claimed line moved down to just before the first line that reads
     it, when that line is claimed for the same layer and nothing but pure lines lie between: the
     backward recomputes cheap forward values at its start, which then join their layer's region.
@@ -144,7 +171,7 @@ def _sunk(lines, claimed, layers) -> list[int]:
     lines reading it, so that a line always stays before every line that reads it."""
     readers: dict[str, list[int]] = {}
     for i, b in enumerate(lines):
-        for p in b.input_proxies():
+        for p in io.ins(b):
             readers.setdefault(p.name, []).append(i)
     barrier_after = [len(lines)] * (len(lines) + 1)
     for i in range(len(lines) - 1, -1, -1):
@@ -152,7 +179,7 @@ def _sunk(lines, claimed, layers) -> list[int]:
     keys: list[tuple] = [()] * len(lines)
     for i in range(len(lines) - 1, -1, -1):
         keys[i] = (i, 0, i)
-        later = [j for p in lines[i].output_proxies() for j in readers.get(p.name, ()) if j > i]
+        later = [j for p in io.outs(lines[i]) for j in readers.get(p.name, ()) if j > i]
         if not claimed[i] or not later:
             continue
         first = min(later, key=lambda j: keys[j])
@@ -161,20 +188,20 @@ def _sunk(lines, claimed, layers) -> list[int]:
     return sorted(range(len(lines)), key=lambda i: keys[i])
 
 
-def _hoisted(lines, claimed, layers) -> list[int]:
+def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
     """The line order with each movable line that is not claimed moved before the claimed run
     it interrupts, when it reads nothing that run defines."""
     order: list[int] = []
     run_start, run_key, run_defined = None, None, set()
     for i, b in enumerate(lines):
         if claimed[i]:
-            key = (layers[i], _device(b))
+            key = (layers[i], _device(b, io))
             if run_start is None or key != run_key:
                 run_start, run_key, run_defined = len(order), key, set()
             order.append(i)
-            run_defined.update(p.name for p in b.output_proxies())
+            run_defined.update(p.name for p in io.outs(b))
         elif run_start is not None and _movable(b) and not (
-                {p.name for p in b.input_proxies()} & run_defined):
+                {p.name for p in io.ins(b)} & run_defined):
             order.insert(run_start, i)
             run_start += 1
         else:
@@ -190,7 +217,7 @@ def _movable(bsym: BoundSymbol) -> bool:
             and not bsym.info.get("copy_of_written_input"))
 
 
-def _runs(lines, claimed, layers) -> list[Region]:
+def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
     regions: list[Region] = []
     current: list[int] = []
 
@@ -203,36 +230,40 @@ def _runs(lines, claimed, layers) -> list[Region]:
         if not claimed[i]:
             close()
             continue
-        if current and (layers[i] != layers[current[0]] or _device(b) != _device(lines[current[0]])):
+        if current and (layers[i] != layers[current[0]]
+                        or _device(b, io) != _device(lines[current[0]], io)):
             close()
         current.append(i)
     close()
+    last_use = {}
+    for i, b in enumerate(lines):
+        for p in io.all(b):
+            last_use[p.name] = i
     for r in regions:
-        _connect(r, lines)
+        _connect(r, last_use, io)
     return regions
 
 
-def _device(bsym: BoundSymbol):
-    return next(iter(bsym.output_proxies())).device
+def _device(bsym: BoundSymbol, io: _Proxies):
+    return io.outs(bsym)[0].device
 
 
-def _connect(region: Region, lines: list[BoundSymbol]) -> None:
+def _connect(region: Region, last_use: dict[str, int], io: _Proxies) -> None:
     """The region's inputs (read, defined before it) and outputs (defined in it, read after)."""
     defined: dict[str, TensorProxy] = {}
     inputs: dict[str, TensorProxy] = {}
     for b in region.lines:
-        for p in b.input_proxies():
+        for p in io.ins(b):
             if p.name not in defined and p.name not in inputs:
                 inputs[p.name] = p
-        for p in b.output_proxies():
+        for p in io.outs(b):
             if p.name not in inputs:  # ``x.float()`` of a float x: x itself, made before
                 defined[p.name] = p
-    used_after = {p.name for b in lines[region.stop:] for p in _all_proxies(b)}
     region.inputs = list(inputs.values())
-    region.outputs = [p for name, p in defined.items() if name in used_after]
+    region.outputs = [p for name, p in defined.items() if last_use.get(name, -1) >= region.stop]
 
 
-def _written(bsym: BoundSymbol) -> list[TensorProxy]:
+def _written(bsym: BoundSymbol, io: _Proxies) -> list[TensorProxy]:
     """The tensors a line may write: the first argument of an in-place op (``k_cache.index_copy_(
     0, pos, k)`` writes the cache, not ``k``); every tensor of another line that writes."""
     if not bsym.tags & {MUTATION, OPAQUE}:
@@ -240,7 +271,7 @@ def _written(bsym: BoundSymbol) -> list[TensorProxy]:
     if isinstance(bsym.symbol, TorchSymbol) and OPAQUE not in bsym.tags \
             and is_inplace_by_name(bsym.symbol) and isinstance(bsym.args[0], TensorProxy):
         return [bsym.args[0]]
-    return [p for p in _all_proxies(bsym) if isinstance(p, TensorProxy)]
+    return [p for p in io.all(bsym) if isinstance(p, TensorProxy)]
 
 
 def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
@@ -248,10 +279,16 @@ def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
     return [x for x in leaves if isinstance(x, Proxy)]
 
 
-def _unsafe_lines(lines, region: Region, observable: set[str]) -> list[int]:
+def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
+    """Storage -> the last line that may write it."""
+    return {p.storage: i for i, b in enumerate(lines) for p in _written(b, io)}
+
+
+def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
+                  io: _Proxies) -> list[int]:
     """Lines of ``region`` that make an output whose memory sharing would change."""
     outside = {p.storage for p in region.inputs}
-    written_later = {p.storage for b in lines[region.stop:] for p in _written(b)}
+    written_later = {s for s, i in last_write.items() if i >= region.stop}
     observed = {p.storage for p in region.outputs if p.name in observable}
     first_of_storage: set[int] = set()
     bad = set()
@@ -262,5 +299,5 @@ def _unsafe_lines(lines, region: Region, observable: set[str]) -> list[int]:
             bad.add(p.name)  # a view of an earlier output, and the caller sees the sharing
         first_of_storage.add(p.storage)
     return [region.start + k for k, b in enumerate(region.lines)
-            if any(p.name in bad for p in b.output_proxies())]
+            if any(p.name in bad for p in io.outs(b))]
 
