@@ -258,3 +258,33 @@ def test_example_gpt_training_step_over_lengths():
         for (name, p), (_, pr) in zip(model.named_parameters(), model_ref.named_parameters()):
             assert_close(p.grad, pr.grad, msg=name)
     assert keraunos.cache_misses(jm) <= 2
+
+
+def test_litgpt_kv_cache_loop_with_growing_input_pos_maxp1():
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256, padded_vocab_size=256,
+                           block_size=128)
+    model = LitGPT(config).eval()
+    model_ref = copy.deepcopy(model)
+    jm = keraunos.jit(model)
+    with torch.no_grad():
+        for prompt in (7, 10, 13):
+            for m in (model, model_ref):
+                m.max_seq_length = 64
+                m.set_kv_cache(batch_size=1)
+            idx = torch.randint(0, 256, (1, prompt))
+            pos = torch.arange(prompt)
+            out = jm(idx, input_pos=pos, input_pos_maxp1=prompt)
+            assert_close(out, model_ref(idx, input_pos=pos, input_pos_maxp1=prompt))
+            token = out[:, -1:].argmax(-1)
+            for p in range(prompt, prompt + 8):
+                ip = torch.tensor([p])
+                out = jm(token, input_pos=ip, input_pos_maxp1=p + 1)
+                assert_close(out, model_ref(token, input_pos=ip, input_pos_maxp1=p + 1))
+                token = out[:, -1:].argmax(-1)
+            for (name, b), (_, br) in zip(model.named_buffers(), model_ref.named_buffers()):
+                assert_close(b, br, msg=name)  # the KV caches the epilogue wrote
+    # Prefill: one exact entry, one symbolic; decode: the same.
+    assert keraunos.cache_misses(jm) <= 4

@@ -109,7 +109,7 @@ class DynamicRequest:
         for d in range(n):
             changed = before is not None and len(before) == n and (
                 before[d] is None or before[d] != shape[d])
-            if changed and before[d] is not None and d not in static:
+            if changed and before[d] is not None and d not in static and shape[d] > 1:
                 self.changes.append(f"{path} dimension {d} changed {before[d]} → {shape[d]}")
             dynamic.append(d not in static and (self.all_arguments or d in marked or changed))
         self.updated[path] = tuple(None if dyn else s for dyn, s in zip(dynamic, shape))
@@ -123,7 +123,7 @@ class DynamicRequest:
             return False
         before = self.seen.get(path)
         changed = before is not None and (before[0] is None or before[0] != value)
-        if changed and before[0] is not None:
+        if changed and before[0] is not None and value not in (0, 1):
             self.changes.append(f"{path} changed {before[0]} → {value}")
         dynamic = self.all_arguments or changed
         self.updated[path] = (None if dynamic else value,)
