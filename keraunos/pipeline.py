@@ -67,7 +67,7 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
             computation_traces.append(computation)
             epilogue_traces.append(epilogue)
             stages["reinplace"] = computation.seconds
-    records_autograd = backward is None and _needs_backward(computation)
+    records_autograd = backward is None and torch.is_grad_enabled()
     computation = executors_module.claim(computation, state.executors)
     computation_traces.append(computation)
     stages["executor claims"] = computation.seconds
@@ -131,7 +131,7 @@ def _fuse(computation, backward, split, executors, records_autograd, stages,
     counter = [0]  # region names are unique within the entry
     forward = computation
     computation, regions = fusion.fuse(
-        forward, executors, observable=_returned(forward), enabled=not records_autograd,
+        forward, executors, observable=_returned(forward), records_autograd=records_autograd,
         counter=counter)
     if computation is not forward:
         computation_traces.append(computation)

@@ -491,3 +491,17 @@ def test_dynamo_front_end_fuses_too():
     assert_close(compiled(x, y), f(x, y), **TOL)
     (subgraph,) = backend.subgraphs
     assert fusion_lines(keraunos.last_traces(subgraph.jitted)[-1])
+
+
+def test_a_tensor_made_to_require_grad_inside_stays_a_leaf_of_autograd():
+    def f(x):
+        w = torch.ones(4, requires_grad=True)
+        return (torch.tanh(x * 2) * w).exp() + 1, w
+
+    x = torch.randn(4)
+    (out, w), (ref, ref_w) = keraunos.jit(f, executors=FUSED)(x), f(x)
+    assert_close(out, ref, **TOL)
+    assert w.requires_grad and w.is_leaf and out.requires_grad == ref.requires_grad
+    out.sum().backward()
+    ref.sum().backward()
+    assert_close(w.grad, ref_w.grad, **TOL)

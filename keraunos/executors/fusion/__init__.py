@@ -114,21 +114,30 @@ _REGION_RETURN = GlueSymbol("return", _region_return_formatter)
 
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
-         enabled: bool = True, counter: list[int] | None = None) -> tuple[Trace, list[FusionRegion]]:
+         records_autograd: bool = False,
+         counter: list[int] | None = None) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
     ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
     whose strides can change from call to call (the backward's incoming gradients);
-    ``enabled=False`` gives every claimed line to the next executor (autograd must record the
-    torch ops as they run)."""
+    ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
+    lines reading or making a tensor that requires grad stay with the next executor (autograd
+    records the torch ops they run; a compiled region would give outputs without a graph)."""
     start = time.perf_counter()
     fusion = [e for e in executors if getattr(e, "is_fusion", False)]
     lines = list(trace.bound_symbols)
     claimed = [b.executor in {e.name for e in fusion} for b in lines]
     if not any(claimed):
         return trace, []
+    if records_autograd:
+        claimed = [c and not any(getattr(p, "requires_grad", False)
+                                 for p in b.input_proxies() + b.output_proxies())
+                   for b, c in zip(lines, claimed)]
+    if not any(claimed):
+        return trace.derive([_given_back(b, executors, fusion) for b in lines],
+                            "Fusion: no regions", time.perf_counter() - start), []
     regions = []
-    if _why_not(enabled, lines, claimed) is None:
+    if _why_not(lines, claimed) is None:
         lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
                                       observable)
     counter = counter if counter is not None else [0]
@@ -148,19 +157,21 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
             kept.append(bsym.symbol.region)
             i = r.stop
             continue
-        b = lines[i]
-        if b.executor in {e.name for e in fusion}:  # claimed, but in no region
-            b = b.replace(executor=_next_executor(b, executors, fusion))
-        result.append(b)
+        result.append(_given_back(lines[i], executors, fusion))
         i += 1
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     return trace.derive(result, f"Fusion [{names}]: {len(kept)} regions",
                         time.perf_counter() - start), kept
 
 
-def _why_not(enabled: bool, lines, claimed) -> str | None:
-    if not enabled:
-        return "autograd records the program's torch ops as they run"
+def _given_back(bsym, executors, fusion):
+    """A line a fusion executor claimed but no region took, for the next executor that claims it."""
+    if bsym.executor not in {e.name for e in fusion}:
+        return bsym
+    return bsym.replace(executor=_next_executor(bsym, executors, fusion))
+
+
+def _why_not(lines, claimed) -> str | None:
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                             and torch.is_autocast_enabled("cuda")):
         return "autocast is on"  # the trace's ops would run under autocast; a region not

@@ -51,6 +51,8 @@ def fusible(bsym: BoundSymbol) -> bool:
     short = symbol.name.rsplit(".", 1)[-1]
     if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
         return False
+    if bsym.kwargs.get("requires_grad"):  # a new leaf of autograd: a compiled graph makes none
+        return False
     if short.startswith("repeat_interleave") and any(  # tensor repeats: a size from data
             isinstance(x, TensorProxy) for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs))):
         return False
