@@ -12,10 +12,12 @@ forward and backward traces, executors), so every subgraph has readable traces.
 
 What the route checks per call: dynamo's guards decide which subgraph runs; keraunos adds no
 second prologue of checks for a graph with static shapes (its entry is compiled with
-``cache="same input"``). A graph dynamo made dynamic (its automatic dynamic shapes, or
-``dynamic=True``) takes sizes that vary under one set of guards: keraunos compiles it per set of
-sizes and keeps the cheap metadata check (``cache="constant values"``), so a stale entry is
-never reused.
+``cache="same input"``), and once it is compiled dynamo calls its computation function
+itself, without keraunos's call path around it (``backend.lean_call``; a graph that writes an
+input keeps the check of memory shared between inputs). A graph dynamo made dynamic (its
+automatic dynamic shapes, or ``dynamic=True``) takes sizes that vary under one set of guards:
+keraunos compiles it per set of sizes and keeps the cheap metadata check (``cache="constant
+values"``) and its whole call path, so a stale entry is never reused.
 """
 from __future__ import annotations
 

@@ -1,0 +1,244 @@
+"""The model zoo (tests/test_model_zoo.py): compile time and per-call time, inference and a training step, per system.
+
+Run: python benchmarks/models.py [--models llama,bert] [--iters N] [--no-inductor] [--no-train]
+
+Every figure comes from this one run, one intra-op thread. Per zoo model (tiny configs, random
+weights, nothing downloaded) and per system (eager, keraunos.jit, torch.compile with
+backend="keraunos", torch.compile with backend="eager" (dynamo's own floor: its guards and frame
+evaluation around the uncompiled FX graphs), torch.compile with Inductor):
+
+- inference: eval mode, torch.no_grad(), with the zoo's padding mask where the model takes one;
+- training step: train mode (the config's dropout), labels, no mask: ``zero_grad``, forward,
+  ``loss.backward()``, ``AdamW.step()``, under one ``torch.manual_seed`` per system.
+
+Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
+``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
+eager's; ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and
+every parameter's gradient) equal eager's within rtol/atol 1e-4, else ``FAIL`` with why: the
+exception's type, or ``mismatch``. A failure never stops the script.
+Inductor runs with ``torch._inductor.config.fallback_random = True``, so that its dropout draws
+eager's random numbers and a training step can be compared.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import torch  # noqa: E402
+
+import keraunos  # noqa: E402
+import keraunos.dynamo  # noqa: E402,F401 - registers backend="keraunos" without the entry point
+from test_model_zoo import ZOO, inputs_of, make_models  # noqa: E402
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+@dataclass
+class Measured:
+    """One system on one model and mode: first-call time, per-call median, and the verdict."""
+    compile_s: float | None = None
+    per_call_s: float | None = None
+    error: str | None = None  # None: equals eager
+
+
+def wrap_eager(model):
+    return model
+
+
+def wrap_jit(model):
+    return keraunos.jit(model)
+
+
+def wrap_backend(model):
+    torch._dynamo.reset()  # each system starts with dynamo's caches and recompile limits empty
+    return torch.compile(model, backend="keraunos")
+
+
+def wrap_dynamo_floor(model):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="eager")
+
+
+def wrap_inductor(model):
+    torch._dynamo.reset()
+    return torch.compile(model)
+
+
+SYSTEMS: dict[str, Callable] = {
+    "eager": wrap_eager,
+    "keraunos.jit": wrap_jit,
+    "torch.compile(backend=keraunos)": wrap_backend,
+    "torch.compile(backend=eager)": wrap_dynamo_floor,
+    "torch.compile (Inductor)": wrap_inductor,
+}
+
+
+# ------------------------------------------------------------------------------ comparison
+def tensor_leaves(value) -> list[torch.Tensor]:
+    """The tensors of a ModelOutput, tuple or list, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "to_tuple"):  # a transformers ModelOutput
+        value = value.to_tuple()
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensor_leaves(v)]
+    return []
+
+
+def same_tensors(got: list, want: list) -> bool:
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if (g is None) != (w is None):
+            return False
+        if g is not None:
+            try:
+                torch.testing.assert_close(g.detach(), w.detach(), **TOLERANCE)
+            except AssertionError:
+                return False
+    return True
+
+
+# ------------------------------------------------------------------------------- the modes
+def median_seconds(call: Callable, iters: int) -> float:
+    for _ in range(2):
+        call()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def timed_first_call(call: Callable):
+    t0 = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - t0
+
+
+def inference(base, name: str, wrap: Callable, iters: int):
+    """(the outputs' tensors, first-call seconds, per-call median) in eval mode under no_grad."""
+    model = copy.deepcopy(base).eval()
+    kwargs = inputs_of(name, seed=1, mask=True, labels=False)
+    runner = wrap(model)
+    with torch.no_grad():
+        out, first = timed_first_call(lambda: runner(**kwargs))
+        per_call = median_seconds(lambda: runner(**kwargs), iters)
+    return tensor_leaves(out), first, per_call
+
+
+def training(base, name: str, wrap: Callable, iters: int):
+    """(the first step's loss and gradients, first-step seconds, per-step median)."""
+    model = copy.deepcopy(base).train()
+    kwargs = inputs_of(name, seed=3, mask=False, labels=True)
+    runner = wrap(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = runner(**kwargs).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    torch.manual_seed(10)  # every system draws the same dropout masks in its first step
+    loss, first = timed_first_call(step)
+    observed = [loss] + [p.grad for p in model.parameters()]
+    per_call = median_seconds(step, iters)
+    return observed, first, per_call
+
+
+def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[str, Measured]:
+    results: dict[str, Measured] = {}
+    reference = None
+    for label, wrap in systems.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fallback notes; the verdict says what counts
+                observed, first, per_call = mode(base, name, wrap, iters)
+        except Exception as error:  # noqa: BLE001 - a failure is a row, never a crash
+            results[label] = Measured(error=type(error).__name__)
+            continue
+        if label == "eager":  # it runs first
+            reference = observed
+        if reference is None:
+            verdict = "eager failed"
+        else:
+            verdict = None if same_tensors(observed, reference) else "mismatch"
+        results[label] = Measured(first, per_call, verdict)
+    return results
+
+
+# ----------------------------------------------------------------------------------- output
+def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
+    print(f"\n{title}")
+    print(f"  {'model':<11} {'system':<32} {'compile':>10} {'per call':>11} {'vs eager':>9}"
+          f"  result")
+    for model_name, results in rows.items():
+        eager = results.get("eager")
+        for label, m in results.items():
+            compile_s = f"{m.compile_s:8.3f} s" if m.compile_s is not None else f"{'':>10}"
+            per_call = f"{m.per_call_s * 1e3:8.3f} ms" if m.per_call_s is not None else ""
+            ratio = ""
+            if m.per_call_s is not None and eager is not None and eager.per_call_s:
+                ratio = f"{m.per_call_s / eager.per_call_s:8.2f}x"
+            verdict = "pass" if m.error is None else f"FAIL ({m.error})"
+            print(f"  {model_name:<11} {label:<32} {compile_s:>10} {per_call:>11} {ratio:>9}"
+                  f"  {verdict}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(ZOO),
+                        help=f"comma-separated zoo names (default: all {len(ZOO)})")
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per system and mode")
+    parser.add_argument("--no-inductor", action="store_true",
+                        help="leave torch.compile's default (Inductor) out: its compiles are slow")
+    parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a training step (default: on)")
+    args = parser.parse_args()
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in ZOO]
+    if unknown:
+        parser.error(f"unknown models {unknown}; the zoo has {list(ZOO)}")
+    return args
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    systems = dict(SYSTEMS)
+    if args.no_inductor:
+        del systems["torch.compile (Inductor)"]
+    else:
+        importlib.import_module("torch._inductor.config").fallback_random = True
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, keraunos "
+          f"{keraunos.__version__}, 1 thread, {args.iters} timed calls per cell")
+    inference_rows, training_rows = {}, {}
+    for name in args.models:
+        base, _ = make_models(name)
+        inference_rows[name] = measure(inference, base, name, systems, args.iters)
+        if args.train and ZOO[name].trains:
+            training_rows[name] = measure(training, base, name, systems, args.iters)
+    print_table("inference (eval, no_grad, padding mask where taken)", inference_rows)
+    if args.train:
+        print_table("training step (zero_grad, forward, loss.backward(), AdamW.step(); train mode, "
+                    "labels)", training_rows)
+
+
+if __name__ == "__main__":
+    main()
