@@ -505,3 +505,11 @@ def test_a_tensor_made_to_require_grad_inside_stays_a_leaf_of_autograd():
     out.sum().backward()
     ref.sum().backward()
     assert_close(w.grad, ref_w.grad, **TOL)
+
+
+def test_rounding_to_bfloat16_inside_a_region_rounds_as_in_eager():
+    def f(x):
+        return ((x * 3).exp().to(torch.bfloat16).float() * 2 + 1).sum(0)
+
+    x = torch.randn(64, 8)
+    assert_close(keraunos.jit(f, executors=FUSED)(x), f(x), **TOL)

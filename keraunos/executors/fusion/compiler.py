@@ -25,8 +25,10 @@ from ...core.proxies import TensorProxy
 from . import fx_graph
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
-# region, it draws from eager's generator, in eager's order.
-CONFIG_PATCHES = {"fallback_random": True}
+# region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
+# value rounded to bfloat16 or float16 (``x.to(torch.bfloat16).float()``) is rounded as in
+# eager, instead of staying float32 inside the fused kernel (the fuzzer found the difference).
+CONFIG_PATCHES = {"fallback_random": True, "emulate_precision_casts": True}
 
 _kernels: dict[tuple, "Kernel | CompileFailure"] = {}
 _kernel_numbers = itertools.count()
