@@ -288,3 +288,51 @@ def test_litgpt_kv_cache_loop_with_growing_input_pos_maxp1():
                 assert_close(b, br, msg=name)  # the KV caches the epilogue wrote
     # Prefill: one exact entry, one symbolic; decode: the same.
     assert keraunos.cache_misses(jm) <= 4
+
+
+# ----------------------------------------------------- what compiles with exact sizes
+def test_shape_changed_in_place_compiles_with_exact_sizes_and_says_why():
+    def f(x):
+        x.t_()
+        return x * 2
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (3, 4):
+        x, xe = torch.randn(n, 5), None
+        xe = x.clone()
+        assert_close(jf(x), f(xe))
+        assert_close(x, xe)
+        assert x.shape == xe.shape
+    assert keraunos.cache_misses(jf) == 2  # exact sizes: one entry per size
+    assert any("shape" in r for r in keraunos.state_of(jf).symbolic_fallbacks)
+
+
+def test_view_input_keeps_exact_sizes_beside_symbolic_ones():
+    f = lambda x, y: x * y.sum()  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    base = torch.randn(6, 6)
+    for n in (3, 5):
+        x, y = torch.randn(n, 6), base[1:4]
+        assert_close(jf(x, y), f(x, y))
+    assert keraunos.cache_misses(jf) == 1
+
+
+def test_other_rank_or_type_is_a_miss_not_an_error():
+    f = lambda x: x + 1  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    x2 = torch.randn(3, 4)
+    assert_close(jf(x2), f(x2))
+    x3 = torch.randn(2, 3, 4)
+    assert_close(jf(x3), f(x3))
+    assert jf(5) == f(5)
+    assert keraunos.cache_misses(jf) == 3
+    assert any("3 dimensions" in r or "2 dimensions" in r
+               for r in keraunos.last_cache_miss_reasons(jf))
+
+
+def test_symbolic_int_and_float_arguments_keep_their_types():
+    f = lambda x, n, scale: x.repeat(n, 1) * scale  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    x = torch.randn(2, 3)
+    for n, scale in ((2, 0.5), (3, 0.5), (4, 0.5), (3, 2.0)):
+        assert_close(jf(x, n, scale), f(x, n, scale))
+    assert keraunos.cache_misses(jf) == 2  # a new float value is a new entry

@@ -185,13 +185,13 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             continue
         first = members[0]
         real = first.real
-        symbolic = ctx.symbols is not None and any(has_symbols(m.fake) for m in members)
-        if symbolic and (len(members) > 1 or layout_key(first.fake) != (
-                *map(expr_key, first.proxy.shape), *map(expr_key, first.proxy.stride))):
-            raise SymbolicUnsupported("an input with symbolic sizes shares memory with another "
-                                      "input the program writes to, or changes its shape")
         dense = (len(members) == 1 and real.is_contiguous() and real.storage_offset() == 0
                  and real.numel() * real.element_size() == real.untyped_storage().nbytes())
+        symbolic = ctx.symbols is not None and any(has_symbols(m.fake) for m in members)
+        if symbolic and (not dense or layout_key(first.fake) != (
+                *map(expr_key, first.proxy.shape), *map(expr_key, first.proxy.stride))):
+            raise SymbolicUnsupported("an input with symbolic sizes that the program writes to "
+                                      "shares its memory, or has its shape changed in place")
         if dense:
             base = first.proxy
             clone = TensorProxy(names.fresh(base.name + "_updated"), first.fake)
