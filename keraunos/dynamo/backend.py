@@ -124,8 +124,10 @@ def lean_call(entry: CacheEntry, n_args: int, jitted):
     is ``entry`` (compiled with ``cache="same input"``: its prologue checks nothing, dynamo's
     guards did). It skips the call path's lookup, counters and timers: the computation function
     itself when the prologue passes dynamo's arguments through in order, the epilogue only
-    rebuilds the output tuple and no memory sharing between inputs can matter; otherwise the
-    prologue, the alias check where one matters, the computation and the epilogue in a row."""
+    rebuilds the output tuple and no memory sharing between inputs can matter; the computation
+    and the epilogue when the epilogue does more (rebuilds returned views) with nothing from the
+    prologue; otherwise the prologue, the alias check where one matters, the computation and
+    the epilogue in a row."""
     prologue, computation, epilogue = entry.prologue_fn, entry.computation_fn, entry.epilogue_fn
     # jit's _alias_check_for makes the same decision: sharing matters only for a program that
     # writes an input (or one compiled for inputs that shared memory).
@@ -140,9 +142,14 @@ def lean_call(entry: CacheEntry, n_args: int, jitted):
                 return epilogue(computation(*inputs), pro_to_epi)
             return jitted(*args)  # shared differently: keraunos compiles an entry for it
         return checked_call
-    passes_through = _passes_arguments_through(entry, n_args)
-    if passes_through and _returns_outputs_as_is(entry.epilogue_traces[-1]):
-        return computation
+    epilogue_trace = entry.epilogue_traces[-1]
+    if _passes_arguments_through(entry, n_args):
+        if _returns_outputs_as_is(epilogue_trace):
+            return computation
+        if not _reads_from_prologue(epilogue_trace):
+            def computation_epilogue(*args):  # it rebuilds returned views, say
+                return epilogue(computation(*args), ())
+            return computation_epilogue
 
     def prologue_computation_epilogue(*args):
         inputs, pro_to_epi = prologue(*args)
@@ -156,16 +163,22 @@ def _passes_arguments_through(entry: CacheEntry, n_args: int) -> bool:
     return [p.provenance for p in params] == [f"args[{i}]" for i in range(n_args)]
 
 
+def _reads_from_prologue(epilogue: Trace) -> bool:
+    """Whether the epilogue uses anything the prologue hands it (``pro_to_epi``)."""
+    return any("pro_to_epi" in b.args and (b.symbol.name != "unpack" or b.outputs)
+               for b in epilogue.bound_symbols)
+
+
 def _returns_outputs_as_is(epilogue: Trace) -> bool:
     """The epilogue unpacks the outputs and returns them in a tuple, in order: nothing else."""
     *unpacks, ret = epilogue.bound_symbols
     if ret.symbol.name != "return_value" or any(b.symbol.name != "unpack" for b in unpacks):
         return False
     outputs = [b.outputs for b in unpacks if b.args == ("outputs",)]
-    rest = [b.outputs for b in unpacks if b.args != ("outputs",)]
     built = ret.args[0] if len(ret.args) == 1 else None
-    return (len(outputs) == 1 and all(not r for r in rest) and getattr(built, "kind", None)
-            == "tuple" and list(built.children) == list(outputs[0]))
+    return (len(outputs) == 1 and not _reads_from_prologue(epilogue)
+            and getattr(built, "kind", None) == "tuple"
+            and list(built.children) == list(outputs[0]))
 
 
 def _functorch_depth() -> int:
