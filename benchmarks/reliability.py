@@ -3,7 +3,8 @@
 Run: python benchmarks/reliability.py [--calls 10000] [--shapes 40] [--threads 8] [--per-thread 500]
 
 - memory: one jitted module called ``--calls`` times cycling ``--shapes`` input shapes with the
-  default 8-entry cache, so nearly every call compiles and evicts. Resident memory, Python heap
+  default 8-entry cache, twice: with ``dynamic=False``, so nearly every call compiles and evicts,
+  and with automatic dynamic sizes (the default), so a few entries serve every shape. Resident memory, Python heap
   (tracemalloc), linecache entries and live keraunos traces are printed after warm-up and at the
   end; "flat" means the end is within noise of the warm-up figures. Also checks that a deleted
   jitted module and its model are freed.
@@ -61,10 +62,13 @@ def snapshot(label: str) -> tuple[float, float, int, int]:
     return figures
 
 
-def memory(calls: int, shapes: int) -> bool:
+def memory(calls: int, shapes: int, dynamic: bool | None) -> bool:
+    """``dynamic=False``: every size is compiled in, so with 40 shapes and 8 entries nearly every
+    call compiles and evicts (the worst case for memory); ``None``: automatic dynamic sizes."""
+    print(f"memory, jit(model, dynamic={dynamic}):")
     torch.manual_seed(0)
     model = Block()
-    jm = keraunos.jit(model)
+    jm = keraunos.jit(model, dynamic=dynamic)
     inputs = [torch.randn(1 + i % 5, 2 + i // 5, 16) for i in range(shapes)]
     tracemalloc.start()
     warm = calls // 10
@@ -129,7 +133,8 @@ def main() -> None:
     torch.set_num_threads(1)
     import warnings
     warnings.simplefilter("ignore")  # the one-time "recompiling often" warning is expected here
-    ok = memory(args.calls, args.shapes)
+    ok = memory(args.calls, args.shapes, dynamic=False)
+    ok = memory(args.calls, args.shapes, dynamic=None) and ok
     ok = threads(args.threads, args.per_thread) and ok
     raise SystemExit(0 if ok else 1)
 

@@ -213,7 +213,7 @@ def test_post_optimization_stage_time_counts_forward_and_backward():
 
 def test_threads_with_mixed_shapes_and_grad_modes_give_eager_results_and_exact_counters():
     f = lambda x: (x * 3).tanh().sum(0)  # noqa: E731
-    jf = keraunos.jit(f)
+    jf = keraunos.jit(f, dynamic=False)  # every shape an entry of its own
     inputs = [torch.randn(n, 4) for n in (1, 2, 3)]
     errors = []
 
@@ -241,7 +241,10 @@ def test_threads_with_mixed_shapes_and_grad_modes_give_eager_results_and_exact_c
 
 # ------------------------------------------------ 15: an entry releases what it held when evicted
 def keraunos_lines():
-    return {name for name in linecache.cache if name.startswith("<keraunos ")}
+    """The generated sources linecache holds, as (filename, source) pairs: a freed trace's
+    filename is reused by a later one, so the name alone does not say whose source it is."""
+    return {(name, "".join(entry[2])) for name, entry in linecache.cache.items()
+            if name.startswith("<keraunos ")}
 
 
 def test_entry_does_not_keep_the_compiling_calls_tensors_alive():
@@ -264,7 +267,7 @@ def test_entry_does_not_keep_the_compiling_calls_tensors_alive():
 def test_evicted_entries_release_traces_and_linecache_entries():
     # With the default debug history, which keeps summaries and holds entries weakly.
     f = lambda x: x.sin() * 2  # noqa: E731
-    jf = keraunos.jit(f, max_cache_entries=2)
+    jf = keraunos.jit(f, max_cache_entries=2, dynamic=False)  # every size its own entry
     before = keraunos_lines()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the recompiling warning
@@ -279,6 +282,24 @@ def test_evicted_entries_release_traces_and_linecache_entries():
     assert first() is None
     assert not first_lines & keraunos_lines()
     assert len(keraunos_lines() - before) <= 3 * len(first_lines)  # 2 entries and 1 remembered
+
+
+def test_recompiling_forever_reuses_the_generated_filenames():
+    # CPython 3.11 keeps every distinct filename code was compiled with for the life of the
+    # process: a program that keeps recompiling must cycle through a bounded set of them.
+    f = lambda x: x.cos() + 1  # noqa: E731
+    jf = keraunos.jit(f, max_cache_entries=2, dynamic=False)
+    names_seen = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recompiling warning
+        for n in range(1, 61):
+            x = torch.randn(n)
+            assert_close(jf(x), f(x))
+            gc.collect()
+            names_seen |= {name for name, _ in keraunos_lines()}
+    per_entry = len(keraunos.last_prologue_traces(jf)) + len(keraunos.last_traces(jf))
+    assert len(names_seen) < 60  # one new set of names per compile would be 60 x several
+    assert len(names_seen) <= 4 * per_entry + 10
 
 
 def test_deleted_jitted_module_and_its_model_are_freed():

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, user_source
+from .interceptors import paused_watch
 from .naming import is_inplace_by_name, is_random, torch_symbol
 from .symbolic import hint as size_hint
 
@@ -23,6 +24,10 @@ class Recorder(TorchFunctionMode):
         self.ctx = ctx
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        with paused_watch():
+            return self._record(func, types, args, kwargs)
+
+    def _record(self, func, types, args, kwargs):
         ctx = self.ctx
         kwargs = kwargs or {}
         if ctx.in_vmap:  # recorded below, at the ATen level (see CaptureContext.record_vmap)

@@ -18,6 +18,22 @@ from .proxies import Proxy
 from .symbols import BoundSymbol, CodeWriter
 
 _trace_counter = itertools.count()
+# Numbers of generated files whose code was freed, for reuse. CPython 3.11 keeps every distinct
+# filename a code object was compiled with for the life of the process (about 70 bytes each), so
+# a program that keeps recompiling must not mint a new filename for every trace it compiles.
+_free_numbers: list[int] = []
+
+
+def _file_number() -> int:
+    try:
+        return _free_numbers.pop()
+    except IndexError:  # none free (``pop`` is atomic: threads compiling at once are safe)
+        return next(_trace_counter)
+
+
+def _release_file(filename: str, number: int) -> None:
+    linecache.cache.pop(filename, None)
+    _free_numbers.append(number)
 
 
 @dataclass
@@ -89,11 +105,14 @@ class Trace:
     def python_callable(self) -> Callable:
         """Compile this trace; tracebacks point into its source (registered with ``linecache``)."""
         src, namespace = self.source()
-        filename = f"<keraunos {self.name} #{next(_trace_counter)}>"
+        number = _file_number()
+        filename = f"<keraunos {self.name} #{number}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
         exec(compile(src, filename, "exec"), namespace)
         fn = namespace[self.name]
         fn.__keraunos_source__ = src
-        # The source goes with the function: an evicted cache entry leaves nothing behind.
-        weakref.finalize(fn, linecache.cache.pop, filename, None)
+        # The source goes with the code: an evicted cache entry leaves nothing behind. The code,
+        # not the function, because a traceback keeps the code (and needs the source) after the
+        # function is gone; the filename is reused only once nothing can show it.
+        weakref.finalize(fn.__code__, _release_file, filename, number)
         return fn
