@@ -137,31 +137,38 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
         return trace.derive([_given_back(b, executors, fusion) for b in lines],
                             "Fusion: no regions", time.perf_counter() - start), []
     regions = []
-    if _why_not(lines, claimed) is None:
+    problem = _why_not(lines, claimed)
+    if problem is None:
         lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
                                       observable)
     counter = counter if counter is not None else [0]
-    fused: dict[int, tuple[BoundSymbol, FusionRegion]] = {}
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
+    fused: dict[int, tuple[BoundSymbol, Region]] = {}
     for r in regions:
         made = _fuse_region(r, trace.name, counter, environment, always_checked, done)
         if made is not None:
             fused[r.start] = (made, r)
-    result, kept = [], []
+    result = _assemble(lines, fused, executors, fusion)
+    kept = [b.symbol.region for b in result if isinstance(b.symbol, FusionSymbol)]
+    names = ", ".join(dict.fromkeys(b.executor for b in result))
+    label = f"{len(kept)} regions" if problem is None else f"no regions, {problem}"
+    return trace.derive(result, f"Fusion [{names}]: {label}", time.perf_counter() - start), kept
+
+
+def _assemble(lines, fused, executors, fusion) -> list[BoundSymbol]:
+    """The trace's lines with each fused region's run replaced by its one line."""
+    result = []
     i = 0
     while i < len(lines):
         if i in fused:
-            bsym, r = fused[i]
+            bsym, region = fused[i]
             result.append(bsym)
-            kept.append(bsym.symbol.region)
-            i = r.stop
+            i = region.stop
             continue
         result.append(_given_back(lines[i], executors, fusion))
         i += 1
-    names = ", ".join(dict.fromkeys(b.executor for b in result))
-    return trace.derive(result, f"Fusion [{names}]: {len(kept)} regions",
-                        time.perf_counter() - start), kept
+    return result
 
 
 def _given_back(bsym, executors, fusion):
@@ -218,4 +225,4 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked)
     return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
-                       subsymbols=list(r.lines), executor="inductor")
+                       subsymbols=list(r.lines), executor=InductorExecutor.name)
