@@ -1,4 +1,4 @@
-"""The model zoo (tests/test_model_zoo.py): compile time and per-call time, inference and a training step, per system.
+"""The model zoo: compile and per-call time of inference and a training step, per system.
 
 Run: python benchmarks/models.py [--models llama,bert] [--iters N] [--no-inductor] [--no-train]
 
