@@ -3,7 +3,10 @@
 An executor claims the bound symbols it can run; ``claim`` walks a trace and gives each line to
 the first executor in the user's list that claims it. Operator executors map one symbol to one
 callable; the ``torch`` executor claims every torch-level operation, the ``python`` executor the
-glue of prologues and epilogues (unpacking, checks, write-backs). A custom kernel plugs in by
+glue of prologues and epilogues (unpacking, checks, write-backs). The ``inductor`` fusion
+executor (``executors=["inductor", "torch"]``, see ``executors/fusion``) claims the lines it may
+fuse, and after the claims each run of them becomes one line calling an Inductor-compiled
+region; what it leaves goes to the next executor in the list. A custom kernel plugs in by
 registering an executor whose ``claims`` accepts the symbols it implements:
 
     >>> import keraunos
