@@ -10,11 +10,14 @@ the rest of the program can observe exact:
   inside a compiled graph comes back as a new tensor (or as a view rebuilt by a wrapper), so the
   line that makes it runs outside;
 - outputs that share memory with each other (``q, k, v = qkv.split(...)``) may come back as
-  separate tensors, which matters only when someone can see it: when they are returned to the
-  user or written in place later. Then the line that makes the view runs outside too.
+  separate tensors, which matters only when the caller receives them; then the line that makes
+  the later view runs outside. An output written in place afterwards is made outside too.
 
 Regions are cut where the layer (see ``layers.py``) or the device changes, so that the regions of
-identical layers are identical.
+identical layers are identical. Lines move where that keeps a layer in one region: a pure line
+that is not fused moves before the run it interrupts (a view of a RoPE table that only the first
+layer makes), and a fused line moves down to the first line that reads it (the backward
+recomputes cheap forward values at its start, which then join their layer's region).
 """
 from __future__ import annotations
 
