@@ -16,3 +16,10 @@ def _isolate_global_state():
     yield
     torch.set_grad_enabled(grad)
     torch.set_default_dtype(dtype)
+
+
+def pytest_configure(config):
+    # Every trace a pass makes and every trace compiled to Python is checked by the trace checker
+    # (keraunos.core.lint): a malformed trace fails the test that made it.
+    import os
+    os.environ.setdefault("KERAUNOS_LINT", "1")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import lint as _lint
 from .proxies import Proxy
 from .symbols import BoundSymbol, CodeWriter
 
@@ -58,9 +59,18 @@ class Trace:
                params: list[Any] | None = None) -> "Trace":
         """A new trace with these lines, its header extended by ``label`` (the pass that made it)."""
         timing = f" (took {seconds * 1e3:.2f} ms)" if seconds is not None else ""
-        return Trace(self.name, list(self.params if params is None else params), bound_symbols,
-                     self.header + [f"Constructed by {label}{timing}"], dict(self.namespace),
-                     seconds or 0.0)
+        derived = Trace(self.name, list(self.params if params is None else params), bound_symbols,
+                        self.header + [f"Constructed by {label}{timing}"], dict(self.namespace),
+                        seconds or 0.0)
+        if _lint.enabled():
+            derived.lint()
+        return derived
+
+    def lint(self) -> None:
+        """Check that the trace is well formed (names bound before they are read, once, never
+        read after their ``del``); raises ``TraceLintError`` saying where it is not. See
+        ``keraunos.core.lint``."""
+        _lint.check(self)
 
     def with_bound_symbols(self, bound_symbols: list[BoundSymbol]) -> "Trace":
         """A copy of this trace with other lines; for a ``Transform`` (``jit`` labels the result
@@ -104,6 +114,8 @@ class Trace:
 
     def python_callable(self) -> Callable:
         """Compile this trace; tracebacks point into its source (registered with ``linecache``)."""
+        if _lint.enabled():
+            self.lint()
         src, namespace = self.source()
         number = _file_number()
         filename = f"<keraunos {self.name} #{number}>"
