@@ -7,6 +7,7 @@ Every test compares against eager PyTorch.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -336,3 +337,121 @@ def test_symbolic_int_and_float_arguments_keep_their_types():
     for n, scale in ((2, 0.5), (3, 0.5), (4, 0.5), (3, 2.0)):
         assert_close(jf(x, n, scale), f(x, n, scale))
     assert keraunos.cache_misses(jf) == 2  # a new float value is a new entry
+
+
+# ------------------------------------------------------- mutable objects as inputs (a KV cache)
+class _Layer:
+    def __init__(self):
+        self.keys = None
+        self.is_initialized = False
+
+
+class _Cache:
+    """A cache object in the style of Hugging Face's DynamicCache: a list of layers that grows on
+    the first call, tensors that grow by concatenation, a plain step counter."""
+
+    def __init__(self):
+        self.layers = []
+        self.steps = 0
+
+    def update(self, k, i):
+        while len(self.layers) <= i:
+            self.layers.append(_Layer())
+        layer = self.layers[i]
+        if not layer.is_initialized:
+            layer.keys = k
+            layer.is_initialized = True
+        else:
+            layer.keys = torch.cat([layer.keys, k], dim=-2)
+        return layer.keys
+
+
+def _decode(x, cache):
+    out = x
+    for i in range(2):
+        k = cache.update(out * (i + 1), i)
+        out = out + k.sum(-2, keepdim=True)
+    cache.steps = cache.steps + 1
+    return out
+
+
+def test_object_passed_in_is_left_as_eager_leaves_it_and_growing_tensors_are_symbolic():
+    jf = keraunos.jit(_decode)
+    cache, cache_ref = _Cache(), _Cache()
+    for step in range(10):
+        x = torch.randn(1, 3 if step == 0 else 1, 4)
+        assert_close(jf(x, cache), _decode(x, cache_ref))
+        assert cache.steps == cache_ref.steps and len(cache.layers) == len(cache_ref.layers)
+        for layer, layer_ref in zip(cache.layers, cache_ref.layers):
+            assert type(layer) is _Layer and layer.is_initialized == layer_ref.is_initialized
+            assert_close(layer.keys, layer_ref.keys)
+    assert keraunos.cache_misses(jf) <= 3  # first call, then the counter and lengths symbolic
+    epilogue = str(keraunos.last_epilogue_traces(jf)[-1])
+    assert ".keys = " in epilogue and ".steps = " in epilogue
+
+
+def test_object_passed_in_with_an_attribute_read_that_is_absent_is_guarded():
+    class Box:
+        pass
+    f = lambda x, box: x * getattr(box, "scale", 2.0)  # noqa: E731
+    jf = keraunos.jit(f)
+    box = Box()
+    x = torch.randn(3)
+    assert_close(jf(x, box), f(x, box))
+    box.scale = 5.0
+    assert_close(jf(x, box), f(x, box))
+    assert keraunos.cache_misses(jf) == 2
+
+
+HF_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _hf_model(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                         n_positions=128)
+    else:
+        config = transformers.AutoConfig.for_model(kind, **HF_TINY)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_hf_generate_with_the_default_dynamic_cache(kind):
+    model, model_ref = _hf_model(kind)
+    model.forward = keraunos.jit(model.forward)
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    compiles = []
+    for prompt in (7, 11, 5):
+        ids = torch.randint(1, 128, (1, prompt))
+        before = keraunos.cache_misses(model.forward)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+            ref = model_ref.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        assert out.tolist() == ref.tolist()
+        compiles.append(keraunos.cache_misses(model.forward) - before)
+    # Prefill, first decode step, then decode with the cache length symbolic; a new prompt
+    # length makes the prefill symbolic once; after that nothing compiles.
+    assert compiles[0] <= 3 and compiles[1] <= 1 and compiles[2] == 0, compiles
+
+
+@pytest.mark.parametrize("kind,implementation", [("mistral", None), ("llama", "static")])
+def test_hf_generate_gives_eager_tokens(kind, implementation):
+    # Mistral's sliding-window cache specializes on its length (one entry per position, within
+    # the cache bound); a static cache compiles a few entries per prompt length.
+    model, model_ref = _hf_model(kind)
+    model.forward = keraunos.jit(model.forward)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if implementation:
+        options["cache_implementation"] = implementation
+    for prompt in (7, 10):
+        ids = torch.randint(1, 128, (1, prompt))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cache bound's recompiling warning (Mistral)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+            ref = model_ref.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        assert out.tolist() == ref.tolist()
+

@@ -93,7 +93,7 @@ LIMIT_CACHE_INPUT = (
 
 # Bugs fixed since this table was written: no longer blockers.
 FIXED = {BUG_SLICE, BUG_GETATTR, BUG_UNUSED_OUTPUT_GRAD, BUG_VMAP, BUG_DATA_BOOL,
-         BUG_RETURNED_OBJECT}
+         BUG_RETURNED_OBJECT, LIMIT_CACHE_INPUT}
 
 # (test, kind, attn) -> the bugs that make it fail today, in the order they are hit; kind/attn None
 # matches every value. (With the data-dependent checks skipped, as transformers does under

@@ -31,10 +31,11 @@ from .guards import Guard, is_plain
 from .naming import is_inplace_by_name, is_random
 from .provenance import Path, root
 
-from .recording import _recording_module_class, _recording_object_class
+from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
 from .state import SET_GLOBAL_STATE, global_state
 from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported, has_symbols,
                        is_backed)
+from .symbolic import _from_call
 from .symbolic import hint as size_hint
 
 
@@ -90,6 +91,7 @@ class CaptureContext:
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
+        self.argument_objects: set[int] = set()  # ids of plain objects passed in (writable)
         self.state = self.initial_state = global_state()
         # Where each module, parameter and buffer of the tree lives, for values that reach the
         # program without an attribute read we saw (ModuleList iteration, self.parameters()).
@@ -178,7 +180,10 @@ class CaptureContext:
             if proxy is not None:
                 self.guard("symbolic int", path, proxy)
                 return symint
-        if is_plain(value) and path.kind != "root":
+        # A list or dict held by an object passed in is a container the program may change (a
+        # cache's list of layers), even while it holds only plain values.
+        held = type(value) in (list, dict) and path.kind == "attr" and _from_call(path)
+        if is_plain(value) and path.kind != "root" and not held:
             self.guard("value", path, value)
             return value
         if type(value) in (tuple, list) or _is_namedtuple(value):
@@ -206,6 +211,12 @@ class CaptureContext:
             # very same object; plain objects are also watched field by field as they are read.
             self.guard("identity", path, value)
             self._watch_object(value, path)
+            return value
+        if path.kind != "root" and _from_call(path) and self._watch_object(value, path,
+                                                                         writable=True):
+            # A plain object passed in (a KV cache): its class is checked, each attribute the
+            # program reads is an input with its own checks, and its writes are replayed.
+            self.guard("type", path, self.original_classes[id(value)])
             return value
         raise UnsupportedInputError(
             f"keraunos.jit: {path} is a {type(value).__qualname__}, which keraunos cannot check on "
@@ -373,24 +384,43 @@ class CaptureContext:
         self._overlay.setdefault(id(module), {})[name] = value
         self.attribute_writes.append(AttributeWrite(self.module_path(module), name, value))
 
-    def _watch_object(self, obj: Any, path: Path) -> None:
+    def _watch_object(self, obj: Any, path: Path, writable: bool = False) -> bool:
+        """Swap in a recording class; whether ``obj`` is watched (at ``path``) afterwards.
+        ``writable``: the object came with the call, so the program's writes to it are recorded
+        and replayed by the epilogue rather than made to the object during capture."""
         if id(obj) in self._object_paths or isinstance(obj, torch.nn.Module):
-            return
+            return self._object_paths.get(id(obj)) == path
         cls = type(obj)
         if not hasattr(obj, "__dict__") or cls.__module__ == "builtins" or isinstance(obj, type) \
                 or callable(obj):
-            return
+            return False
         try:
-            obj.__class__ = _recording_object_class(cls)
+            obj.__class__ = (_recording_argument_class if writable else _recording_object_class)(cls)
         except TypeError:
-            return
+            return False
         self._object_paths[id(obj)] = path
         self.original_classes[id(obj)] = cls
         self._swapped.append((obj, cls))
+        if writable:
+            self.argument_objects.add(id(obj))
+        return True
+
+    def object_setattr(self, obj, name: str, value: Any) -> None:
+        """``obj.name = value`` on an object passed in: seen by later reads, replayed by the
+        epilogue (``cache.keys = t5``)."""
+        if id(obj) not in self.argument_objects:
+            self.original_classes[id(obj)].__setattr__(obj, name, value)
+            return
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        self._overlay.setdefault(id(obj), {})[name] = value
+        self.attribute_writes.append(AttributeWrite(self._object_paths[id(obj)], name, value))
 
     def object_getattr(self, obj, name: str) -> Any:
         d = object.__getattribute__(obj, "__dict__")
         cls = self.original_classes[id(obj)]
+        if id(obj) in self.argument_objects:
+            return self._argument_getattr(obj, d, cls, name)
         if cls.__getattribute__ is not object.__getattribute__:
             # The object resolves names itself (a config's attribute_map, say): read through it.
             value = cls.__getattribute__(obj, name)
@@ -400,6 +430,27 @@ class CaptureContext:
         if name in d:
             return self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
         return object.__getattribute__(obj, name)
+
+    def _argument_getattr(self, obj, d: dict, cls: type, name: str) -> Any:
+        overlay = self._overlay.setdefault(id(obj), {})
+        if name in overlay:  # written by the program, or read before (one stand-in per list)
+            return overlay[name]
+        if cls.__getattribute__ is not object.__getattribute__:
+            raise UnsupportedInputError(
+                f"keraunos.jit: {self._object_paths[id(obj)]} is a {cls.__qualname__}, which "
+                f"resolves attributes itself; keraunos cannot record what the program reads.")
+        if name in d:
+            # Read inside the program: the recording mode must not see the metadata reads of
+            # taking the value in (a real tensor would count as reached from nowhere).
+            with torch._C.DisableTorchFunction():
+                value = self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
+            overlay[name] = value
+            return value
+        try:
+            return object.__getattribute__(obj, name)  # methods, class attributes: type checked
+        except AttributeError:
+            self.guard("absent attribute", Path(self._object_paths[id(obj)], "attr", name), None)
+            raise
 
     def swap_module_classes(self, module: torch.nn.Module) -> None:
         for sub in module.modules():

@@ -77,6 +77,15 @@ class ViewOf:
     name: str | None = None
 
 
+@dataclass(eq=False)
+class ObjectRef:
+    """An object that came with the call (a cache object), put somewhere by the program: the
+    epilogue refers to the object the prologue finds at ``path``, never the capture's."""
+
+    path: Path
+    name: str | None = None
+
+
 def new_object(cls, state: dict):
     """An object of ``cls`` with this ``__dict__``, made without calling its ``__init__``."""
     obj = cls.__new__(cls)
@@ -85,7 +94,8 @@ def new_object(cls, state: dict):
 
 
 def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: True,
-                _building: set | None = None, number: Callable | None = None) -> Any:
+                _building: set | None = None, number: Callable | None = None,
+                reference: Callable | None = None) -> Any:
     """``value`` with every tensor replaced by ``leaf(tensor)`` and containers by ``Build`` nodes.
 
     An object the program made (``known(obj)`` is false: it existed before the call in no form
@@ -93,6 +103,9 @@ def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: Tru
     ``__dict__``, so that no call shares it and no capture-time tensor leaks out in it."""
     if isinstance(value, torch.Tensor):
         return leaf(value)
+    ref = reference(value) if reference is not None else None
+    if ref is not None:
+        return ref
     if number is not None:  # symbolic sizes returned (``x.shape[1]``, ``x.shape``)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return number(value)
@@ -102,7 +115,7 @@ def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: Tru
         _building = set()
 
     def child(v):
-        return template_of(v, leaf, known, _building, number)
+        return template_of(v, leaf, known, _building, number, reference)
     if (not known(value) and hasattr(value, "__dict__") and not isinstance(value, type)
             and not callable(value) and not isinstance(value, torch.nn.Module)
             and type(value).__module__ != "builtins" and not dataclasses.is_dataclass(value)):
@@ -161,6 +174,8 @@ def _code(node: Any, w) -> str:
         if node.python_type is dict:
             return "{" + items + "}"
         return f"{w.constant(node.python_type, node.python_type.__name__)}({{{items}}})"
+    if isinstance(node, ObjectRef):
+        return node.name
     if isinstance(node, FromInput) and node.member is not None:
         return node.member.name
     if isinstance(node, (FromInput, ViewOf)):
@@ -285,6 +300,9 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
         for v in _symbolic_values(node):  # the sizes a view or a returned number reads
             for p in v.proxies:
                 want(p)
+        if isinstance(node, ObjectRef):
+            node.name = want(node.path).name
+            return
         if isinstance(node, (FromInput, ViewOf)):
             if isinstance(node, FromInput):
                 want(node.base)

@@ -55,6 +55,8 @@ class Guard:
             return f"{where} is the same object as when compiled ({type(self.expected).__name__})"
         if self.kind == "symbolic int":
             return f"{where} is an int (compiled as the symbol {self.expected.name})"
+        if self.kind == "absent attribute":
+            return f"{where} does not exist"
         if self.kind == "absent":
             return f"{where} does not exist"
         if self.kind == "type":

@@ -37,7 +37,7 @@ from .symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
                        refuse_raw_symbols)
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .epilogue import Build, FromInput, ViewGrad, ViewOf, build_epilogue, template_of
+from .epilogue import Build, FromInput, ObjectRef, ViewGrad, ViewOf, build_epilogue, template_of
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -299,10 +299,18 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
         return proxy
 
     number = ctx.symbols.code if ctx.symbols is not None else None
-    out_template = template_of(out, collect, ctx.saw_before_the_call, number=number)
-    writes = [(w, template_of(w.value, collect, number=number)) for w in ctx.attribute_writes]
+
+    def reference(value):  # an object passed in, put somewhere by the program
+        if id(value) in ctx.argument_objects and not isinstance(value, torch.Tensor):
+            return ObjectRef(ctx._object_paths[id(value)])
+        return None
+    known = ctx.saw_before_the_call
+    out_template = template_of(out, collect, known, number=number, reference=reference)
+    # Objects the program made (a cache layer it appended) are made again on every call.
+    writes = [(w, template_of(w.value, collect, known, number=number, reference=reference))
+              for w in ctx.attribute_writes]
     container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect,
-                                           number=number))
+                                           known, number=number, reference=reference))
                         for path, now, before in ctx.containers if _changed(now, before)]
     for g in groups:
         if g.updated.name not in seen:

@@ -148,6 +148,12 @@ class _Builder:
                        if isinstance(expected, (bool, torch.dtype)) or expected is None
                        else f"{g.expression} != {w.value(expected)}", False)
             return
+        if g.kind == "absent attribute":  # of a plain object passed in
+            parent = self.var(g.path.parent)
+            name = g.path.key
+            self.check(g.description, lambda w: f"{name!r} in {parent}.__dict__", False, guard=g,
+                       uses=(parent,))
+            return
         if g.kind == "absent":
             parent = self.var(g.path.parent)
             name = g.path.key

@@ -23,15 +23,17 @@ def _recording_class(cls: type, kind: str) -> type:
                 return cls.__getattribute__(self, name)
             return getattr(ctx, read)(self, name)
 
+        write = "module_setattr" if kind == "module" else "object_setattr"
+
         def __setattr__(self, name, value):
             ctx = getattr(_active, "ctx", None)
             if ctx is None:
                 return cls.__setattr__(self, name, value)
-            ctx.module_setattr(self, name, value)
+            getattr(ctx, write)(self, name, value)
 
         namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__,
                      "__qualname__": cls.__qualname__}
-        if kind == "module":
+        if kind in ("module", "argument"):
             namespace["__setattr__"] = __setattr__
         sub = _recording_classes[(cls, kind)] = type(cls.__name__, (cls,), namespace)
     return sub
@@ -43,3 +45,8 @@ def _recording_module_class(cls: type) -> type:
 
 def _recording_object_class(cls: type) -> type:
     return _recording_class(cls, "object")
+
+
+def _recording_argument_class(cls: type) -> type:
+    """For plain objects passed to the program: reads and writes recorded."""
+    return _recording_class(cls, "argument")

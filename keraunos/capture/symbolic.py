@@ -233,6 +233,8 @@ class Symbols:
     """The size symbols of one capture: their names, bindings and the prologue's checks."""
 
     def __init__(self, fake_mode, names):
+        # Imported before the capture watches Python calls (its first import runs importers).
+        from torch._dynamo.source import ConstantSource  # noqa: F401
         self.fake_mode = fake_mode
         self.env = fake_mode.shape_env
         self.names = names
