@@ -332,7 +332,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes)
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
                                             check_values)
-    if ctx.symbols is not None:
+    if ctx.symbols is not None and ctx.symbols.bindings:
         for trace in (computation, epilogue.trace):
             refuse_raw_symbols(trace)
     return Program(prologue, computation, epilogue.trace, descriptions)

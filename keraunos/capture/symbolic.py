@@ -358,6 +358,6 @@ def refuse_raw_symbols(trace) -> None:
                 visit(k)
                 visit(v)
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # epilogue templates
-            visit(vars(x))
+            visit([getattr(x, f.name, None) for f in dataclasses.fields(x)])
     for b in trace.bound_symbols:
         visit((b.args, b.kwargs))
