@@ -332,7 +332,8 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     except Exception as e:  # noqa: BLE001 - exact sizes are the safe way for anything
         if not request.any_dynamic:
             raise
-        state.symbolic_fallbacks.append(f"{type(e).__name__}: {e}")
+        # The last few only: a program that always falls back must not grow this list.
+        state.symbolic_fallbacks = state.symbolic_fallbacks[-15:] + [f"{type(e).__name__}: {e}"]
         entry = None
     finally:
         _active.dynamic = None
