@@ -167,3 +167,22 @@ def test_unused_read_between_two_in_place_writes_of_a_view_is_kept():
         results.append((base, model.w.grad))
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1])
+
+
+def test_a_branch_on_a_symbolic_size_is_guarded():
+    # Fuzzer 20:1792: after sizes 3 and 5 made dimension 0 symbolic, `n % 2 == 0` was assumed
+    # (the ShapeEnv's own guards were taken as axioms when dropping implied ones), so size 4 ran
+    # the odd branch: float32 where eager gives float64.
+    def f(a):
+        t1 = a.sum(-1) + a.shape[0]
+        if a.shape[0] % 2 == 0:
+            return t1.to(torch.float64)
+        return t1 / 2
+
+    jf = keraunos.jit(f)
+    for n in (3, 5, 4, 7, 6):
+        a = torch.randn(n, 4)
+        out, want = jf(a), f(a)
+        assert out.dtype == want.dtype
+        torch.testing.assert_close(out, want)
+    assert keraunos.cache_misses(jf) == 3  # 3; 5 (symbolic, odd); 4 (symbolic, even)
