@@ -6,9 +6,9 @@
 - ``KERAUNOS_DEBUG=2``: also writes every trace after every pass as a ``.py`` file into a folder,
   one subfolder per compilation. The folder is logged when the first file is written; set
   ``KERAUNOS_DEBUG_DIR`` to choose it.
-- ``KERAUNOS_DEBUG=3``: also the generated kernels of fusion regions. keraunos has no fusion
-  executor yet, so today 3 writes what 2 writes; an entry that carries ``fusion_regions``
-  (objects with ``name`` and ``source``) gets them written under ``fusion/``.
+- ``KERAUNOS_DEBUG=3``: also the fusion regions of entries compiled with the inductor executor
+  (``executors=["inductor", "torch"]``): each region's trace, FX graph and Inductor's generated
+  kernel code, written under ``fusion/``.
 
 Nothing here runs on a cache hit: ``compiled`` is called once per compilation, at the end of the
 miss path. Every compilation is also remembered (the last ``HISTORY`` per jitted callable), with
@@ -41,7 +41,7 @@ class DebugLevel(enum.IntEnum):
     OFF = 0
     COMPILATIONS = 1  # log each compilation
     TRACES = 2        # and write every trace after every pass
-    KERNELS = 3       # and the fusion regions' kernels (once fusion exists)
+    KERNELS = 3       # and the fusion regions' kernels
 
 
 def level() -> DebugLevel:
@@ -186,7 +186,7 @@ def write_traces(name: str, record: Compilation, wanted: DebugLevel) -> str:
 
 
 def write_fusion_kernels(folder: str, entry) -> None:
-    """Each fusion region's generated kernel source, once a fusion executor provides them."""
+    """Each fusion region's trace, FX graph and generated kernel source."""
     regions = getattr(entry, "fusion_regions", None) or ()
     if not regions:
         return

@@ -274,8 +274,10 @@ def _inputs_table(entry) -> str:
 def _fusion(entry) -> str:
     regions = getattr(entry, "fusion_regions", None) or ()
     if not regions:
-        return ('<h3>Fusion regions</h3><p class="note">None: keraunos has no fusion executor '
-                "yet, so every op runs through its operator executor (see the claims pass).</p>")
+        return ('<h3>Fusion regions</h3><p class="note">None: this entry was compiled without '
+                "the inductor executor (jit(..., executors=['inductor', 'torch'])), or nothing in "
+                "it could be fused, so every op runs through its operator executor (see the "
+                "claims pass).</p>")
     blocks = []
     for i, region in enumerate(regions):
         source = str(getattr(region, "source", region))
