@@ -186,3 +186,26 @@ def test_a_branch_on_a_symbolic_size_is_guarded():
         assert out.dtype == want.dtype
         torch.testing.assert_close(out, want)
     assert keraunos.cache_misses(jf) == 3  # 3; 5 (symbolic, odd); 4 (symbolic, even)
+
+
+def test_writing_a_parameter_through_a_detached_view_passed_in_is_refused_not_wrong():
+    # Fuzzer 21:799: `d` is `model.w.detach()[:]`; one flat copy of their memory stood for both,
+    # as a tensor that does not require grad, so w's gradient was lost. Refused now, with the
+    # model and its parameter as they were.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, a, d):
+            d.tanh_()
+            return (self.w + a).clone()
+
+    model = M()
+    before = model.w.detach().clone()
+    jm = keraunos.jit(model)
+    with pytest.raises(keraunos.CaptureError, match="disagree on requires_grad"):
+        jm(torch.randn(4), model.w.detach()[:])
+    assert torch.equal(model.w.detach(), before) and model.w.grad is None
+    a = torch.randn(4)
+    torch.testing.assert_close(jm(a, torch.zeros(4)), model(a, torch.zeros(4)))

@@ -210,6 +210,17 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
                                        new_metadata))
         else:
+            if len({m.proxy.requires_grad for m in members}) > 1:
+                # One flat copy of the memory cannot be a leaf that requires grad for one member
+                # and a detached alias for another: a parameter's gradient was lost when the
+                # program wrote its memory through a detached view passed in (fuzzer 21:799).
+                paths = ", ".join(f"{m.path} (requires_grad={m.proxy.requires_grad})"
+                                  for m in members)
+                raise CaptureError(
+                    f"keraunos cannot capture this call: inputs that share memory, {paths}, "
+                    f"disagree on requires_grad, and the program writes that memory in place.\n"
+                    f"  What to do: pass a copy (`.clone()`) of the detached tensor, or write "
+                    f"through the tensor that requires grad under torch.no_grad().")
             storage = real.untyped_storage()
             n = storage.nbytes() // real.element_size()
             with ctx.fake_mode:
