@@ -169,9 +169,14 @@ def _alias_check_for(entry: CacheEntry) -> Callable:
         a, b = positions
         return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
     if entry.alias_pattern is None and written is not None:
+        # The storage's use count counts tensor objects: one tensor passed in two places is
+        # "alone" by it, so those places are compared by identity too (fuzzer 30:1326).
+        others = {i: tuple(j for j in positions if j != i) for i in written}
+
         def check(inputs):
             for i in written:
-                if not _alone(inputs[i]):
+                t = inputs[i]
+                if not _alone(t) or any(inputs[j] is t for j in others[i]):
                     return _alias_pattern(entry, inputs) is None
             return True
         return check

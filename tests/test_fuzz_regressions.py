@@ -209,3 +209,27 @@ def test_writing_a_parameter_through_a_detached_view_passed_in_is_refused_not_wr
     assert torch.equal(model.w.detach(), before) and model.w.grad is None
     a = torch.randn(4)
     torch.testing.assert_close(jm(a, torch.zeros(4)), model(a, torch.zeros(4)))
+
+
+def test_one_tensor_passed_twice_to_a_program_writing_one_of_them_recompiles():
+    # Fuzzer 30:1326: the entry compiled for separate tensors checked "the written input is
+    # alone" by its storage's use count, which counts tensor objects: one tensor passed as both
+    # arguments passed that check, and `a` did not see the write through `b`.
+    class M(torch.nn.Module):
+        def forward(self, a, b):
+            b.t().mul_(2.0)
+            return a.clone()
+
+    model = M()
+    jm = keraunos.jit(model)
+    leaf = torch.randn(3, 4, requires_grad=True)
+    jm(leaf.clone(), leaf.clone())
+    got_in, want_in = leaf.clone(), leaf.clone()
+    got, want = jm(got_in, got_in), model(want_in, want_in)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_in, want_in)
+    got.sum().backward()
+    leaf_grad_jit = leaf.grad.clone()
+    leaf.grad = None
+    want.sum().backward()
+    torch.testing.assert_close(leaf_grad_jit, leaf.grad)

@@ -210,10 +210,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
                                        new_metadata))
         else:
-            if len({m.proxy.requires_grad for m in members}) > 1:
+            if torch.is_grad_enabled() and len({m.proxy.requires_grad for m in members}) > 1:
                 # One flat copy of the memory cannot be a leaf that requires grad for one member
                 # and a detached alias for another: a parameter's gradient was lost when the
                 # program wrote its memory through a detached view passed in (fuzzer 21:799).
+                # (Under no_grad, the call's mode, no gradient is recorded: one copy serves.)
                 paths = ", ".join(f"{m.path} (requires_grad={m.proxy.requires_grad})"
                                   for m in members)
                 raise CaptureError(
