@@ -214,11 +214,8 @@ def _bind_formatter(bsym, w):
     return [f"{bsym.outputs.name} = {bsym.info['read']}  # {bsym.info['where']}"]
 
 
-def _symbolic_tensor_formatter(bsym, w):
-    (t,), e = bsym.args, bsym.info["expected"]
-    return [f"if not check_tensor({t.name}, {w.value(e['shape'])}, {w.value(e['stride'])}, "
-            f"{w.value(e['dtype'])}, {w.value(e['device'])}, {e['requires_grad']}): "
-            f"return {bsym.info['index']}"]
+# A tensor check with symbolic sizes prints as the exact one (its sizes are the bound names).
+_symbolic_tensor_formatter = _check_tensor_formatter
 
 
 def _size_checks_formatter(bsym, w):
