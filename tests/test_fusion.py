@@ -464,6 +464,52 @@ def test_litgpt_adamw_losses_and_gradients_match_eager(family):
         assert second <= first, kernels
 
 
+def saved_for_backward(fn, parameters):
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` builds its
+    graph: all of them, and those that are not parameters (the activations); and ``fn()``."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    params = {p.untyped_storage().data_ptr() for p in parameters}
+    activations = sum(n for ptr, n in storages.items() if ptr not in params)
+    return sum(storages.values()), activations, result
+
+
+def test_litgpt_fused_training_saves_no_more_than_eager():
+    # The llama2 config of the AdamW test above: its kernels are already in this process.
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+    name, overrides = LITGPT_FAMILIES["llama2"]
+    config = litgpt.Config.from_name(name, n_layer=2, n_embd=64, vocab_size=256,
+                                     padded_vocab_size=256, block_size=64, **overrides)
+    torch.manual_seed(0)
+    model = LitGPT(config)
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED)
+    idx = torch.randint(0, 256, (2, 16))
+    jitted(idx)  # compile outside the measurement
+    got, got_activations, out = saved_for_backward(lambda: jitted(idx), model.parameters())
+    want, want_activations, ref = saved_for_backward(lambda: reference(idx),
+                                                     reference.parameters())
+    assert got_activations > 0
+    assert got <= want, f"keraunos+inductor saves {got} bytes for backward, eager {want}"
+    assert got_activations <= want_activations, (got_activations, want_activations)
+    assert fusion_lines(keraunos.last_traces(jitted)[-1])
+    assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
+    assert_close(out, ref, **TOL)
+    grad = torch.randn_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, **TOL, msg=pname)
+
+
 def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypatch):
     def refuse(*args):
         raise RuntimeError("lowering failed")
