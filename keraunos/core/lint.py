@@ -32,7 +32,7 @@ def enabled() -> bool:
 def problems(trace) -> list[str]:
     """Every rule the trace breaks, one sentence each."""
     found = _proxy_problems(trace)
-    src, namespace = trace.source()
+    src, namespace = trace.source(executable=True)
     found += _source_problems(src, trace.name, namespace)
     return found
 

@@ -1,7 +1,8 @@
 """Trace: an ordered list of bound symbols with a signature; printable, runnable Python.
 
 ``str(trace)`` and ``trace.python_callable()`` come from the same generated source, so what you
-read is what runs. Passes never mutate a trace: they return a new one whose header says which pass
+read is what runs (the source that runs calls each ATen overload through its bound C++ entry
+point, where the printed one says ``torch.ops.aten.X.Y``; ``fn.__keraunos_source__`` is it). Passes never mutate a trace: they return a new one whose header says which pass
 made it and how long it took.
 """
 from __future__ import annotations
@@ -78,9 +79,11 @@ class Trace:
         return Trace(self.name, list(self.params), list(bound_symbols), list(self.header),
                      dict(self.namespace))
 
-    def source(self) -> tuple[str, dict[str, Any]]:
+    def source(self, executable: bool = False) -> tuple[str, dict[str, Any]]:
+        """The Python of this trace and the namespace it runs in; ``executable``: the source
+        ``python_callable`` compiles (see ``CodeWriter``)."""
         namespace: dict[str, Any] = {"torch": torch, **self.namespace}
-        w = CodeWriter(namespace)
+        w = CodeWriter(namespace, executable)
         params = []
         for p in self.params:
             if isinstance(p, Proxy):
@@ -116,7 +119,7 @@ class Trace:
         """Compile this trace; tracebacks point into its source (registered with ``linecache``)."""
         if _lint.enabled():
             self.lint()
-        src, namespace = self.source()
+        src, namespace = self.source(executable=True)
         number = _file_number()
         filename = f"<keraunos {self.name} #{number}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
