@@ -1,15 +1,21 @@
 """The jitted callable: the call path, cache entries, and compilation on a miss.
 
-Every call runs the steps below, each a module-level function so that profilers see them by name:
+Every call runs the three steps below, each a module-level function so that profilers see them
+by name:
 
     entry, inputs, pro_to_epi = get_computation_and_inputs(jitted, args, kwargs)
     result = entry.computation_fn(*inputs)
-    result = maybe_connect_to_autograd(entry, result)
     return maybe_call_epilogue(entry, result, pro_to_epi)
 
 ``get_computation_and_inputs`` tries the cache entries, most recently used first: an entry is
 valid for a call when its prologue's checks pass and ``check_storage_aliases`` finds the inputs
 share memory exactly as they did when it was compiled. On a miss it compiles a new entry.
+
+There is no separate step that connects the result to autograd (the design's
+``maybe_connect_to_autograd``): for an entry with a backward trace, ``computation_fn`` runs the
+forward inside a ``torch.autograd.Function`` (``autograd/function.py``), because autograd records
+a node only while the forward runs. Wrapping results after the fact would hand back new tensor
+objects where the program returns its inputs, and eager returns the very objects.
 """
 from __future__ import annotations
 
@@ -62,40 +68,58 @@ class Fallback(enum.Enum):
     DYNAMO = "dynamo"  # warn once and run through torch.compile(backend=keraunos.dynamo.backend())
 
 
-class _JitState:
-    """What a jitted callable holds: its program, options and cache."""
+@dataclass(frozen=True)
+class JitOptions:
+    """What ``keraunos.jit`` was asked for, checked once in ``jit()``: every later reader sees
+    typed values (enums, executor objects), never the strings a user may pass."""
 
-    def __init__(self, fn, module, executors, transforms, cache, max_cache_entries, profile,
-                 specialize_data=False, fallback="error", dynamic=None):
-        self.options = dict(executors=executors, transforms=transforms, cache=cache,
-                            max_cache_entries=max_cache_entries, profile=profile,
-                            specialize_data=specialize_data, fallback=fallback, dynamic=dynamic)
-        if dynamic not in (None, True, False):
-            raise ValueError(f"keraunos.jit: dynamic must be None, True or False, got {dynamic!r}")
-        self.dynamic = dynamic
-        try:
-            self.fallback = Fallback(fallback)
-        except ValueError:
-            raise ValueError(f"keraunos.jit: fallback must be one of "
-                             f"{[m.value for m in Fallback]}, got {fallback!r}") from None
-        self.specialize_data = bool(specialize_data)
-        self.fn = fn
-        self.module = module
-        self.executors = executors_module.resolve(executors)
-        self.transforms = list(transforms or ())
-        for t in self.transforms:
+    executors: tuple                 # Executor objects, in order of preference; python last
+    transforms: tuple[Transform, ...]
+    cache: CacheMode
+    max_cache_entries: int
+    profile: bool
+    specialize_data: bool
+    fallback: Fallback
+    dynamic: bool | None
+
+    @classmethod
+    def validated(cls, *, executors=None, transforms=None, cache="constant values",
+                  max_cache_entries=8, profile=None, specialize_data=False, fallback="error",
+                  dynamic=None) -> "JitOptions":
+        for t in transforms or ():
             if not isinstance(t, Transform):
                 raise TypeError(f"keraunos.jit: transforms must be keraunos.Transform instances, "
                                 f"got {t!r}")
-        try:
-            self.cache_mode = CacheMode(cache)
-        except ValueError:
-            raise ValueError(f"keraunos.jit: cache must be one of "
-                             f"{[m.value for m in CacheMode]}, got {cache!r}") from None
+        if dynamic not in (None, True, False):
+            raise ValueError(f"keraunos.jit: dynamic must be None, True or False, got {dynamic!r}")
         if max_cache_entries < 1:
             raise ValueError("keraunos.jit: max_cache_entries must be at least 1")
-        self.max_cache_entries = max_cache_entries
-        self.profile = profile
+        return cls(tuple(executors_module.resolve(executors)), tuple(transforms or ()),
+                   _member(CacheMode, cache, "cache"), max_cache_entries,
+                   _profile_default() if profile is None else bool(profile),
+                   bool(specialize_data), _member(Fallback, fallback, "fallback"), dynamic)
+
+
+def _member(enum_type, value, what: str):
+    """``value`` (a member or its string) as a member of ``enum_type``, or a clear error."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        raise ValueError(f"keraunos.jit: {what} must be one of "
+                         f"{[m.value for m in enum_type]}, got {value!r}") from None
+
+
+def _profile_default() -> bool:
+    return os.environ.get("KERAUNOS_PROFILE", "0") not in ("", "0")
+
+
+class _JitState:
+    """What a jitted callable holds: its program, options and cache."""
+
+    def __init__(self, fn, module, options: JitOptions):
+        self.options = options
+        self.fn = fn
+        self.module = module
         self.entries: list[CacheEntry] = []  # most recently used first; replaced, never mutated
         self.lock = threading.RLock()
         self.counter_lock = threading.Lock()  # cheaper than the RLock; held for one increment
@@ -205,13 +229,6 @@ def storage_alias_pattern(inputs: Sequence) -> tuple | None:
                  for i, s in enumerate(storages))
 
 
-def maybe_connect_to_autograd(entry: CacheEntry, result):
-    # An entry with a backward trace runs its forward inside a torch.autograd.Function (see
-    # keraunos/autograd/function.py), which already connected the outputs to the user's graph;
-    # an entry without one ran torch ops that autograd recorded as they ran. Nothing is left.
-    return result
-
-
 def maybe_call_epilogue(entry: CacheEntry, result, pro_to_epi):
     return entry.epilogue_fn(result, pro_to_epi)
 
@@ -219,7 +236,6 @@ def maybe_call_epilogue(entry: CacheEntry, result, pro_to_epi):
 def call(state: _JitState, args: tuple, kwargs: dict):
     entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
     result = entry.computation_fn(*inputs)
-    result = maybe_connect_to_autograd(entry, result)
     return maybe_call_epilogue(entry, result, pro_to_epi)
 
 
@@ -229,8 +245,6 @@ def call_profiled(state: _JitState, args: tuple, kwargs: dict):
         entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
     with _range("keraunos.computation"):
         result = entry.computation_fn(*inputs)
-    with _range("keraunos.maybe_connect_to_autograd"):
-        result = maybe_connect_to_autograd(entry, result)
     with _range("keraunos.maybe_call_epilogue"):
         return maybe_call_epilogue(entry, result, pro_to_epi)
 
@@ -295,7 +309,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
-            if state.fallback is not Fallback.DYNAMO or not isinstance(e, DataDependentError):
+            if state.options.fallback is not Fallback.DYNAMO or not isinstance(e, DataDependentError):
                 raise
             entry = _dynamo_fallback_entry(state, e)
             state.entries = [entry]  # dynamo's guards decide from now on: it always hits
@@ -312,7 +326,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
         entry.alias_check = _alias_check_for(entry)
-        if state.cache_mode is not CacheMode.NO_CACHING:
+        if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
         state.last_lookup = time.perf_counter() - start
@@ -326,10 +340,11 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     mode those the user marked dynamic and those that changed since an earlier compilation
     (automatic dynamic). When capture with symbols meets something it cannot handle yet, the
     entry is compiled with exact sizes instead; ``symbolic_fallbacks`` says why."""
-    if state.cache_mode not in (CacheMode.CONSTANT_VALUES, CacheMode.SYMBOLIC_VALUES) or (
-            state.dynamic is False and state.cache_mode is CacheMode.CONSTANT_VALUES):
+    cache, dynamic = state.options.cache, state.options.dynamic
+    if cache not in (CacheMode.CONSTANT_VALUES, CacheMode.SYMBOLIC_VALUES) or (
+            dynamic is False and cache is CacheMode.CONSTANT_VALUES):
         return compile_entry(state, args, kwargs)
-    request = DynamicRequest(state.cache_mode is CacheMode.SYMBOLIC_VALUES or state.dynamic is True,
+    request = DynamicRequest(cache is CacheMode.SYMBOLIC_VALUES or dynamic is True,
                              state.seen_sizes)
     _active.dynamic = request
     try:
@@ -363,8 +378,8 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     this callable's executors and transforms; warns once, naming the line that forced it."""
     from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
-    compiled = torch.compile(target, backend=backend(executors=state.options["executors"],
-                                                     transforms=state.transforms))
+    compiled = torch.compile(target, backend=backend(executors=state.options.executors,
+                                                     transforms=state.options.transforms))
     state.dynamo_compiled = compiled  # keraunos.dynamo.last_traces(jitted) finds it here
     lines = str(error).splitlines()
     where = lines[0].removeprefix("keraunos cannot capture ")
@@ -389,13 +404,14 @@ def _warn_at_user_line(message: str, stacklevel: int) -> None:
 
 def _insert(state: _JitState, entry: CacheEntry) -> None:
     entries = [entry] + state.entries
-    if len(entries) > state.max_cache_entries:
-        entries = entries[: state.max_cache_entries]
+    limit = state.options.max_cache_entries
+    if len(entries) > limit:
+        entries = entries[:limit]
         if not state.warned_recompiles:
             state.warned_recompiles = True
             message = (
                 f"keraunos: {state.name} keeps recompiling: its cache holds "
-                f"{state.max_cache_entries} entries (max_cache_entries) and the least recently "
+                f"{limit} entries (max_cache_entries) and the least recently "
                 f"used one was dropped. Last reasons: {state.last_miss_reasons[:3]}. Python values "
                 f"that change on every call (a step counter, a position) are compiled in as "
                 f"constants; pass them as tensors instead.")
@@ -404,16 +420,12 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
 
 
 # ------------------------------------------------------------------------- public wrappers
-def _profile_default() -> bool:
-    return os.environ.get("KERAUNOS_PROFILE", "0") not in ("", "0")
-
-
 class JittedFunction:
     """A function compiled by ``keraunos.jit``; call it as you would the original."""
 
-    def __init__(self, fn: Callable, **options):
-        self._keraunos = _JitState(fn, None, **options)
-        self._call = call_profiled if self._keraunos.profile else call
+    def __init__(self, fn: Callable, options: JitOptions):
+        self._keraunos = _JitState(fn, None, options)
+        self._call = call_profiled if options.profile else call
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -428,12 +440,12 @@ class JittedModule(torch.nn.Module):
     (an optimizer built on either updates both) and forwards attribute access, ``state_dict``,
     ``train()``/``eval()`` and the rest to it."""
 
-    def __init__(self, module: torch.nn.Module, **options):
+    def __init__(self, module: torch.nn.Module, options: JitOptions):
         super().__init__()
         self._orig_mod = module
-        state = _JitState(module.forward, module, **options)
+        state = _JitState(module.forward, module, options)
         object.__setattr__(self, "_keraunos", state)
-        object.__setattr__(self, "_call", call_profiled if state.profile else call)
+        object.__setattr__(self, "_call", call_profiled if options.profile else call)
 
     def __call__(self, *args, **kwargs):
         return self._call(self._keraunos, args, kwargs)
@@ -443,7 +455,10 @@ class JittedModule(torch.nn.Module):
     def __getattr__(self, name: str):
         if name == "_orig_mod":
             return self._modules["_orig_mod"]
-        return getattr(self._modules["_orig_mod"], name)
+        value = getattr(self._modules["_orig_mod"], name)
+        if name == "generate" and callable(value):
+            return _generate_through(self, value)
+        return value
 
     def __setattr__(self, name: str, value) -> None:
         if name == "_orig_mod" or name == "training":
@@ -479,7 +494,7 @@ class JittedModule(torch.nn.Module):
     # A copy is a jitted copy of the original, with an empty cache.
     def __deepcopy__(self, memo):
         import copy
-        return JittedModule(copy.deepcopy(self._orig_mod, memo), **self._keraunos.options)
+        return JittedModule(copy.deepcopy(self._orig_mod, memo), self._keraunos.options)
 
     def __reduce__(self):
         return (_rejit, (self._orig_mod, self._keraunos.options))
@@ -521,8 +536,32 @@ class JittedModule(torch.nn.Module):
         return self
 
 
+def _generate_through(jitted: JittedModule, generate: Callable) -> Callable:
+    """The original module's ``generate`` (Hugging Face's), with its calls of the module's forward
+    routed through the compiled program while it runs: bound to the original, ``generate`` would
+    call the original forward and silently run eagerly."""
+    @functools.wraps(generate)
+    def run(*args, **kwargs):
+        orig = jitted._orig_mod
+        before, forward = orig.__dict__.get("forward"), orig.forward
+
+        def compiled_forward(*a, **k):  # capture itself calls the module: the original then
+            if active_context() is not None:
+                return forward(*a, **k)
+            return jitted._call(jitted._keraunos, a, k)
+        orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            if before is None:
+                orig.__dict__.pop("forward", None)
+            else:
+                orig.__dict__["forward"] = before
+    return run
+
+
 def _rejit(module, options):
-    return JittedModule(module, **options)
+    return JittedModule(module, options)
 
 
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
@@ -565,24 +604,21 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
             ``CaptureError`` naming the line; ``"dynamo"`` warns once and runs the program through
             ``torch.compile(backend="keraunos")`` instead (graph breaks at such decisions).
     """
-    options = dict(executors=executors, transforms=transforms,
-                   cache=cache.value if isinstance(cache, CacheMode) else cache,
-                   max_cache_entries=max_cache_entries,
-                   profile=_profile_default() if profile is None else profile,
-                   specialize_data=specialize_data,
-                   fallback=fallback.value if isinstance(fallback, Fallback) else fallback,
-                   dynamic=dynamic)
     if isinstance(fn_or_module, (JittedFunction, JittedModule)):
         raise TypeError("keraunos.jit: this callable is already jitted")
-    if isinstance(fn_or_module, torch.nn.Module):
-        jitted = JittedModule(fn_or_module, **options)
-        for t in jitted._keraunos.transforms:
-            t.transform_module(jitted)
-        return jitted
     if not callable(fn_or_module):
         raise TypeError(f"keraunos.jit: expected a function or an nn.Module, got "
                         f"{type(fn_or_module).__qualname__}")
-    return JittedFunction(fn_or_module, **options)
+    options = JitOptions.validated(
+        executors=executors, transforms=transforms, cache=cache,
+        max_cache_entries=max_cache_entries, profile=profile, specialize_data=specialize_data,
+        fallback=fallback, dynamic=dynamic)
+    if isinstance(fn_or_module, torch.nn.Module):
+        jitted = JittedModule(fn_or_module, options)
+        for t in options.transforms:
+            t.transform_module(jitted)
+        return jitted
+    return JittedFunction(fn_or_module, options)
 
 
 def state_of(jitted) -> _JitState:

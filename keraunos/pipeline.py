@@ -24,16 +24,16 @@ PIPELINE = (dead_code_elimination, common_subexpression_elimination, dead_code_e
 
 
 def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
-    check_values = state.cache_mode is not CacheMode.SAME_INPUT
+    check_values = state.options.cache is not CacheMode.SAME_INPUT
     target = state.module if state.module is not None else state.fn
-    fusing = any(getattr(e, "is_fusion", False) for e in state.executors)
+    fusing = any(getattr(e, "is_fusion", False) for e in state.options.executors)
     with fusion.tagging_layers(state.module if fusing else None):
         program = capture_program(target, state.module, args, kwargs, check_values,
-                                  state.specialize_data)
+                                  state.options.specialize_data)
     stages = dict(program.stages)
     prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
     prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
-    for t in state.transforms:
+    for t in state.options.transforms:
         t0 = time.perf_counter()
         prologue, computation, epilogue = t.transform_traces_pre_prologue(
             prologue, computation, epilogue)
@@ -68,20 +68,20 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
             epilogue_traces.append(epilogue)
             stages["reinplace"] = computation.seconds
     records_autograd = backward is None and torch.is_grad_enabled()
-    computation = executors_module.claim(computation, state.executors)
+    computation = executors_module.claim(computation, state.options.executors)
     computation_traces.append(computation)
     stages["executor claims"] = computation.seconds
     backward_traces = []
     if backward is not None:
         backward_traces.append(backward)
-        backward = executors_module.claim(backward, state.executors)
+        backward = executors_module.claim(backward, state.options.executors)
         backward_traces.append(backward)
     fusion_regions = []
     if fusing:
         computation, backward, fusion_regions = _fuse(
-            computation, backward, split, state.executors, records_autograd, stages,
+            computation, backward, split, state.options.executors, records_autograd, stages,
             computation_traces, backward_traces)
-    for t in state.transforms:
+    for t in state.options.transforms:
         t0 = time.perf_counter()
         computation = t.transform_trace_post_optimization(computation)
         forward_seconds = time.perf_counter() - t0

@@ -40,3 +40,16 @@ def test_layer_norm_rule_without_affine_parameters():
     keraunos.jit(f)(x).backward()
     f(xe).backward()
     assert_close(x.grad, xe.grad)
+
+
+def test_rules_are_keyed_by_the_op_object_not_its_printed_name():
+    from keraunos.autograd.rules import DERIVATIVE_RULES, derivative_rule, rule_for
+    assert torch.nn.functional.layer_norm in DERIVATIVE_RULES
+    assert all(not isinstance(op, str) for op in DERIVATIVE_RULES)
+    assert rule_for(torch.exp) is torch.exp  # no rule: the op itself
+    try:
+        derivative_rule(torch.nn.functional.layer_norm)(lambda *a: None)
+    except ValueError as error:
+        assert "already registered" in str(error)
+    else:
+        raise AssertionError("registering a second rule for one op must fail")

@@ -357,3 +357,22 @@ def test_profile_env_variable_turns_profiling_on(monkeypatch):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         jf(x, w)
     assert "keraunos.get_computation_and_inputs" in {e.name for e in prof.events()}
+
+
+def test_every_random_op_name_still_finds_an_op_in_pytorch():
+    """The random-op set is built from names once; a rename in PyTorch must fail here, not drop
+    the op from the set silently (then CSE could merge two draws)."""
+    from keraunos.core.effects import random_ops
+    missing = [name for name, ops in random_ops().items() if not ops]
+    assert missing == []
+
+
+def test_random_ops_are_known_by_object_and_attention_only_with_dropout():
+    from keraunos.core.effects import is_random
+    from keraunos.capture.naming import torch_symbol
+    assert is_random(torch_symbol(torch.nn.functional.dropout))
+    assert is_random(torch_symbol(torch.Tensor.uniform_))
+    assert is_random(torch_symbol(torch.ops.aten.bernoulli.p))
+    assert not is_random(torch_symbol(torch.exp))
+    # seeded, but draws only when dropout_p != 0: the call decides
+    assert not is_random(torch_symbol(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default))

@@ -15,64 +15,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.symbolic import SymbolicValue
+from ..core.aten import AtenCall, AtenRecorder
 from ..core.proxies import NumberProxy, Proxy, TensorProxy
-from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
-from .rules import DERIVATIVE_RULES
-
-
-@dataclass
-class AtenCall:
-    """One ATen op the forward or backward ran; ``parent`` is the index of the torch-level line
-    (in the computation trace) it belongs to, ``None`` in the backward."""
-
-    func: Any
-    args: tuple
-    kwargs: dict
-    out: Any
-    parent: int | None
-
-
-_LIFT_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
-
-
-def is_lifted_constant(call) -> bool:
-    """``torch.tensor(2.0)`` (also inside a vmapped function, or indexing with a list inside
-    ``__getitem__``) reaches dispatch as ``lift_fresh`` of a real tensor holding the Python data:
-    a constant the program makes, not an input."""
-    const = call.args[0] if call.args else None
-    return (call.func in _LIFT_FRESH and isinstance(const, torch.Tensor)
-            and not isinstance(const, torch._subclasses.FakeTensor) and const.numel() <= 64)
-
-
-def constant_line(const: torch.Tensor, output, source=None) -> BoundSymbol:
-    """The line that makes the constant again, as the user wrote it: ``torch.tensor(data)``."""
-    with torch._C.DisableTorchFunction():
-        data = const.tolist()
-    kwargs = {"dtype": const.dtype}
-    if const.device.type != "cpu":
-        kwargs["device"] = const.device
-    return BoundSymbol(TorchSymbol(torch.tensor, "torch.tensor", "function"), (data,), kwargs,
-                       output, source, set())
-
-
-class _AtenRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[AtenCall] = []
-        self.parent: int | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # Queries that make no tensor and change nothing (prim.device, sym_size) need no line.
-        if func._schema.is_mutable or any(isinstance(t, torch.Tensor)
-                                          for t in pytree.tree_leaves(out)):
-            self.calls.append(AtenCall(func, args, kwargs, out, self.parent))
-        return out
+from .rules import rule_for
 
 
 @dataclass
@@ -116,7 +65,7 @@ def symbolic_value(x, env: dict):
 def record_joint(computation: Trace) -> Joint:
     shape_env = _shape_env_of(computation)
     mode = FakeTensorMode(shape_env=shape_env or ShapeEnv(), static_shapes=shape_env is None)
-    recorder = _AtenRecorder()
+    recorder = AtenRecorder()
     env: dict[str, Any] = {}
     inputs = []
     with mode:
@@ -150,7 +99,7 @@ def record_joint(computation: Trace) -> Joint:
                         # The fake inputs have no .grad; the real ones have what capture saw.
                         _bind(bsym.outputs, _fake_like(bsym.outputs), env)
                         continue
-                    fn = DERIVATIVE_RULES.get(symbol.name, symbol.fn)
+                    fn = rule_for(symbol.fn)
                     if symbol.style == "setitem":
                         fn(*args, **kwargs)
                         continue

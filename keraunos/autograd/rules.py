@@ -1,142 +1,42 @@
-"""Our own rules, beside the mechanism that derives everything else from PyTorch.
+"""Derivative rules of ours, each registered against the op it replaces.
 
-- ``DERIVATIVE_RULES`` (at the end): one table, torch-level op name -> a derivative of ours that
-  replaces PyTorch's where it is better (today: ``layer_norm``, which then saves fewer tensors
-  and keeps the forward at the torch level).
-- Memory rules the split applies to every op: a saved view of values the forward names anyway is
-  recomputed in the backward (free); a saved value a pointwise op (``torch.Tag.pointwise``) made
-  from saved values is recomputed at the start of the backward instead of kept alive.
+Everything else is derived from PyTorch's own formulas (``joint.py``). A rule earns its place by
+being better than PyTorch's: simpler, or fewer saved tensors. The joint recording calls the rule
+in place of the op, so the backward it records is the rule's.
+
+A rule is keyed by the op object itself (``torch.nn.functional.layer_norm``), never by its printed
+name, so that renaming how an op prints cannot silently drop its rule::
+
+    @derivative_rule(torch.nn.functional.layer_norm)
+    def _layer_norm_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5): ...
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-from torch.utils import _pytree as pytree
 
-from ..core.symbols import BoundSymbol, TorchSymbol
-
-
-def _keep(x):
-    return x
+# The op as capture records it (``TorchSymbol.fn``) -> a function with the op's signature that
+# computes it through an autograd.Function of ours.
+DERIVATIVE_RULES: dict[Callable, Callable] = {}
 
 
-def _trace_args(call, namer, number):
-    """A recorded call's arguments for a trace line: fakes by name, symbolic sizes by ``number``."""
-    def value(x):
-        if isinstance(x, torch.Tensor):
-            return namer.proxies[namer.name_of[id(x)]]
-        return number(x) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
-    return pytree.tree_map(value, (call.args, call.kwargs))
+def derivative_rule(op: Callable):
+    """Register the decorated function as the derivative rule for ``op``."""
+    def register(rule: Callable) -> Callable:
+        if op in DERIVATIVE_RULES:
+            raise ValueError(f"a derivative rule for {op} is already registered")
+        DERIVATIVE_RULES[op] = rule
+        return rule
+    return register
 
 
-def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set[int],
-                                number=_keep):
-    """A saved value that is a view (``t(weight)``, ``view``) of values the forward names anyway
-    is recomputed in the backward, for free: the torch-level op that made it (``linear``) then
-    need not run as its ATen ops just to hand the view over."""
-    producer = {}
-    for call in joint.forward_calls:
-        for t in pytree.tree_leaves(call.out):
-            if isinstance(t, torch.Tensor):
-                producer.setdefault(id(t), call)
-    saved = list(saved)
-    lines: list[BoundSymbol] = []
-    for name in list(saved):
-        fake = namer.fakes[name]
-        call = producer.get(id(fake))
-        if (call is None or id(fake) in torch_level or not getattr(call.func, "is_view", False)
-                or not isinstance(call.out, torch.Tensor)):
-            continue
-        reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
-                 if isinstance(x, torch.Tensor)]
-        if not all(id(x) in torch_level for x in reads):
-            continue
-        saved.remove(name)
-        for x in reads:
-            if namer.name_of[id(x)] not in saved:
-                saved.append(namer.name_of[id(x)])
-        args, kwargs = _trace_args(call, namer, number)
-        lines.append(BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}", "function"),
-                                 tuple(args), dict(kwargs), namer.proxies[name],
-                                 info={"comment": "a view, recomputed rather than saved"}))
-    return saved, lines
-
-
-def _is_cheap_pointwise(func) -> bool:
-    return torch.Tag.pointwise in getattr(func, "tags", ()) and not func._schema.is_mutable
-
-
-def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered, number=_keep):
-    """Move saved values that a cheap pointwise op makes from already-saved values (or forward
-    inputs) into the backward; returns the new saved list and the lines to recompute them."""
-    producer = {}
-    for call in joint.forward_calls:
-        for t in pytree.tree_leaves(call.out):
-            if isinstance(t, torch.Tensor):
-                producer.setdefault(id(t), call)
-    # Memory some forward op writes in place: recomputing from it would read other values.
-    written = set()
-    for call in joint.forward_calls:
-        if call.func._schema.is_mutable:
-            for x in pytree.tree_leaves((call.args, call.kwargs)):
-                if isinstance(x, torch.Tensor):
-                    written.add(x.untyped_storage()._cdata)
-    saved = list(saved)
-    lines: list[BoundSymbol] = []
-    changed = True
-    while changed:
-        changed = False
-        for name in list(saved):
-            fake = namer.fakes[name]
-            call = producer.get(id(fake))
-            if call is None or not _is_cheap_pointwise(call.func) or \
-                    not isinstance(call.out, torch.Tensor):
-                continue
-            if fake.untyped_storage()._cdata in written:
-                continue
-            reads = [x for x in pytree.tree_leaves((call.args, call.kwargs))
-                     if isinstance(x, torch.Tensor)]
-            if any(x.untyped_storage()._cdata in written for x in reads):
-                continue  # what it reads is overwritten later in the forward
-            read_names = [namer.name_of.get(id(x)) for x in reads]
-            # Only when it saves memory: every value it reads is saved anyway. (Not an input
-            # that is not saved: the caller may change it in place before the backward, which
-            # eager, having saved only the result, allows.)
-            if None in read_names or not all(n in saved for n in read_names):
-                continue
-            saved.remove(name)
-            args, kwargs = _trace_args(call, namer, number)
-            lines.insert(0, BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}",
-                                                    "function"), tuple(args), dict(kwargs),
-                                        namer.proxies[name],
-                                        info={"comment": "recomputed rather than saved"}))
-            changed = True
-    return saved, _ordered(lines, namer)
-
-
-def _ordered(lines, namer):
-    """Recomputations in dependency order."""
-    done, result = set(), []
-    pending = list(lines)
-    while pending:
-        for b in pending:
-            needs = {p.name for p in b.input_proxies()}
-            defined_here = {x.outputs.name for x in pending}
-            if not (needs & (defined_here - done)):
-                result.append(b)
-                done.add(b.outputs.name)
-                pending.remove(b)
-                break
-        else:
-            result.extend(pending)
-            break
-    return result
-
-
-# ----------------------------------------------------------------------- derivative rules
-# Torch-level op name -> a function with the op's signature that computes it through an
-# autograd.Function of ours. The joint recording calls it in place of the op, so the backward it
-# records is ours. A rule earns its place by being better than PyTorch's formula: simpler or
-# fewer saved tensors.
+def rule_for(op: Callable) -> Callable:
+    """What the joint recording calls for ``op``: our rule, or the op itself."""
+    try:
+        return DERIVATIVE_RULES.get(op, op)
+    except TypeError:  # an unhashable callable has no rule
+        return op
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -163,10 +63,6 @@ class _LayerNorm(torch.autograd.Function):
         return gx, None, gw, gb, None
 
 
+@derivative_rule(torch.nn.functional.layer_norm)
 def _layer_norm_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _LayerNorm.apply(input, tuple(normalized_shape), weight, bias, eps)
-
-
-DERIVATIVE_RULES = {
-    "torch.nn.functional.layer_norm": _layer_norm_rule,
-}

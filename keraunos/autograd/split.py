@@ -24,8 +24,9 @@ from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
-from .joint import constant_line, is_lifted_constant, record_joint
-from .rules import recompute_in_backward, recompute_views_in_backward
+from ..core.aten import constant_line, is_lifted_constant
+from .joint import record_joint
+from .recompute import recompute_in_backward, recompute_views_in_backward
 
 
 @dataclass

@@ -23,12 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from ..core.aten import AtenRecorder, constant_line, is_lifted_constant
+from ..core.effects import is_inplace_by_name, is_random
 from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
-from .naming import is_inplace_by_name, is_random
 from .provenance import Path, root
 
 from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
@@ -533,9 +534,8 @@ class CaptureContext:
     def record_vmap(self, batched, args, kwargs):
         """Run a ``torch.vmap``-ed function on the fakes, recording the ATen ops its batching
         rules run (functorch's batched tensors never reach the torch function level we record)."""
-        from ..autograd.joint import _AtenRecorder, constant_line, is_lifted_constant
         self.record_global_state()
-        recorder = _AtenRecorder()
+        recorder = AtenRecorder()
         self.in_vmap = True
         try:
             with recorder:

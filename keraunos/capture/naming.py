@@ -78,24 +78,5 @@ def torch_symbol(func: Callable) -> TorchSymbol:
     return TorchSymbol(func, getattr(func, "__name__", "fn"), "opaque")
 
 
-RANDOM_OPS = {
-    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
-    "bernoulli", "multinomial", "poisson", "dropout", "alpha_dropout", "feature_alpha_dropout",
-    "dropout1d", "dropout2d", "dropout3d", "rrelu", "uniform_", "normal_", "bernoulli_",
-    "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "gumbel_softmax",
-    "fractional_max_pool2d", "fractional_max_pool3d", "native_dropout", "rrelu_", "dropout_",
-    "uniform", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-    "trunc_normal_", "orthogonal_", "sparse_",
-}
-
-
-def is_random(symbol: TorchSymbol) -> bool:
-    return symbol.name.rsplit(".", 1)[-1] in RANDOM_OPS
-
-
-def is_inplace_by_name(symbol: TorchSymbol) -> bool:
-    short = symbol.name.rsplit(".", 1)[-1]
-    return (short.endswith("_") and not short.endswith("__")) or symbol.style == "setitem" or (
-        symbol.style == "operator" and short.startswith("__i") and short[3:-2] in
-        {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
-         "lshift", "rshift"})
+# Until the fusion executor imports them from their home (keraunos/core/effects.py).
+from ..core.effects import is_inplace_by_name, is_random  # noqa: E402,F401

@@ -8,10 +8,11 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..core.effects import is_inplace_by_name, is_random
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, user_source
 from .interceptors import paused_watch
-from .naming import is_inplace_by_name, is_random, torch_symbol
+from .naming import torch_symbol
 from .symbolic import hint as size_hint
 
 

@@ -95,7 +95,7 @@ class CompiledSubgraph:
             # capture that failed inside left those levels entered.
             _unwind_functorch(depth)
             return self._run_eagerly(args, error)
-        if not self.dynamic and not state.profile and state.entries:
+        if not self.dynamic and not state.options.profile and state.entries:
             self.run = lean_call(state.entries[0], len(args), self.jitted)
         return out
 

@@ -1,4 +1,4 @@
-"""Per-call stage timings for the report: the five-step call path timed step by step, the
+"""Per-call stage timings for the report: the call path (``keraunos/jit.py``) timed step by step, the
 original (eager) program for comparison, and the ops inside the computation under
 ``torch.profiler``."""
 from __future__ import annotations
@@ -9,11 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..jit import (get_computation_and_inputs, maybe_call_epilogue, maybe_connect_to_autograd,
-                   state_of)
+from ..jit import get_computation_and_inputs, maybe_call_epilogue, state_of
 
-STEPS = ("get_computation_and_inputs", "computation_fn", "maybe_connect_to_autograd",
-         "maybe_call_epilogue")
+STEPS = ("get_computation_and_inputs", "computation_fn", "maybe_call_epilogue")
 
 
 @dataclass
@@ -31,11 +29,9 @@ def _one_call(state, args, kwargs) -> list[float]:
     t1 = time.perf_counter()
     result = entry.computation_fn(*inputs)
     t2 = time.perf_counter()
-    result = maybe_connect_to_autograd(entry, result)
-    t3 = time.perf_counter()
     maybe_call_epilogue(entry, result, pro_to_epi)
-    t4 = time.perf_counter()
-    return [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]
+    t3 = time.perf_counter()
+    return [t1 - t0, t2 - t1, t3 - t2, t3 - t0]
 
 
 def _median_eager(target, args, kwargs, calls: int) -> float:

@@ -1,0 +1,74 @@
+"""Which torch ops have effects a pass must respect: drawing random numbers, writing in place.
+
+Capture tags each recorded line with what is found here (``tags.RANDOM``, ``tags.MUTATION``), and
+the passes and the fusion executor read the tags or ask again.
+
+- Random ops are known by the op objects themselves, found once in PyTorch's public namespaces
+  (ATen overloads by their ``nondeterministic_seeded`` tag), not by how a trace prints them.
+  ``tests/test_traces.py`` checks that every name below still finds an op, so a rename in PyTorch
+  fails a test instead of silently dropping an op from the set.
+- In place is PyTorch's own naming convention (``add_``, ``x[i] = v``, ``x += y``), which is what
+  capture has before it runs the op; capture also compares version counters after it runs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .symbols import TorchSymbol
+
+# Where the random ops live, and their names there.
+_RANDOM_NAMESPACES = ("torch", "torch.Tensor", "torch.nn.functional", "torch.nn.init")
+RANDOM_OP_NAMES = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "rrelu", "uniform_", "normal_", "bernoulli_",
+    "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "gumbel_softmax",
+    "fractional_max_pool2d", "fractional_max_pool3d", "native_dropout", "rrelu_", "dropout_",
+    "uniform", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+    "trunc_normal_", "orthogonal_", "sparse_",
+})
+
+
+@functools.lru_cache(maxsize=None)
+def random_ops() -> dict[str, list]:
+    """Each random op name -> the op objects of that name in the public namespaces."""
+    found: dict[str, list] = {name: [] for name in RANDOM_OP_NAMES}
+    for namespace in _RANDOM_NAMESPACES:
+        mod = eval(namespace, {"torch": torch})
+        for name in RANDOM_OP_NAMES:
+            op = getattr(mod, name, None)
+            if callable(op):
+                found[name].append(op)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _random_ids() -> frozenset[int]:
+    # By id: the ops are module attributes that live as long as torch, and some are unhashable.
+    return frozenset(id(op) for ops in random_ops().values() for op in ops)
+
+
+def is_random(symbol: TorchSymbol) -> bool:
+    """Whether the op always draws from the global generator. (Attention ops are seeded but draw
+    only when their ``dropout_p`` is not zero: a question about the call, not the op.)"""
+    fn = symbol.fn
+    if isinstance(fn, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in fn.tags and \
+            "dropout_p" not in (a.name for a in fn._schema.arguments)
+    return id(fn) in _random_ids()
+
+
+_INPLACE_OPERATORS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+                      "or", "xor", "lshift", "rshift"}
+
+
+def is_inplace_by_name(symbol: TorchSymbol) -> bool:
+    """Whether PyTorch's naming says the op writes its first argument in place."""
+    if isinstance(symbol.fn, torch._ops.OpOverload):
+        return symbol.fn._schema.is_mutable
+    short = symbol.name.rsplit(".", 1)[-1]
+    return (short.endswith("_") and not short.endswith("__")) or symbol.style == "setitem" or (
+        symbol.style == "operator" and short.startswith("__i") and short[3:-2] in
+        _INPLACE_OPERATORS)
