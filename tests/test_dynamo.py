@@ -393,3 +393,48 @@ def test_a_subgraph_returning_views_skips_its_prologue_and_keeps_eagers_aliasing
         assert [g._is_view() for g in got] == [w._is_view() for w in want]
     (subgraph,) = be.subgraphs
     assert subgraph.run.__name__ == "computation_epilogue"
+
+
+class SlicedLayers(torch.nn.Module):
+    """transformers' decoders run ``self.layers[: config.num_hidden_layers]``: a ModuleList built
+    in forward, whose registrations call the global module registration hooks (keraunos has one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class WithSlicedLayers(torch.nn.Module):
+    """As a causal LM holds its decoder (the break showed only in a submodule's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = SlicedLayers()
+
+    def forward(self, x):
+        return self.model(x) * 2
+
+
+def test_module_built_in_forward_is_no_graph_break_and_jit_still_sees_registrations():
+    """keraunos's registration hook is traced by dynamo into every forward that builds a module;
+    it must not break the graph (it did: `object()`), for any backend, and it must still make a
+    jitted module see a module registered later."""
+    torch.manual_seed(0)
+    model = WithSlicedLayers()
+    assert torch._dynamo.explain(model)(torch.randn(2, 4)).graph_break_count == 0
+    compiled = torch.compile(copy.deepcopy(model), backend=kd.backend())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert kd.graph_breaks(compiled) == [] and len(kd.last_traces(compiled)) == 1
+    jmodel = keraunos.jit(model)
+    before = jmodel(x)
+    torch.testing.assert_close(before, model(x))
+    model.model.layers[0] = torch.nn.Linear(4, 4)  # a registration: the jitted module must see it
+    after = jmodel(x)
+    torch.testing.assert_close(after, model(x))
+    assert not torch.allclose(after, before)

@@ -34,17 +34,27 @@ from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
 from ..capture.provenance import root
 
-# Replaced by a new object whenever a module, parameter or buffer is registered anywhere.
-_tree_token: list[object] = [object()]
+
+class _Token:
+    """A fresh token per change. Not ``object()``: dynamo traces the global registration hook
+    into every torch.compile'd forward that builds a module (transformers' ``self.layers[:n]``
+    makes a ModuleList) and cannot trace ``object()``, which was a graph break in each such
+    forward; a user class it can make, and it replays the store after the graph."""
+
+    __slots__ = ()
+
+
+# Replaced by a new token whenever a module, parameter or buffer is registered anywhere.
+_tree_token: list[object] = [_Token()]
 
 
 def invalidate_module_structure() -> None:
     """Make every jitted module walk its module tree again on its next call."""
-    _tree_token[0] = object()
+    _tree_token[0] = _Token()
 
 
 def _on_registration(module, name, value):
-    _tree_token[0] = object()
+    _tree_token[0] = _Token()
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
@@ -66,7 +76,7 @@ _module_module = torch.nn.modules.module
 
 def _invalidating(register):
     def wrapper(*args, **kwargs):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         return register(*args, **kwargs)
     wrapper.__wrapped__ = register
     wrapper.__name__, wrapper.__qualname__ = register.__name__, register.__qualname__
@@ -100,35 +110,35 @@ class WatchedTable(dict):
     Pickles and deep-copies as a plain ``dict``."""
 
     def __setitem__(self, key, value):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         dict.__delitem__(self, key)
 
     def pop(self, *args):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         return dict.pop(self, *args)
 
     def popitem(self):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         return dict.popitem(self)
 
     def clear(self):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         dict.clear(self)
 
     def update(self, *args, **kwargs):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         dict.update(self, *args, **kwargs)
 
     def setdefault(self, key, default=None):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         return dict.setdefault(self, key, default)
 
     def __ior__(self, other):
-        _tree_token[0] = object()
+        _tree_token[0] = _Token()
         return dict.__ior__(self, other)
 
     def __reduce__(self):
