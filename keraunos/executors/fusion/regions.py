@@ -21,6 +21,7 @@ recomputes cheap forward values at its start, which then join their layer's regi
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,18 @@ from ...core.tags import MUTATION, OPAQUE, RANDOM
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
 MIN_COMPUTE_LINES = 2
+
+
+@contextlib.contextmanager
+def fusing_single_ops():
+    """Within it, a region of one op is compiled too: the OpInfo sweep with fusion runs each op
+    through Inductor, not through the torch executor as too small a region."""
+    global MIN_COMPUTE_LINES
+    previous, MIN_COMPUTE_LINES = MIN_COMPUTE_LINES, 1
+    try:
+        yield
+    finally:
+        MIN_COMPUTE_LINES = previous
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
           torch.memory_format, slice, type(Ellipsis))
