@@ -317,6 +317,29 @@ def test_view_input_keeps_exact_sizes_beside_symbolic_ones():
     assert keraunos.cache_misses(jf) == 1
 
 
+def test_a_view_passed_in_has_symbolic_sizes():
+    f = lambda x, y: x * 2 + y  # noqa: E731
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (3, 5, 7):
+        x, y = torch.randn(10, 8)[1:n + 1, ::2], torch.randn(n, 4)
+        assert_close(jf(x, y), f(x, y))
+    assert keraunos.cache_misses(jf) == 1
+    assert "x.storage_offset()" in prologue_text(jf) or "x.stride(" in prologue_text(jf)
+
+
+def test_a_view_beside_its_written_base_reads_what_eager_reads():
+    def f(base, v):
+        base.add_(1)
+        return v * 2
+    jf = keraunos.jit(f, cache="symbolic values")
+    for n in (4, 6, 9):
+        base = torch.randn(n, 3)
+        base_ref = base.clone()
+        out, ref = jf(base, base[1:]), f(base_ref, base_ref[1:])
+        assert_close(out, ref)
+        assert_close(base, base_ref)
+
+
 def test_other_rank_or_type_is_a_miss_not_an_error():
     f = lambda x: x + 1  # noqa: E731
     jf = keraunos.jit(f, cache="symbolic values")
@@ -407,51 +430,70 @@ HF_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-def _hf_model(kind: str):
+def _hf_model(kind: str, **overrides):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
                                          n_positions=128)
     else:
-        config = transformers.AutoConfig.for_model(kind, **HF_TINY)
+        config = transformers.AutoConfig.for_model(kind, **HF_TINY, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     return model, copy.deepcopy(model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def _generate_compiles(model, model_ref, counted, generate, prompts, **options):
+    """Compilations per ``generate`` call, each checked to give eager's greedy tokens."""
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, **options}
+    compiles = []
+    for prompt in prompts:
+        ids = torch.randint(1, 128, (1, prompt))
+        before = keraunos.cache_misses(counted)
+        with torch.no_grad():
+            out = generate(ids, attention_mask=torch.ones_like(ids), **options)
+            ref = model_ref.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        assert out.tolist() == ref.tolist()
+        compiles.append(keraunos.cache_misses(counted) - before)
+    return compiles
+
+
+HF_KINDS = ["llama", "gpt2", "qwen2", "mistral"]
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
 def test_hf_generate_with_the_default_dynamic_cache(kind):
     model, model_ref = _hf_model(kind)
     model.forward = keraunos.jit(model.forward)
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    compiles = []
-    for prompt in (7, 11, 5):
-        ids = torch.randint(1, 128, (1, prompt))
-        before = keraunos.cache_misses(model.forward)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
-            ref = model_ref.generate(ids, attention_mask=torch.ones_like(ids), **options)
-        assert out.tolist() == ref.tolist()
-        compiles.append(keraunos.cache_misses(model.forward) - before)
-    # Prefill, first decode step, then decode with the cache length symbolic; a new prompt
-    # length makes the prefill symbolic once; after that nothing compiles.
-    assert compiles[0] <= 3 and compiles[1] <= 1 and compiles[2] == 0, compiles
+    compiles = _generate_compiles(model, model_ref, model.forward, model.generate, (7, 11, 5))
+    # Prefill (its sequence dimension symbolic: generate varies it), the first decode step, the
+    # decode steps with the cache length symbolic; other prompt lengths compile nothing.
+    assert compiles[0] <= 3 and compiles[1:] == [0, 0], compiles
+    assert keraunos.cache_hits(model.forward) > 0
 
 
-@pytest.mark.parametrize("kind,implementation", [("mistral", None), ("llama", "static")])
-def test_hf_generate_gives_eager_tokens(kind, implementation):
-    # Mistral's sliding-window cache specializes on its length (one entry per position, within
-    # the cache bound); a static cache compiles a few entries per prompt length.
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hf_generate_with_a_static_cache(kind):
     model, model_ref = _hf_model(kind)
     model.forward = keraunos.jit(model.forward)
-    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    if implementation:
-        options["cache_implementation"] = implementation
-    for prompt in (7, 10):
-        ids = torch.randint(1, 128, (1, prompt))
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the cache bound's recompiling warning (Mistral)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
-            ref = model_ref.generate(ids, attention_mask=torch.ones_like(ids), **options)
-        assert out.tolist() == ref.tolist()
+    compiles = _generate_compiles(model, model_ref, model.forward, model.generate, (7, 11),
+                                  cache_implementation="static")
+    assert compiles[0] <= 3 and compiles[1] == 0, compiles
 
+
+def test_hf_generate_mistral_sliding_window_does_not_compile_per_position():
+    # A window of 6 fills during the prompt; every decode step slides it (the cache keeps a view
+    # of the last 5 positions, whose offset and strides are symbols).
+    model, model_ref = _hf_model("mistral", sliding_window=6)
+    model.forward = keraunos.jit(model.forward)
+    compiles = _generate_compiles(model, model_ref, model.forward, model.generate, (7, 11),
+                                  max_new_tokens=8)
+    assert compiles[0] <= 3 and compiles[1] == 0, compiles
+
+
+def test_hf_generate_of_the_jitted_module_runs_the_compiled_forward():
+    model, model_ref = _hf_model("llama")
+    jm = keraunos.jit(model)
+    compiles = _generate_compiles(model, model_ref, jm, jm.generate, (7, 11))
+    assert compiles[0] >= 1 and compiles[1] == 0, compiles
+    assert keraunos.cache_hits(jm) >= 10  # every decode step ran the compiled program
+    assert "forward" not in model.__dict__  # generate left the module as it was

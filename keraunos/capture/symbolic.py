@@ -21,6 +21,7 @@ prologue. A symbol's range starts at 2; a call with 0 or 1 there compiles an ent
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,39 @@ def _from_call(path: Path) -> bool:
     return p.kind == "root" and p.key in ("args", "kwargs")
 
 
+# What Hugging Face ``generate()`` varies between its calls of the model's forward, by keyword
+# argument: the dimensions that are the sequence (negative: counted from the last). Within the
+# cache object passed as ``past_key_values``, its tensors' sequence dimension (-2) and its ints (a
+# layer's ``cumulative_length``, a static cache's ``max_cache_len``) vary too.
+GENERATE_SEQUENCE_DIMS = {"input_ids": (-1,), "token_type_ids": (-1,), "position_ids": (-1,),
+                          "cache_position": (-1,), "inputs_embeds": (-2,),
+                          "attention_mask": (-1, -2)}
+GENERATE_CACHE_ARGUMENT = "past_key_values"
+
+
+def called_from_generate(depth: int = 40) -> bool:
+    """Whether a Hugging Face ``generate()`` is on the stack (asked on a cache miss only)."""
+    frame = sys._getframe(1)
+    while frame is not None and depth:
+        if frame.f_code.co_name == "generate" and str(
+                frame.f_globals.get("__name__", "")).startswith("transformers.generation"):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def _generate_role(path: Path) -> tuple[str, bool] | None:
+    """The keyword argument of ``generate``'s forward call that ``path`` is in, and whether it is
+    that argument itself (not something inside it)."""
+    steps = 0
+    p = path
+    while p.parent is not None and p.parent.parent is not None:
+        p, steps = p.parent, steps + 1
+    if p.parent is None or p.parent.kind != "root" or p.parent.key != "kwargs":
+        return None
+    return str(p.key), steps == 0
+
+
 @dataclass
 class DynamicRequest:
     """Which sizes and ints one compilation makes symbolic.
@@ -95,13 +129,33 @@ class DynamicRequest:
     changes: list[str] = field(default_factory=list)
     updated: dict = field(default_factory=dict)
     any_dynamic: bool = False
+    # Set when the call comes from Hugging Face generate(): what it varies is symbolic from the
+    # first call on, as if marked dynamic, so that a later prompt length compiles nothing.
+    generating: bool = False
+
+    def __post_init__(self):
+        # Created on a cache miss only: the stack walk costs nothing on the hit path.
+        self.generating = called_from_generate()
+
+    def _generate_dims(self, path: Path, ndim: int) -> set[int]:
+        role = self.generating and _generate_role(path)
+        if not role:
+            return set()
+        name, itself = role
+        # Qwen2 passes a dict of masks ({"full_attention": mask}): each is a mask.
+        if itself or (name == "attention_mask" and path.kind == "item"
+                      and _generate_role(path.parent)[1]):
+            dims = GENERATE_SEQUENCE_DIMS.get(name, ())
+            # A 2-D attention mask is (batch, sequence): only its last dimension is the sequence.
+            return {d % ndim for d in dims if -ndim <= d < ndim and (ndim > 2 or d == -1)}
+        return {ndim - 2} if name == GENERATE_CACHE_ARGUMENT and ndim >= 3 else set()
 
     def tensor_dims(self, real: torch.Tensor, path: Path) -> list[bool]:
         n = real.dim()
         if not _from_call(path):
             return [False] * n
         marked = set(getattr(real, "_keraunos_dynamic", ())) | set(
-            getattr(real, "_dynamo_dynamic_indices", ()))
+            getattr(real, "_dynamo_dynamic_indices", ())) | self._generate_dims(path, n)
         static = set(getattr(real, "_keraunos_static", ()))
         before = self.seen.get(path)
         shape = tuple(real.shape)
@@ -125,7 +179,9 @@ class DynamicRequest:
         changed = before is not None and (before[0] is None or before[0] != value)
         if changed and before[0] is not None and value not in (0, 1):
             self.changes.append(f"{path} changed {before[0]} → {value}")
-        dynamic = self.all_arguments or changed
+        role = self.generating and _generate_role(path)
+        generated = bool(role) and role[0] == GENERATE_CACHE_ARGUMENT
+        dynamic = self.all_arguments or changed or generated
         self.updated[path] = (None if dynamic else value,)
         if dynamic and value not in (0, 1):
             self.any_dynamic = True
@@ -229,6 +285,23 @@ def hint(value):
     return value.node.hint if isinstance(value, SYMBOLIC_TYPES) else value
 
 
+def _non_view_alias(real: torch.Tensor, path: Path) -> torch.Tensor:
+    """A tensor on ``real``'s memory, with its sizes, strides and offset, that is no view.
+
+    A view's fake would be a view of a fake of its base, whose sizes get symbols of their own that
+    nothing binds (the base is no input); the program only sees the view's own layout (and its
+    storage, which the fake mode still shares with every other input on it, so that writes to
+    shared memory are refused below as for any input). Views that require grad keep exact sizes:
+    their gradient must flow to the base through the view's autograd history."""
+    if real.requires_grad:
+        raise SymbolicUnsupported(f"{path} is a view that requires grad; it keeps exact sizes")
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily(), torch.no_grad():
+        alias = torch.empty(0, dtype=real.dtype, device=real.device)
+        return alias.set_(real.untyped_storage(), real.storage_offset(), real.shape,
+                          real.stride())
+
+
 class Symbols:
     """The size symbols of one capture: their names, bindings and the prologue's checks."""
 
@@ -247,8 +320,10 @@ class Symbols:
     def tensor_fake(self, real: torch.Tensor, path: Path, dynamic: list[bool]):
         """A fake of ``real`` whose ``dynamic`` dimensions are symbols."""
         from torch._dynamo.source import ConstantSource  # already imported by fake tensors
-        if real._base is not None or real.is_sparse:
-            raise SymbolicUnsupported(f"{path} is a view; views keep exact sizes")
+        if real.is_sparse:
+            raise SymbolicUnsupported(f"{path} is sparse")
+        if real._base is not None:
+            real = _non_view_alias(real, path)
         context = StatelessSymbolicContext(dynamic_sizes=[
             DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic])
         return self.fake_mode.from_tensor(real, static_shapes=False,
