@@ -261,34 +261,67 @@ def test_example_gpt_training_step_over_lengths():
     assert keraunos.cache_misses(jm) <= 2
 
 
-def test_litgpt_kv_cache_loop_with_growing_input_pos_maxp1():
+LITGPT_PROMPTS = (7, 10, 13, 5, 16)
+
+
+def _litgpt_models():
     litgpt = pytest.importorskip("litgpt")
     from litgpt.model import GPT as LitGPT
     torch.manual_seed(0)
     config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256, padded_vocab_size=256,
                            block_size=128)
     model = LitGPT(config).eval()
-    model_ref = copy.deepcopy(model)
+    return model, copy.deepcopy(model)
+
+
+def _reset_kv_caches(*models):
+    for m in models:
+        m.max_seq_length = 64
+        m.set_kv_cache(batch_size=1)
+
+
+def test_litgpt_kv_cache_loop_with_growing_input_pos_maxp1():
+    model, model_ref = _litgpt_models()
     jm = keraunos.jit(model)
+    prefill_compiles = decode_compiles = 0
     with torch.no_grad():
-        for prompt in (7, 10, 13):
-            for m in (model, model_ref):
-                m.max_seq_length = 64
-                m.set_kv_cache(batch_size=1)
+        for prompt in LITGPT_PROMPTS:
+            _reset_kv_caches(model, model_ref)
             idx = torch.randint(0, 256, (1, prompt))
             pos = torch.arange(prompt)
+            before = keraunos.cache_misses(jm)
             out = jm(idx, input_pos=pos, input_pos_maxp1=prompt)
+            prefill_compiles += keraunos.cache_misses(jm) - before
             assert_close(out, model_ref(idx, input_pos=pos, input_pos_maxp1=prompt))
             token = out[:, -1:].argmax(-1)
-            for p in range(prompt, prompt + 8):
+            before = keraunos.cache_misses(jm)
+            for p in range(prompt, prompt + 24):
                 ip = torch.tensor([p])
                 out = jm(token, input_pos=ip, input_pos_maxp1=p + 1)
                 assert_close(out, model_ref(token, input_pos=ip, input_pos_maxp1=p + 1))
                 token = out[:, -1:].argmax(-1)
+            decode_compiles += keraunos.cache_misses(jm) - before
             for (name, b), (_, br) in zip(model.named_buffers(), model_ref.named_buffers()):
                 assert_close(b, br, msg=name)  # the KV caches the epilogue wrote
-    # Prefill: one exact entry, one symbolic; decode: the same.
-    assert keraunos.cache_misses(jm) <= 4
+    # Prefill: one exact entry, then one symbolic; decode: the same (input_pos_maxp1 an int).
+    assert prefill_compiles <= 2 and decode_compiles <= 2, (prefill_compiles, decode_compiles)
+
+
+def test_litgpt_generate_gives_eager_tokens_with_two_prefill_and_two_decode_entries():
+    from litgpt.generate.base import generate
+    model, model_ref = _litgpt_models()
+    jm = keraunos.jit(model)
+    compiles = []
+    for prompt in LITGPT_PROMPTS:
+        _reset_kv_caches(model, model_ref)
+        tokens = torch.randint(0, 256, (prompt,))
+        before = keraunos.cache_misses(jm)
+        out = generate(jm, tokens, prompt + 25, temperature=0.0, top_k=1)
+        compiles.append(keraunos.cache_misses(jm) - before)
+        assert out.tolist() == generate(model_ref, tokens, prompt + 25, temperature=0.0,
+                                        top_k=1).tolist()
+    # The prefill passes token.view(1, -1), a view: its length is a symbol too.
+    assert sum(compiles) <= 4 and compiles[2:] == [0, 0, 0], compiles
 
 
 # ----------------------------------------------------- what compiles with exact sizes
