@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,136 +21,199 @@ from .executors.prologue_cache import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
 
-# The computation's passes, in order. Each takes a trace and returns a new one.
-PIPELINE = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
+# The computation's optimization passes, in order (each ``trace -> trace``, see passes/runner.py).
+OPTIMIZATIONS = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
+
+
+@dataclass
+class Compilation:
+    """One compilation in progress: every trace each stage made, in order, and each stage's time
+    (what ``last_traces`` and ``compile_stats`` show). A stage reads the latest traces and
+    records the ones it makes."""
+
+    state: Any
+    program: Any                               # capture's Program: the first three traces
+    prologues: list[Trace]
+    computations: list[Trace]
+    epilogues: list[Trace]
+    backwards: list[Trace] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)
+    split: Any = None                          # the autograd split, when there is a backward
+    records_autograd: bool = False             # no backward trace: torch's autograd records ops
+    fusion_regions: list = field(default_factory=list)
+
+    @property
+    def computation(self) -> Trace:
+        return self.computations[-1]
+
+    @property
+    def backward(self) -> Trace | None:
+        return self.backwards[-1] if self.backwards else None
+
+    def time(self, label: str, seconds: float) -> None:
+        self.stages[label] = self.stages.get(label, 0.0) + seconds  # DCE runs twice: summed
 
 
 def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
-    check_values = state.options.cache is not CacheMode.SAME_INPUT
+    """Capture the program, then run every stage in ``STAGES`` order; the entry holds it all."""
+    c = capture(state, args, kwargs)
+    for stage in STAGES:
+        stage(c)
+    return make_entry(c)
+
+
+def capture(state, args, kwargs) -> Compilation:
+    """The program as the user's code ran it: prologue, computation, epilogue traces."""
     target = state.module if state.module is not None else state.fn
-    fusing = any(getattr(e, "is_fusion", False) for e in state.options.executors)
-    with fusion.tagging_layers(state.module if fusing else None):
-        program = capture_program(target, state.module, args, kwargs, check_values,
+    with fusion.tagging_layers(state.module if _fusing(state) else None):
+        program = capture_program(target, state.module, args, kwargs,
+                                  state.options.cache is not CacheMode.SAME_INPUT,
                                   state.options.specialize_data)
-    stages = dict(program.stages)
-    prologue, computation, epilogue = program.prologue, program.computation, program.epilogue
-    prologue_traces, computation_traces, epilogue_traces = [prologue], [computation], [epilogue]
-    for t in state.options.transforms:
+    return Compilation(state, program, [program.prologue], [program.computation],
+                       [program.epilogue], stages=dict(program.stages))
+
+
+def transforms_before_prologue(c: Compilation) -> None:
+    """Each Transform's ``transform_traces_pre_prologue`` hook, labelled with its name."""
+    for t in c.state.options.transforms:
         t0 = time.perf_counter()
         prologue, computation, epilogue = t.transform_traces_pre_prologue(
-            prologue, computation, epilogue)
+            c.prologues[-1], c.computation, c.epilogues[-1])
         seconds = time.perf_counter() - t0
-        stages[f"transform {t.name}"] = seconds
-        prologue = prologue.derive(prologue.bound_symbols, t.name, seconds)
-        computation = computation.derive(computation.bound_symbols, t.name, seconds)
-        prologue_traces.append(prologue)
-        computation_traces.append(computation)
-        epilogue_traces.append(epilogue)
-    for p in PIPELINE:
-        computation = p(computation)
-        label = computation.header[-1].split(" (")[0].removeprefix("Constructed by ")
-        stages[label] = stages.get(label, 0.0) + computation.seconds  # DCE runs twice: summed
-        computation_traces.append(computation)
-    backward = None
-    split = None
-    if _needs_backward(computation):
-        try:
-            split = split_forward_backward(computation)
-        except Exception as e:  # noqa: BLE001 - any op the split cannot handle
-            _warn_no_backward(state, e)
-        else:
-            computation, backward = split.forward, split.backward
-            computation_traces.append(computation)
-            stages["autograd split"] = computation.seconds
-    if backward is None and can_reinplace(computation):
-        computation, new_epilogue = reinplace(computation, epilogue)
-        if new_epilogue is not epilogue:
-            epilogue = new_epilogue
-            computation_traces.append(computation)
-            epilogue_traces.append(epilogue)
-            stages["reinplace"] = computation.seconds
-    records_autograd = backward is None and torch.is_grad_enabled()
-    computation = executors_module.claim(computation, state.options.executors)
-    computation_traces.append(computation)
-    stages["executor claims"] = computation.seconds
-    backward_traces = []
-    if backward is not None:
-        backward_traces.append(backward)
-        backward = executors_module.claim(backward, state.options.executors)
-        backward_traces.append(backward)
-    fusion_regions = []
-    if fusing:
-        computation, backward, fusion_regions = _fuse(
-            computation, backward, split, state.options.executors, records_autograd, stages,
-            computation_traces, backward_traces)
-    for t in state.options.transforms:
-        t0 = time.perf_counter()
-        computation = t.transform_trace_post_optimization(computation)
-        forward_seconds = time.perf_counter() - t0
-        computation = computation.derive(computation.bound_symbols, t.name, forward_seconds)
-        computation_traces.append(computation)
-        backward_seconds = 0.0
-        if backward is not None:
-            t0 = time.perf_counter()
-            backward = t.transform_trace_post_optimization(backward)
-            backward_seconds = time.perf_counter() - t0
-            backward = backward.derive(backward.bound_symbols, t.name, backward_seconds)
-            backward_traces.append(backward)
-        # The hook's time on the forward and on the backward, not the labelling between them.
-        stages[f"transform {t.name} (post optimization)"] = forward_seconds + backward_seconds
-    computation = delete_last_used(computation)
-    computation_traces.append(computation)
-    stages["delete last used"] = computation.seconds
-    if backward is not None:
-        backward = delete_last_used(backward)
-        backward_traces.append(backward)
-    prologue, structure_walk = fast_prologue(prologue)
-    if structure_walk is not None:
-        prologue_traces.append(structure_walk)
-    prologue_traces.append(prologue)
-    stages["fast prologue"] = prologue.seconds
-    t0 = time.perf_counter()
-    prologue_fn = prologue.python_callable()
-    computation_fn = computation.python_callable()
-    if backward is not None:
-        computation_fn = make_autograd_computation(computation_fn, backward.python_callable(),
-                                                   split)
-    epilogue_fn = epilogue.python_callable()
-    stages["codegen"] = time.perf_counter() - t0
-    positions = tuple(range(len(program.computation.params)))
-    entry = CacheEntry(prologue_fn, computation_fn, epilogue_fn, prologue_traces,
-                       computation_traces, epilogue_traces, backward_traces,
-                       program.check_descriptions, None, stages,
-                       alias_positions=positions if len(positions) > 1 else None,
-                       written_positions=_written_positions(program.computation))
-    entry.fusion_regions = fusion_regions  # keraunos.last_fusions, KERAUNOS_DEBUG=3, report
-    return entry
+        c.time(f"transform {t.name}", seconds)
+        c.prologues.append(prologue.derive(prologue.bound_symbols, t.name, seconds))
+        c.computations.append(computation.derive(computation.bound_symbols, t.name, seconds))
+        c.epilogues.append(epilogue)
 
 
-def _fuse(computation, backward, split, executors, records_autograd, stages,
-          computation_traces, backward_traces):
+def optimize(c: Compilation) -> None:
+    for p in OPTIMIZATIONS:
+        c.computations.append(p(c.computation))
+        c.time(p.label, c.computation.seconds)
+
+
+def autograd_split(c: Compilation) -> None:
+    """Grad mode on and some input requires grad: a forward trace and a backward trace."""
+    if not _needs_backward(c.computation):
+        return
+    try:
+        split = split_forward_backward(c.computation)
+    except Exception as e:  # noqa: BLE001 - any op the split cannot handle
+        _warn_no_backward(c.state, e)
+        return
+    c.split = split
+    c.computations.append(split.forward)
+    c.backwards.append(split.backward)
+    c.time("autograd split", split.forward.seconds)
+
+
+def reinplace_inputs(c: Compilation) -> None:
+    """Without autograd involved, inputs written in place are written directly (no copy-back)."""
+    if c.backward is not None or not can_reinplace(c.computation):
+        return
+    computation, epilogue = reinplace(c.computation, c.epilogues[-1])
+    if epilogue is not c.epilogues[-1]:
+        c.computations.append(computation)
+        c.epilogues.append(epilogue)
+        c.time("reinplace", computation.seconds)
+
+
+def executor_claims(c: Compilation) -> None:
+    c.records_autograd = c.backward is None and torch.is_grad_enabled()
+    executors = c.state.options.executors
+    c.computations.append(executors_module.claim(c.computation, executors))
+    c.time("executor claims", c.computation.seconds)
+    if c.backward is not None:
+        c.backwards.append(executors_module.claim(c.backward, executors))
+
+
+def fuse_regions(c: Compilation) -> None:
     """The fusion executors' regions of the forward and backward traces (after the claims)."""
-    counter = [0]  # region names are unique within the entry
-    forward = computation
-    computation, regions = fusion.fuse(
-        forward, executors, observable=_returned(forward), records_autograd=records_autograd,
+    if not _fusing(c.state):
+        return
+    executors, counter = c.state.options.executors, [0]  # region names: unique in the entry
+    forward = c.computation
+    fused, c.fusion_regions = fusion.fuse(
+        forward, executors, observable=_returned(forward), records_autograd=c.records_autograd,
         counter=counter)
-    if computation is not forward:
-        computation_traces.append(computation)
-        stages["fusion"] = computation.seconds
+    if fused is not forward:
+        c.computations.append(fused)
+        c.time("fusion", fused.seconds)
+    backward = c.backward
     if backward is not None:
-        grads = {p.name for p in backward.params[len(backward.params) - len(split.grad_metadata):]}
+        grads = {p.name for p in
+                 backward.params[len(backward.params) - len(c.split.grad_metadata):]}
         names = fusion.layers.layers_of_names(
             forward, fusion.layers.layer_of_lines(forward.bound_symbols))
         fused, backward_regions = fusion.fuse(
             backward, executors, observable=_returned(backward), always_checked=grads,
             layer_of_name=names, counter=counter)
         if fused is not backward:
-            backward = fused
-            backward_traces.append(backward)
-            stages["fusion"] = stages.get("fusion", 0.0) + backward.seconds
-        regions += backward_regions
-    return computation, backward, regions
+            c.backwards.append(fused)
+            c.time("fusion", fused.seconds)
+        c.fusion_regions += backward_regions
+
+
+def transforms_after_optimization(c: Compilation) -> None:
+    """Each Transform's ``transform_trace_post_optimization`` hook, on the forward and backward."""
+    for t in c.state.options.transforms:
+        t0 = time.perf_counter()
+        computation = t.transform_trace_post_optimization(c.computation)
+        forward_seconds = time.perf_counter() - t0
+        c.computations.append(computation.derive(computation.bound_symbols, t.name,
+                                                 forward_seconds))
+        backward_seconds = 0.0
+        if c.backward is not None:
+            t0 = time.perf_counter()
+            backward = t.transform_trace_post_optimization(c.backward)
+            backward_seconds = time.perf_counter() - t0
+            c.backwards.append(backward.derive(backward.bound_symbols, t.name, backward_seconds))
+        # The hook's time on the forward and on the backward, not the labelling between them.
+        c.time(f"transform {t.name} (post optimization)", forward_seconds + backward_seconds)
+
+
+def delete_dead_names(c: Compilation) -> None:
+    c.computations.append(delete_last_used(c.computation))
+    c.time("delete last used", c.computation.seconds)
+    if c.backward is not None:
+        c.backwards.append(delete_last_used(c.backward))
+
+
+def fast_prologue_stage(c: Compilation) -> None:
+    prologue, structure_walk = fast_prologue(c.prologues[-1])
+    if structure_walk is not None:
+        c.prologues.append(structure_walk)
+    c.prologues.append(prologue)
+    c.time("fast prologue", prologue.seconds)
+
+
+# What runs after capture, in order; each stage records its traces and time in the Compilation.
+STAGES = (transforms_before_prologue, optimize, autograd_split, reinplace_inputs, executor_claims,
+          fuse_regions, transforms_after_optimization, delete_dead_names, fast_prologue_stage)
+
+
+def make_entry(c: Compilation) -> CacheEntry:
+    """Code generation: the traces become Python functions, held by a new cache entry."""
+    t0 = time.perf_counter()
+    prologue_fn = c.prologues[-1].python_callable()
+    computation_fn = c.computation.python_callable()
+    if c.backward is not None:
+        computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
+                                                   c.split)
+    epilogue_fn = c.epilogues[-1].python_callable()
+    c.time("codegen", time.perf_counter() - t0)
+    captured = c.program.computation
+    positions = tuple(range(len(captured.params)))
+    entry = CacheEntry(prologue_fn, computation_fn, epilogue_fn, c.prologues, c.computations,
+                       c.epilogues, c.backwards, c.program.check_descriptions, None, c.stages,
+                       alias_positions=positions if len(positions) > 1 else None,
+                       written_positions=_written_positions(captured))
+    entry.fusion_regions = c.fusion_regions  # keraunos.last_fusions, KERAUNOS_DEBUG=3, report
+    return entry
+
+
+def _fusing(state) -> bool:
+    return any(getattr(e, "is_fusion", False) for e in state.options.executors)
 
 
 def _returned(trace: Trace) -> set[str]:

@@ -1,4 +1,5 @@
-"""Passes: functions from trace to trace, run in the order ``PIPELINE`` lists them."""
+"""Passes: functions from trace to trace (see ``runner.trace_pass``); ``keraunos/pipeline.py``
+runs them in the order its ``STAGES`` list."""
 from .cse import common_subexpression_elimination
 from .dce import dead_code_elimination
 from .deletion import delete_last_used

@@ -13,15 +13,14 @@ copies a gradient handed to two parameters, while two views of one result would 
 """
 from __future__ import annotations
 
-import time
-
 from torch.utils import _pytree as pytree
 
 from ..core.proxies import Proxy, TensorProxy
-from ..core.symbols import TorchSymbol
+from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
 from ..capture.state import SET_GLOBAL_STATE
+from .runner import trace_pass
 
 
 def _key(value):
@@ -42,8 +41,9 @@ def _key(value):
     return (type(value).__name__, value)
 
 
-def common_subexpression_elimination(trace: Trace, distinct_outputs: bool = True) -> Trace:
-    start = time.perf_counter()
+@trace_pass("Common Subexpression Elimination")
+def common_subexpression_elimination(trace: Trace,
+                                     distinct_outputs: bool = True) -> list[BoundSymbol]:
     written = {p.storage for b in trace.bound_symbols if MUTATION in b.tags
                for p in b.input_proxies() if isinstance(p, TensorProxy)}
     seen: dict = {}
@@ -72,7 +72,7 @@ def common_subexpression_elimination(trace: Trace, distinct_outputs: bool = True
                 continue
             seen.setdefault(key, bsym)
         result.append(bsym)
-    return trace.derive(result, "Common Subexpression Elimination", time.perf_counter() - start)
+    return result
 
 
 def _returned_names(trace: Trace) -> set[str]:

@@ -5,18 +5,17 @@ generator, so later random values depend on them) are kept whatever their use.
 """
 from __future__ import annotations
 
-import time
-
 from ..core.proxies import Proxy, TensorProxy
-from ..core.symbols import GlueSymbol
+from ..core.symbols import BoundSymbol, GlueSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
+from .runner import trace_pass
 
 _KEEP = {MUTATION, RANDOM}
 
 
-def dead_code_elimination(trace: Trace) -> Trace:
-    start = time.perf_counter()
+@trace_pass("Dead Code Elimination")
+def dead_code_elimination(trace: Trace) -> list[BoundSymbol]:
     refreshing = _refreshing_reads(trace.bound_symbols)
     live: set[str] = set()
     written_later: set[str] = set()  # tensors that kept in-place lines further down write
@@ -34,7 +33,7 @@ def dead_code_elimination(trace: Trace) -> Trace:
             if MUTATION in bsym.tags and bsym.args and isinstance(bsym.args[0], TensorProxy):
                 written_later.add(bsym.args[0].name)
     kept.reverse()
-    return trace.derive(kept, "Dead Code Elimination", time.perf_counter() - start)
+    return kept
 
 
 def _refreshing_reads(bsyms) -> dict[int, set[str]]:

@@ -1,11 +1,10 @@
 """Free intermediates early: ``del`` each name right after the line that last uses it."""
 from __future__ import annotations
 
-import time
-
+from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol, GlueSymbol
 from ..core.trace import Trace
-from ..core.proxies import Proxy
+from .runner import trace_pass
 
 
 def _del_formatter(bsym, w):
@@ -15,8 +14,8 @@ def _del_formatter(bsym, w):
 DELETE = GlueSymbol("del", _del_formatter)
 
 
-def delete_last_used(trace: Trace) -> Trace:
-    start = time.perf_counter()
+@trace_pass("Delete Last Used")
+def delete_last_used(trace: Trace) -> list[BoundSymbol]:
     params = {p.name for p in trace.params if isinstance(p, Proxy)}
     seen: set[str] = set()
     result: list[BoundSymbol] = []
@@ -33,4 +32,4 @@ def delete_last_used(trace: Trace) -> Trace:
         seen.update(used)
         result.append(bsym)
     result.reverse()
-    return trace.derive(result, "Delete Last Used", time.perf_counter() - start)
+    return result
