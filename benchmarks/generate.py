@@ -1,0 +1,185 @@
+"""Text generation: per-token time and compilations of eager, keraunos and torch.compile.
+
+Run: python benchmarks/generate.py [--models llama,gpt2,qwen2,mistral,litgpt] [--tokens N]
+     [--prompts 7,11] [--repeats R] [--cache dynamic|static] [--skip-compile]
+
+Every figure comes from this one run, one intra-op thread, tiny configs with random weights
+(nothing downloaded). Per model and system, greedy generation of ``--tokens`` new tokens:
+- Hugging Face models: ``model.generate`` with the default ``DynamicCache`` (or
+  ``cache_implementation="static"``); keraunos as the README writes it, ``keraunos.jit(model)``
+  then its ``generate``; torch.compile as ``model.forward = torch.compile(model.forward)``.
+- litgpt: ``litgpt.generate.base.generate`` on a KV-cache GPT (``keraunos.jit(model)``,
+  ``torch.compile(model)``).
+
+Columns: ``compiles`` is the compilations of the first generate call of each prompt length
+(keraunos: cache misses; torch.compile: the graphs dynamo compiled); ``per token`` the median over
+``--repeats`` of (time of a generate of N tokens - time of a generate of 1 token) / (N - 1),
+that is a decode step, measured after every prompt length was generated once; ratios are to eager
+and to torch.compile. ``tokens`` says whether every generated sequence equals eager's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+import warnings
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
+
+import torch  # noqa: E402
+
+import keraunos  # noqa: E402
+
+HF_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def hf_model(kind: str):
+    import transformers
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                         n_positions=256)
+    else:
+        config = transformers.AutoConfig.for_model(kind, **HF_TINY)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def litgpt_model():
+    import litgpt
+    from litgpt.model import GPT
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, padded_vocab_size=128,
+                           block_size=256)
+    return GPT(config).eval()
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+class System:
+    """One way of running generation: ``generate(prompt, n)`` gives the tokens; ``compiles()``
+    counts the compilations so far."""
+
+    def __init__(self, generate, compiles):
+        self.generate = generate
+        self.compiles = compiles
+
+
+def hf_systems(kind: str, cache: str, with_compile: bool) -> dict[str, System]:
+    options = dict(do_sample=False, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
+
+    def runner(generate):
+        def run(prompt, n):
+            with torch.no_grad():
+                return generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                                max_new_tokens=n, min_new_tokens=n, **options)[0]
+        return run
+    eager = hf_model(kind)
+    jitted = keraunos.jit(copy.deepcopy(eager))
+    systems = {"eager": System(runner(eager.generate), lambda: 0),
+               "keraunos": System(runner(jitted.generate), lambda: keraunos.cache_misses(jitted))}
+    if with_compile:
+        compiled = copy.deepcopy(eager)
+        compiled.forward = torch.compile(compiled.forward)
+        systems["torch.compile"] = System(runner(compiled.generate), dynamo_graphs)
+    return systems
+
+
+def litgpt_systems(with_compile: bool) -> dict[str, System]:
+    from litgpt.generate.base import generate
+
+    def runner(model, module):
+        def run(prompt, n):
+            module.max_seq_length = 256  # one size: the KV cache buffers keep their shape
+            module.set_kv_cache(batch_size=1)
+            return generate(model, prompt, len(prompt) + n, temperature=0.0, top_k=1)
+        return run
+    eager = litgpt_model()
+    jitted_module = copy.deepcopy(eager)
+    jitted = keraunos.jit(jitted_module)
+    systems = {"eager": System(runner(eager, eager), lambda: 0),
+               "keraunos": System(runner(jitted, jitted_module),
+                                  lambda: keraunos.cache_misses(jitted))}
+    if with_compile:
+        compiled_module = copy.deepcopy(eager)
+        systems["torch.compile"] = System(runner(torch.compile(compiled_module), compiled_module),
+                                          dynamo_graphs)
+    return systems
+
+
+def per_token(system: System, prompt: torch.Tensor, tokens: int, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        system.generate(prompt, 1)
+        t1 = time.perf_counter()
+        system.generate(prompt, tokens)
+        t2 = time.perf_counter()
+        samples.append(((t2 - t1) - (t1 - t0)) / max(tokens - 1, 1))
+    return statistics.median(samples)
+
+
+def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int,
+          repeats: int) -> None:
+    torch.manual_seed(1)
+    prompt_ids = [torch.randint(1, 128, (n,)) for n in prompts]
+    reference = [systems["eager"].generate(p, tokens).tolist() for p in prompt_ids]
+    print(f"\n{name}: prompts {prompts}, {tokens} new tokens, per token = one decode step")
+    print(f"  {'system':<14} {'compiles per prompt':<22} {'tokens':<7} {'per token':>12} "
+          f"{'vs eager':>9} {'vs torch.compile':>17}")
+    rows = {}
+    for system_name, system in systems.items():
+        compiles, same = [], True
+        try:
+            for p, ref in zip(prompt_ids, reference):
+                before = system.compiles()
+                same &= system.generate(p, tokens).tolist() == ref
+                compiles.append(system.compiles() - before)
+            rows[system_name] = (compiles, same, per_token(system, prompt_ids[-1], tokens,
+                                                           repeats))
+        except Exception as e:  # noqa: BLE001 - one system failing never stops the run
+            rows[system_name] = (compiles, f"{type(e).__name__}", None)
+    eager_t = rows["eager"][2]
+    compile_t = rows.get("torch.compile", (None, None, None))[2]
+    for system_name, (compiles, same, t) in rows.items():
+        verdict = same if isinstance(same, str) else ("equal" if same else "DIFFER")
+        if t is None:
+            print(f"  {system_name:<14} {str(compiles):<22} {verdict:<7}")
+            continue
+        vs_eager = f"{t / eager_t:8.2f}x" if eager_t else ""
+        vs_compile = f"{t / compile_t:16.2f}x" if compile_t else ""
+        print(f"  {system_name:<14} {str(compiles):<22} {verdict:<7} {t * 1e3:9.3f} ms "
+              f"{vs_eager:>9} {vs_compile:>17}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama,gpt2,qwen2,mistral,litgpt")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", default="7,11,16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # transformers' generation-config notices
+    prompts = [int(n) for n in args.prompts.split(",")]
+    print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread, "
+          f"{args.cache} cache (Hugging Face models)")
+    for model in args.models.split(","):
+        if model == "litgpt":
+            systems = litgpt_systems(not args.skip_compile)
+        else:
+            systems = hf_systems(model, args.cache, not args.skip_compile)
+        bench(model, systems, prompts, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
