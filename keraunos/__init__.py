@@ -12,7 +12,7 @@ from . import executors
 from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
 from .errors import CaptureError, DataDependentError, KeraunosError, UnsupportedInputError
-from .executors.prologue_cache import invalidate_module_structure
+from .structure import invalidate_module_structure
 from .jit import CacheMode, CompileStats, Fallback, JittedFunction, JittedModule, jit, state_of
 from .capture.symbolic import mark_dynamic, mark_static
 from .report import report

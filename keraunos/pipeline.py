@@ -17,7 +17,7 @@ from .core.proxies import Proxy
 from .core.tags import OPAQUE
 from .core.trace import Trace
 from .executors import fusion
-from .executors.prologue_cache import fast_prologue
+from .passes.fast_prologue import fast_prologue
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
 

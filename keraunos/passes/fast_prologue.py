@@ -1,162 +1,29 @@
-"""The python executor's fast prologue: module structure cached, checks in straight lines.
+"""The fast prologue: the readable prologue rewritten so that a cache hit costs little.
 
 The readable prologue walks the module tree on every call: it extracts each submodule, parameter
-and buffer and checks each submodule's type. Only registering a module, parameter or buffer can
-change what that walk finds, and PyTorch calls global registration hooks on every such
-assignment (``register_module_{module,parameter,buffer}_registration_hook``). So the walk moves
-into a function of its own, ``refresh_module_structure``, whose result is kept until a hook fires;
-the prologue then only checks:
+and buffer and checks each submodule's type. That walk moves into a function of its own,
+``refresh_module_structure``, whose result is kept until the module-structure token
+(``keraunos/structure.py``) changes; the prologue then only checks:
 
 - the call's arguments and global state, as before;
 - each module attribute the program read (``training``, ``eps``, a config object and its fields),
   by identity with the value it was compiled for, read straight from the module's ``__dict__``;
-- all tensors' metadata, in one C++ call (``TensorGuards``).
+- all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``).
 
 A module attribute reassigned to an equal value therefore recompiles once: identity is the check
 that is both exact and cheapest.
-
-The hooks do not fire for ``del module.x``, for setting a parameter to ``None``, or for writes
-straight into ``module._parameters`` (``_buffers``, ``_modules``), so the walk also makes those
-tables ``WatchedTable``s, dicts that invalidate the cache when written. Only code that kept a
-reference to a table from before the first compile and writes through it goes unseen; call
-``keraunos.invalidate_module_structure()`` after such a write.
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
-import torch
-from torch._C._dynamo.guards import TensorGuards
-
+from ..capture.provenance import root
 from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol
 from ..core.trace import Trace
-from ..capture.provenance import root
-
-
-class _Token:
-    """A fresh token per change. Not ``object()``: dynamo traces the global registration hook
-    into every torch.compile'd forward that builds a module (transformers' ``self.layers[:n]``
-    makes a ModuleList) and cannot trace ``object()``, which was a graph break in each such
-    forward; a user class it can make, and it replays the store after the graph."""
-
-    __slots__ = ()
-
-
-# Replaced by a new token whenever a module, parameter or buffer is registered anywhere.
-_tree_token: list[object] = [_Token()]
-
-
-def invalidate_module_structure() -> None:
-    """Make every jitted module walk its module tree again on its next call."""
-    _tree_token[0] = _Token()
-
-
-def _on_registration(module, name, value):
-    _tree_token[0] = _Token()
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
-
-
-# Forward and backward hooks run inside the captured program: adding or removing one must be
-# seen. Registering and removing go through these functions, which then invalidate the cached
-# walk; the walk compares every module's hooks with those compiled in (``hook_state``).
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
-                "_backward_pre_hooks")
-_GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
-                       "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
-                       "_global_backward_hooks", "_global_backward_pre_hooks")
-_module_module = torch.nn.modules.module
-
-
-def _invalidating(register):
-    def wrapper(*args, **kwargs):
-        _tree_token[0] = _Token()
-        return register(*args, **kwargs)
-    wrapper.__wrapped__ = register
-    wrapper.__name__, wrapper.__qualname__ = register.__name__, register.__qualname__
-    wrapper.__doc__ = register.__doc__
-    return wrapper
-
-
-for _name in ("register_forward_pre_hook", "register_forward_hook", "register_backward_hook",
-              "register_full_backward_hook", "register_full_backward_pre_hook"):
-    setattr(torch.nn.Module, _name, _invalidating(getattr(torch.nn.Module, _name)))
-for _name in ("register_module_forward_pre_hook", "register_module_forward_hook",
-              "register_module_backward_hook", "register_module_full_backward_hook",
-              "register_module_full_backward_pre_hook"):
-    setattr(_module_module, _name, _invalidating(getattr(_module_module, _name)))
-torch.utils.hooks.RemovableHandle.remove = _invalidating(torch.utils.hooks.RemovableHandle.remove)
-
-
-def hook_state(module: torch.nn.Module) -> tuple:
-    """Every hook that calling ``module`` runs, in order: the module tree's and the global ones."""
-    tables = [getattr(_module_module, name) for name in _GLOBAL_HOOK_TABLES]
-    for sub in module.modules():
-        d = sub.__dict__
-        tables += [d.get(name) or {} for name in _HOOK_TABLES]
-    return tuple(tuple(t.items()) for t in tables)
-
-
-class WatchedTable(dict):
-    """A module's ``_parameters`` / ``_buffers`` / ``_modules`` table that invalidates every cached
-    module-structure walk when written to. The registration hooks miss ``del module.x``, setting a
-    parameter to ``None`` and direct writes to the table (``functional_call``, say); this sees them.
-    Pickles and deep-copies as a plain ``dict``."""
-
-    def __setitem__(self, key, value):
-        _tree_token[0] = _Token()
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key):
-        _tree_token[0] = _Token()
-        dict.__delitem__(self, key)
-
-    def pop(self, *args):
-        _tree_token[0] = _Token()
-        return dict.pop(self, *args)
-
-    def popitem(self):
-        _tree_token[0] = _Token()
-        return dict.popitem(self)
-
-    def clear(self):
-        _tree_token[0] = _Token()
-        dict.clear(self)
-
-    def update(self, *args, **kwargs):
-        _tree_token[0] = _Token()
-        dict.update(self, *args, **kwargs)
-
-    def setdefault(self, key, default=None):
-        _tree_token[0] = _Token()
-        return dict.setdefault(self, key, default)
-
-    def __ior__(self, other):
-        _tree_token[0] = _Token()
-        return dict.__ior__(self, other)
-
-    def __reduce__(self):
-        return (dict, (dict(self),))
-
-    def __deepcopy__(self, memo):
-        import copy
-        return {copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()}
-
-
-def watch_modules(modules) -> None:
-    """Make the tables of these modules ``WatchedTable``s (once)."""
-    for m in modules:
-        d = m.__dict__
-        for name in ("_parameters", "_buffers", "_modules"):
-            table = d.get(name)
-            if table is not None and type(table) is dict:
-                d[name] = WatchedTable(table)
+from ..structure import _tree_token, hook_state, watch_modules
+from .guard_trees import attribute_guards, tensor_guards
 
 
 def _lines_formatter(bsym, w):
@@ -165,13 +32,6 @@ def _lines_formatter(bsym, w):
 
 def _glue(name: str, lines) -> BoundSymbol:
     return BoundSymbol(GlueSymbol(name, _lines_formatter), info={"lines": lines}, executor="python")
-
-
-def _tensor_guards(checks: list[BoundSymbol]):
-    # The compiling call's tensors, held weakly by the trace (an entry must not keep them alive).
-    reals = [b.info["real"]() for b in checks]
-    return TensorGuards(*reals, dynamic_dims_sizes=[list(t.shape) for t in reals],
-                        dynamic_dims_strides=[list(t.stride()) for t in reals])
 
 
 def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
@@ -253,7 +113,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     if entries:
         current = refresh()  # the walk the first call would make; its dicts are the examples
         if type(current) is tuple:
-            guards = _build_attribute_guards(entries, current[2])
+            guards = attribute_guards(entries, current[2])
     module_part = _attribute_lines(module_part, entries, guards, keep)
 
     def load(w):
@@ -295,7 +155,7 @@ def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
 def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) -> Trace:
     check_names = [b.args[0].name for b in checks]
     if checks:
-        guards = _tensor_guards(checks)
+        guards = tensor_guards(checks)
         names = [b.info["path"] for b in checks]
         arg_list = _splice(check_names, static_names, statics_expr)
 
@@ -334,24 +194,33 @@ def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
         f"device {e['device']}, requires_grad {e['requires_grad']}" for who, e in rows]
 
 
+def _run_at(names: list[str], static_names: list[str]) -> int | None:
+    """Where the static tensors appear in ``names`` as one run, in order; ``None`` if they don't."""
+    n = len(static_names)
+    for i in range(len(names) - n + 1):
+        if names[i:i + n] == static_names:
+            return i
+    return None
+
+
 def _splice(names: list[str], static_names: list[str], statics_expr: str | None) -> str:
     """``a, *_s[1], b`` when the static tensors appear in ``names`` as one run, in order."""
-    if statics_expr and static_names:
-        n = len(static_names)
-        for i in range(len(names) - n + 1):
-            if names[i:i + n] == static_names:
-                return ", ".join(names[:i] + [f"*{statics_expr}"] + names[i + n:])
-    return ", ".join(names)
+    at = _run_at(names, static_names) if statics_expr and static_names else None
+    if at is None:
+        return ", ".join(names)
+    return ", ".join(names[:at] + [f"*{statics_expr}"] + names[at + len(static_names):])
 
 
 def _needs_locals(static_names, rest, checks, ret) -> bool:
+    """Whether the static tensors must be bound as locals: something reads them by name, or a
+    list that holds them (the checked tensors, the returned inputs) cannot splice them in."""
     used = _names_used(rest) | set(_names_in(ret.args[1]))
     if any(n in used for n in static_names):
         return True
     check_names = [b.args[0].name for b in checks]
     input_names = [p.name for p in ret.args[0]]
-    return any(_splice(names, static_names, "_s[1]") == ", ".join(names)
-               and any(n in names for n in static_names) for names in (check_names, input_names))
+    return any(any(n in names for n in static_names) and _run_at(names, static_names) is None
+               for names in (check_names, input_names))
 
 
 def _names_used(bsyms: list[BoundSymbol]) -> set[str]:
@@ -428,41 +297,6 @@ def _attribute_lines(lines, entries, guards, keep):
                                                f"{w.constant(e, 'expected')}: return {c}  # {d}"]))
     used = _names_used([b for b in lines if "defines" not in b.info]) | keep
     return [b for b in lines if "defines" not in b.info or b.info["defines"] in used]
-
-
-def _build_attribute_guards(entries, example_dicts):
-    try:
-        from torch._C._dynamo.guards import RootGuardManager
-        from torch._dynamo.guards import GuardManagerType
-        kind = GuardManagerType.GUARD_MANAGER
-        root = RootGuardManager()
-        per_dict: dict[int, Any] = {}
-        for index, key, expected, description, _ in entries:
-            manager = per_dict.get(index)
-            if manager is None:
-                manager = per_dict[index] = root.tuple_getitem_manager(
-                    index, f"dicts[{index}]", example_dicts[index], kind)
-            item = manager.dict_getitem_manager(key, f"dicts[{index}][{key!r}]", expected, kind)
-            item.add_id_match_guard(id(expected), [description], None)
-        return _AttributeGuards(root, [e[2] for e in entries], len(entries))
-    except Exception:  # an older or newer torch without this guard API: Python checks instead
-        return None
-
-
-class _AttributeGuards:
-    """dynamo's C++ guard tree over module ``__dict__`` entries; holds the expected objects so
-    their ids stay theirs."""
-
-    def __init__(self, root, expected, count):
-        self.root = root
-        self.expected = expected
-        self.count = count
-        self.check = root.check
-
-    def reason(self, dicts) -> str:
-        parts = self.root.check_verbose(dicts).verbose_code_parts
-        return (parts[0] if parts else "a module attribute changed") + \
-            " (module attributes are checked by identity: an equal new value also recompiles once)"
 
 
 def _tuple(names: list[str]) -> str:
