@@ -597,3 +597,105 @@ def test_opinfo_subset_with_fusion_matches_eager(monkeypatch):
     assert not failed, "\n".join(failed)
     assert all(isinstance(k, compiler.Kernel) for k in compiled), [
         k.error for k in compiled if not isinstance(k, compiler.Kernel)]
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+def symbolic_fusion(jitted):
+    """The entry's fusion lines and regions, and whether its trace has symbolic sizes."""
+    trace = keraunos.last_traces(jitted)[-1]
+    return fusion_lines(trace), keraunos.last_fusions(jitted), "s0" in str(trace)
+
+
+def test_symbolic_entry_is_fused_once_for_every_size():
+    def f(x, w):
+        y = torch.tanh(x @ w) * 2
+        return (y.view(x.shape[0], -1, 4).softmax(-1) + 1).sum(1)
+
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    w = torch.randn(8, 8)
+    kernels = set()
+    with torch.no_grad():
+        for n in (6, 7, 12, 3):
+            x = torch.randn(n, 8)
+            out, ref = jitted(x, w), f(x, w)
+            assert_close(out, ref, **TOL)
+            assert out.shape == ref.shape and out.stride() == ref.stride()
+            lines, regions, symbolic = symbolic_fusion(jitted)
+            assert symbolic and len(lines) == 1 and len(regions) == 1
+            kernels.add(regions[0].kernel.number)
+    assert keraunos.cache_misses(jitted) == 1 and len(kernels) == 1
+    assert "view(i2, -1, 4)" in regions[0].graph.code  # the size symbol is a graph input
+
+
+def test_symbolic_training_fuses_forward_and_backward_layers_once():
+    torch.manual_seed(0)
+    model = Stack(3)
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED, cache="symbolic values")
+    for n in (3, 5, 9):
+        x1 = torch.randn(n, 16, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        grad = torch.randn(n)
+        model.zero_grad()
+        reference.zero_grad()
+        out, ref = jitted(x1), reference(x2)
+        assert_close(out, ref, **TOL)
+        out.backward(grad)
+        ref.backward(grad)
+        assert_close(x1.grad, x2.grad, **TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert keraunos.cache_misses(jitted) == 1
+    assert "s0" in str(keraunos.last_backward_traces(jitted)[-1])
+    for trace_name in ("computation", "backward"):
+        layers = [r for r in keraunos.last_fusions(jitted)
+                  if r.trace_name == trace_name and r.layer is not None]
+        assert len(layers) == 3 and len({r.kernel.number for r in layers}) == 1, trace_name
+
+
+def test_automatic_dynamic_entry_is_fused():
+    def f(x):
+        return torch.sigmoid(x * 3).cumsum(0) - x.mean(0)
+
+    jitted = keraunos.jit(f, executors=FUSED)
+    for n in (4, 6, 9, 13):
+        x = torch.randn(n, 5)
+        assert_close(jitted(x), f(x), **TOL)
+    assert keraunos.cache_misses(jitted) == 2  # 4 exact; 6 recompiled with dim 0 symbolic
+    lines, regions, symbolic = symbolic_fusion(jitted)
+    assert symbolic and lines and len({r.kernel.number for r in regions}) == len(regions)
+
+
+def test_sizes_the_kernel_was_not_compiled_for_run_the_region_lines(monkeypatch):
+    # A fact Inductor assumed while compiling (here one added for the test: s0 <= 8) is
+    # checked on every call; a call outside it runs the region's own lines, exactly.
+    import sympy
+    from keraunos.executors.fusion import symbolic
+    added = symbolic.added_facts
+
+    def with_s0_at_most_8(shape_env):
+        s0 = next(s for s, name in shape_env.keraunos_names.items() if name == "s0")
+        return added(shape_env) + [sympy.Le(s0, 8)]
+    monkeypatch.setattr(symbolic, "added_facts", with_s0_at_most_8)
+
+    def f(x):
+        return (torch.cos(x) * 4).exp().sum(-1)
+
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    x = torch.randn(5, 3)
+    assert_close(jitted(x), f(x), **TOL)
+    (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
+    (where,) = [t for t in str(keraunos.last_traces(jitted)[-1]).splitlines()
+                if t.startswith("  #   kernel where ")]
+    conditions = where.removeprefix("  #   kernel where ").removesuffix("; else these lines:")
+    assert "s0 <= 8" in conditions.split(" and ")
+    ran = []
+    kernel_fn, fallback = line.symbol.call.kernel.fn, line.symbol.call.fallback
+    monkeypatch.setattr(line.symbol.call, "run", lambda *a: ran.append("kernel") or kernel_fn(*a))
+    monkeypatch.setattr(line.symbol.call, "fallback",
+                        lambda *a: ran.append("lines") or fallback(*a))
+    for n in (7, 8, 9, 20):
+        x = torch.randn(n, 3)
+        assert_close(jitted(x), f(x), **TOL)
+    assert ran == ["kernel", "kernel", "lines", "lines"]
+    assert keraunos.cache_misses(jitted) == 1

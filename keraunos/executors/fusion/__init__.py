@@ -96,6 +96,8 @@ class FusionSymbol(Symbol):
                  else "compiled for this region")
         lines = [f"# {self.name}: {where}{len(r.lines)} lines, kernel k{r.kernel.number} "
                  f"({reuse})"]
+        if self.call.guard_source:  # sizes Inductor assumed: other sizes run the lines below
+            lines.append(f"#   kernel where {self.call.guard_source}; else these lines:")
         sub = CodeWriter({})  # comments only: nothing may enter the trace's namespace
         sub.defined = set(w.defined)
         for b in r.lines:
@@ -214,15 +216,22 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
                            f"{len(r.lines)} lines run on the next executor.")
         return None
+    region_trace = Trace(name, list(r.inputs), list(r.lines) + [
+        BoundSymbol(_REGION_RETURN, tuple(r.outputs))])
+    checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
+    try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
+        call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
+            region_trace.python_callable() if kernel.guards else None))
+    except compiler.SymbolicUnguardable as e:
+        compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
+                           f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "
+                           f"{len(r.lines)} lines run on the next executor.")
+        return None
     counter[0] += 1
     shared = done.get(kernel.number) or ("a region compiled earlier" if existed else None)
     done.setdefault(kernel.number, name)
-    region_trace = Trace(name, list(r.inputs), list(r.lines) + [
-        BoundSymbol(_REGION_RETURN, tuple(r.outputs))])
     region = FusionRegion(name, trace_name, r.layer, [p.name for p in r.inputs],
                           [p.name for p in r.outputs], region_trace, kernel.graph, kernel, shared,
                           list(r.lines))
-    checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
-    call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked)
     return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
                        subsymbols=list(r.lines), executor=InductorExecutor.name)

@@ -17,12 +17,12 @@ import shutil
 import subprocess
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ...core.proxies import TensorProxy
-from . import fx_graph
+from . import fx_graph, symbolic
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -46,6 +46,7 @@ class Kernel:
     path: str | None        # where that code lives on disk
     seconds: float          # compile time
     cache: str              # how Inductor got it: "compiled", "AOTAutograd cache", "FX graph cache"
+    guards: list = field(default_factory=list)  # symbolic sizes: facts it assumes (sympy)
 
 
 @dataclass
@@ -86,19 +87,29 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
     gm, shown = make_graph(), make_graph()
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    shape_env = fx_graph.shape_env(inputs)  # the capture's, when sizes are symbolic
+    if shape_env is not None and symbolic.Layout(inputs).unbound:
+        raise SymbolicUnguardable(f"sizes {sorted(map(str, symbolic.Layout(inputs).unbound))} "
+                                  f"that no input dimension gives")
+    fake_mode = FakeTensorMode(shape_env=shape_env if shape_env is not None else ShapeEnv())
+    if shape_env is not None:
+        symbolic.baseline(shape_env)  # taken before this entry's first compile adds facts
     fakes = fx_graph.fake_inputs(inputs, fake_mode)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
     before = _cache_counts(counters)
     with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources:
-        fn = compile_fx(gm, fakes, ignore_shape_env=True, config_patches=dict(CONFIG_PATCHES))
+        fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
+                        config_patches=dict(CONFIG_PATCHES))
+    # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
+    # each call checks them (``RegionCall``), and runs the region's own lines where one fails.
+    guards = symbolic.added_facts(shape_env) if shape_env is not None else []
     after = _cache_counts(counters)
     cache = ("AOTAutograd cache" if after[0] > before[0] else
              "FX graph cache" if after[1] > before[1] else "compiled")
     code = sources[-1] if sources else ""
     path = PyCodeCache.write(code)[1] if code else None
     return Kernel(fn, shown, next(_kernel_numbers), region_name, code, path,
-                  time.perf_counter() - start, cache)
+                  time.perf_counter() - start, cache, guards)
 
 
 def _cache_counts(counters) -> tuple[int, int]:
@@ -153,32 +164,74 @@ class RegionCall:
 
     Inputs the caller passes in (gradients, in the backward) can come with any strides on any
     call; ``always_checked`` names their positions. Other inputs and the outputs are checked once:
-    layouts follow from the input metadata, which the prologue checks."""
+    layouts follow from the input metadata, which the prologue checks. With symbolic sizes the
+    traced layouts are expressions, evaluated with the sizes of the call (``symbolic.Layout``)."""
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
-                 always_checked: tuple[int, ...]):
+                 always_checked: tuple[int, ...], fallback=None):
         self.kernel = kernel
-        self.inputs = [(p.shape, p.stride) for p in inputs]
+        self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
+                       for p in inputs]  # None: a size symbol, passed as an int
         self.outputs = [(p.shape, p.stride) for p in outputs]
+        metas = [m for m in self.inputs + self.outputs if m is not None]
+        self.layout = (symbolic.Layout(inputs) if any(map(symbolic.is_symbolic, (
+            v for shape, stride in metas for v in (*shape, *stride)))) else None)
         self.always_checked = always_checked
         self.fixed_outputs: tuple[int, ...] = ()
         self.run = self._first_call
+        self.guard = self.guard_source = None
+        self.fallback = fallback  # the region's own lines, where a guard fails
+        if kernel.guards:
+            made = symbolic.guard_function(kernel.guards, self.layout)
+            if made is None:
+                raise SymbolicUnguardable(kernel.guards)
+            self.guard, _ = made
+            env = symbolic.shape_env_of(v for m in metas for v in (*m[0], *m[1]))
+            self.guard_source = symbolic.readable(kernel.guards,
+                                                  getattr(env, "keraunos_names", None) or {})
 
     def __call__(self, *args):
-        return self.run(*args)
+        if self.layout is None:
+            return self.run(*args)
+        if self.guard is not None and not self.guard(*self.layout.values(args)):
+            return self.fallback(*args)
+        return self.run(*args, *self.layout.extra_values(args))
+
+    def _metas(self, args):
+        """The input and output layouts of this call: the traced ones, evaluated when symbolic."""
+        if self.layout is None:
+            return self.inputs, self.outputs
+        bindings = self.layout.bindings(args)
+
+        def concrete(meta):
+            if meta is None:
+                return None
+            shape, stride = (self.layout.concrete(v, bindings) for v in meta)
+            return None if shape is None or stride is None else (shape, stride)
+        return [concrete(m) for m in self.inputs], [concrete(m) for m in self.outputs]
 
     def _first_call(self, *args):
-        fix_inputs = tuple(i for i, t in enumerate(args) if t.stride() != self.inputs[i][1])
+        inputs, outputs = self._metas(args)  # (with symbolic sizes, args end with the extras)
+        inputs = inputs + [None] * (len(args) - len(inputs))
+        fix_inputs = tuple(i for i, m in enumerate(inputs)
+                           if m is not None and args[i].stride() != m[1])
         checked = tuple(sorted(set(self.always_checked) | set(fix_inputs)))
         self.always_checked = checked
-        outs = self.kernel.fn(*_restrided(args, checked, self.inputs))
-        self.fixed_outputs = tuple(i for i, t in enumerate(outs) if t.stride() != self.outputs[i][1])
+        outs = self.kernel.fn(*_restrided(args, checked, inputs))
+        self.fixed_outputs = tuple(i for i, t in enumerate(outs)
+                                   if outputs[i] is not None and t.stride() != outputs[i][1])
         self.run = self.kernel.fn if not (checked or self.fixed_outputs) else self._fixing_call
-        return _restrided(outs, self.fixed_outputs, self.outputs)
+        return _restrided(outs, self.fixed_outputs, outputs)
 
     def _fixing_call(self, *args):
-        outs = self.kernel.fn(*_restrided(args, self.always_checked, self.inputs))
-        return _restrided(outs, self.fixed_outputs, self.outputs)
+        inputs, outputs = self._metas(args)
+        inputs = inputs + [None] * (len(args) - len(inputs))
+        outs = self.kernel.fn(*_restrided(args, self.always_checked, inputs))
+        return _restrided(outs, self.fixed_outputs, outputs)
+
+
+class SymbolicUnguardable(Exception):
+    """Inductor assumed facts about sizes that the region's inputs do not give to check."""
 
 
 def _restrided(tensors, positions, metas) -> list:
@@ -188,6 +241,8 @@ def _restrided(tensors, positions, metas) -> list:
         return tensors
     tensors = list(tensors)
     for i in positions:
+        if metas[i] is None:  # a size symbol, or a layout with a size the call does not give
+            continue
         t, (shape, stride) = tensors[i], metas[i]
         if t.stride() == stride:
             continue

@@ -14,17 +14,29 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ...core.proxies import Proxy, TensorProxy
+from ...capture.symbolic import SymbolicValue
+from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol
+from . import symbolic
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
                  outputs: list[TensorProxy]) -> fx.Graph:
+    """Inputs are tensors and, in a region with symbolic sizes, the size symbols it reads."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {p.name: graph.placeholder(f"i{k}") for k, p in enumerate(inputs)}
+    symbols = {p.symbol: env[p.name] for p in inputs if isinstance(p, NumberProxy)}
+    for k, (_, _, symbol) in enumerate(symbolic.Layout(inputs).extra, start=len(inputs)):
+        symbols[symbol] = graph.placeholder(f"i{k}")  # a size read from a tensor, by the caller
+
+    def value(x):
+        if isinstance(x, Proxy):
+            return env[x.name]
+        if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
+            return symbolic.expression_node(graph, x.value.node.expr, symbols)
+        return x
     for b in lines:
-        args, kwargs = pytree.tree_map(lambda x: env[x.name] if isinstance(x, Proxy) else x,
-                                       (b.args, b.kwargs))
+        args, kwargs = pytree.tree_map(value, (b.args, b.kwargs))
         _bind(graph, b.outputs, _node(graph, b.symbol, tuple(args), dict(kwargs)), env)
     graph.output(tuple(env[p.name] for p in outputs))
     return graph
@@ -54,11 +66,22 @@ def _bind(graph: fx.Graph, outputs, node: fx.Node, env: dict[str, fx.Node]) -> N
             _bind(graph, item, graph.call_function(operator.getitem, (node, k)), env)
 
 
-def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list[torch.Tensor]:
-    """Fake tensors of the recorded metadata (strides included: the compiled code asserts them)."""
+def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list:
+    """Fake tensors of the recorded metadata (strides included: the compiled code asserts them);
+    a size symbol's example is its capture-time ``SymInt``."""
     with fake_mode:
-        return [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
-                for p in inputs]
+        fakes = [p.value if isinstance(p, NumberProxy) else
+                 torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+                 for p in inputs]
+    return fakes + [inputs[k].shape[d] for k, d, _ in symbolic.Layout(inputs).extra]
+
+
+def shape_env(inputs: list[TensorProxy]):
+    """The capture's ``ShapeEnv`` when the region has symbolic sizes, else None."""
+    values = []
+    for p in inputs:
+        values += [p.value] if isinstance(p, NumberProxy) else [*p.shape, *p.stride]
+    return symbolic.shape_env_of(values)
 
 
 def propagate(gm: fx.GraphModule, fakes: list[torch.Tensor], fake_mode,
@@ -72,8 +95,9 @@ def propagate(gm: fx.GraphModule, fakes: list[torch.Tensor], fake_mode,
         if "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
     made = next(n for n in gm.graph.nodes if n.op == "output").meta["val"]
+    expr = symbolic.expr_of  # never ``==`` on SymInts: it would record a guard
     for p, t in zip(outputs, made):
-        if (tuple(t.shape), t.dtype) != (p.shape, p.dtype):
+        if (tuple(map(expr, t.shape)), t.dtype) != (tuple(map(expr, p.shape)), p.dtype):
             raise AssertionError(f"the region's graph makes {p.name} as {tuple(t.shape)} "
                                  f"{t.dtype}, the trace says {p.shape} {p.dtype}")
 
@@ -81,12 +105,19 @@ def propagate(gm: fx.GraphModule, fakes: list[torch.Tensor], fake_mode,
 def alias_pattern(inputs: list[TensorProxy]) -> tuple:
     """Which inputs share memory: for each input, the position of the first input sharing it."""
     first: dict[int, int] = {}
-    return tuple(first.setdefault(p.storage, k) if p.storage is not None else k
+    return tuple(first.setdefault(p.storage, k) if getattr(p, "storage", None) is not None else k
                  for k, p in enumerate(inputs))
 
 
 def region_key(graph: fx.Graph, inputs: list[TensorProxy], environment: tuple) -> tuple:
     """What decides the compiled code: the ops and constants (the graph's code, free of trace
-    names), each input's metadata, which inputs share memory, and the compile environment."""
-    metas = tuple((p.shape, p.stride, p.dtype, p.device) for p in inputs)
-    return (graph.python_code(root_module="self").src, metas, alias_pattern(inputs), environment)
+    names), each input's metadata, which inputs share memory, and the compile environment;
+    with symbolic sizes, their expressions and what the ``ShapeEnv`` knows about them."""
+    expr = symbolic.expr_of
+    metas = tuple(("int", p.symbol) if isinstance(p, NumberProxy) else
+                  (tuple(map(expr, p.shape)), tuple(map(expr, p.stride)), p.dtype, p.device)
+                  for p in inputs)
+    env = shape_env(inputs)
+    facts = symbolic.baseline(env)[0] if env is not None else None  # what the prologue checks
+    return (graph.python_code(root_module="self").src, metas, alias_pattern(inputs), environment,
+            facts)

@@ -28,9 +28,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...capture.naming import is_inplace_by_name, is_random
-from ...core.proxies import Proxy, TensorProxy
-from ...core.symbols import BoundSymbol, TorchSymbol
+from ...capture.symbolic import SymbolicValue
+from ...core.proxies import NumberProxy, Proxy, TensorProxy
+from ...core.symbols import BoundSymbol, Code, TorchSymbol
 from ...core.tags import MUTATION, OPAQUE, RANDOM
+from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
 MIN_COMPUTE_LINES = 2
@@ -73,24 +75,35 @@ def fusible(bsym: BoundSymbol) -> bool:
             isinstance(x, TensorProxy) for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs))):
         return False
     leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
-    if not all(isinstance(x, TensorProxy) or _plain(x) for x in leaves):
+    if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) for x in leaves):
         return False
     outputs = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
     if not outputs or not all(isinstance(x, TensorProxy) for x in outputs):
         return False
     tensors = [x for x in leaves if isinstance(x, TensorProxy)] + outputs
-    return all(_static_supported(t) for t in tensors) and len({t.device for t in tensors}) == 1
+    return all(_supported(t) for t in tensors) and len({t.device for t in tensors}) == 1
+
+
+def _size_argument(x) -> bool:
+    """A symbolic size as an argument: a size symbol (``s0``) or an expression of them (``2*s0``)
+    that the region's graph can compute (see ``symbolic.py``)."""
+    if isinstance(x, SymbolicValue):
+        return isinstance(x.value, torch.SymInt) and symbolic.backed(x.value) and \
+            symbolic.expression_supported(x.value.node.expr)
+    return isinstance(x, NumberProxy) and x.python_type is int and x.symbol is not None
 
 
 def _plain(x) -> bool:
     """A constant the FX graph can hold as is (a slice's bounds are not flattened: no proxies)."""
     if type(x) is slice:
         return all(v is None or type(v) is int for v in (x.start, x.stop, x.step))
-    return isinstance(x, _PLAIN)
+    return isinstance(x, _PLAIN) and not isinstance(x, Code)
 
 
-def _static_supported(t: TensorProxy) -> bool:
-    return (all(type(d) is int for d in t.shape) and all(type(s) is int for s in t.stride)
+def _supported(t: TensorProxy) -> bool:
+    """Sizes and strides: ints, or symbolic sizes the prologue binds (not sizes from data)."""
+    return (all(type(d) is int or (isinstance(d, torch.SymInt) and symbolic.backed(d))
+                for d in (*t.shape, *t.stride))
             and t.device.type in ("cpu", "cuda") and not t.dtype.is_complex
             and t.dtype not in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2))
 
@@ -121,8 +134,12 @@ class _Proxies:
     def _of(self, bsym: BoundSymbol) -> tuple:
         found = self._memo.get(id(bsym))
         if found is None:
-            found = self._memo[id(bsym)] = (bsym, bsym.input_proxies(), bsym.output_proxies(),
-                                            _all_proxies(bsym))
+            ins = bsym.input_proxies()  # and the size symbols of expressions (``2*s0``)
+            for x in pytree.tree_leaves((bsym.args, bsym.kwargs)):
+                if isinstance(x, SymbolicValue):
+                    ins += [p for p in x.proxies if p.name not in {q.name for q in ins}]
+            found = self._memo[id(bsym)] = (bsym, ins, bsym.output_proxies(),
+                                            _all_proxies(bsym) + ins)
         return found
 
     def ins(self, bsym):
@@ -305,7 +322,7 @@ def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
                   io: _Proxies) -> list[int]:
     """Lines of ``region`` that make an output whose memory sharing would change."""
-    outside = {p.storage for p in region.inputs}
+    outside = {p.storage for p in region.inputs if isinstance(p, TensorProxy)}
     written_later = {s for s, i in last_write.items() if i >= region.stop}
     observed = {p.storage for p in region.outputs if p.name in observable}
     first_of_storage: set[int] = set()
