@@ -14,11 +14,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils import _pytree as pytree
 
+from ..capture.program import RETURN as PROGRAM_RETURN
+from ..capture.state import SET_GLOBAL_STATE
 from ..capture.symbolic import SymbolicValue
 from ..core.aten import AtenCall, AtenRecorder
-from ..core.proxies import NumberProxy, Proxy, TensorProxy
+from ..core.interpreter import SKIP, Interpreter
+from ..core.proxies import NumberProxy, TensorProxy
 from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
 from .rules import rule_for
@@ -53,13 +55,45 @@ def _shape_env_of(computation: Trace):
     return None
 
 
-def symbolic_value(x, env: dict):
-    """A trace value as the fake recording needs it: a symbolic size as its ``SymInt``."""
-    if isinstance(x, Proxy):
-        return env[x.name]
-    if type(x) is slice:
-        return slice(*(symbolic_value(v, env) for v in (x.start, x.stop, x.step)))
-    return x.value if isinstance(x, SymbolicValue) else x
+class _FakeForward(Interpreter):
+    """The computation on fake tensors, under the recorder: each torch-level line runs (or our
+    derivative rule for it), with the recorder's ``parent`` set to its index."""
+
+    def __init__(self, env, recorder):
+        super().__init__(env)
+        self.recorder = recorder
+        self.outputs: list[TensorProxy] = []
+
+    def constant(self, x):
+        return x.value if isinstance(x, SymbolicValue) else x  # a symbolic size: its SymInt
+
+    def run_line(self, index, bsym, args, kwargs):
+        symbol = bsym.symbol
+        if isinstance(symbol, TorchSymbol):
+            if symbol.name in _RNG_STATE:
+                # Never touch the real generator while compiling; the trace runs these.
+                if symbol.name == "torch.get_rng_state":
+                    return torch.empty(bsym.outputs.shape, dtype=bsym.outputs.dtype)
+                return SKIP
+            if symbol.style == "getter" and symbol.name == "grad":
+                # The fake inputs have no .grad; the real ones have what capture saw.
+                return _fake_like(bsym.outputs)
+            self.recorder.parent = index
+            out = rule_for(symbol.fn)(*args, **kwargs)
+            return SKIP if symbol.style == "setitem" else out
+        if symbol is PROGRAM_RETURN:
+            self.outputs = list(bsym.args[0])
+        elif symbol is SET_GLOBAL_STATE:
+            _apply_state(bsym)
+        else:
+            raise NotImplementedError(f"line of {symbol.name} in an autograd computation")
+        return SKIP
+
+    def bind_name(self, name, value):
+        # An in-place op's output keeps the name of the input the capture saw (``x`` for
+        # ``x.clamp_()`` even when the line writes the working copy ``x_updated``): a name
+        # already bound keeps its value, or the input's fake would be lost.
+        self.env.setdefault(name, value)
 
 
 def record_joint(computation: Trace) -> Joint:
@@ -79,40 +113,13 @@ def record_joint(computation: Trace) -> Joint:
                 t.requires_grad_(True)
             env[p.name] = t
             inputs.append(t)
-    outputs_proxies: list[TensorProxy] = []
+    forward = _FakeForward(env, recorder)
     state = torch.is_grad_enabled()
     try:
         with torch.enable_grad(), mode, recorder:
-            for index, bsym in enumerate(computation.bound_symbols):
-                symbol = bsym.symbol
-                if isinstance(symbol, TorchSymbol) and symbol.name in _RNG_STATE:
-                    # Never touch the real generator while compiling; the trace runs these.
-                    if symbol.name == "torch.get_rng_state":
-                        env[bsym.outputs.name] = torch.empty(bsym.outputs.shape,
-                                                             dtype=bsym.outputs.dtype)
-                    continue
-                if isinstance(symbol, TorchSymbol):
-                    recorder.parent = index
-                    args, kwargs = pytree.tree_map(lambda x: symbolic_value(x, env),
-                                                   (bsym.args, bsym.kwargs))
-                    if symbol.style == "getter" and symbol.name == "grad":
-                        # The fake inputs have no .grad; the real ones have what capture saw.
-                        _bind(bsym.outputs, _fake_like(bsym.outputs), env)
-                        continue
-                    fn = rule_for(symbol.fn)
-                    if symbol.style == "setitem":
-                        fn(*args, **kwargs)
-                        continue
-                    out = fn(*args, **kwargs)
-                    _bind(bsym.outputs, out, env)
-                elif symbol.name == "return":
-                    outputs_proxies = list(bsym.args[0])
-                elif symbol.name == "set_global_state":
-                    _apply_state(bsym)
-                else:
-                    raise NotImplementedError(f"line of {symbol.name} in an autograd computation")
+            forward.run(computation.bound_symbols)
             recorder.parent = None
-            outputs = [env[p.name] for p in outputs_proxies]
+            outputs = [env[p.name] for p in forward.outputs]
             differentiable = [i for i, o in enumerate(outputs) if _is_differentiable(o)]
             needs_grad = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
             recorder_calls_forward = list(recorder.calls)
@@ -126,7 +133,7 @@ def record_joint(computation: Trace) -> Joint:
                 [None] * len(needs_grad)
     finally:
         torch._C._set_grad_enabled(state)
-    return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, outputs_proxies,
+    return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, forward.outputs,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode])
 
 
@@ -137,21 +144,6 @@ def _fake_like(proxy):
 
 
 _RNG_STATE = {"torch.manual_seed", "torch.get_rng_state", "torch.set_rng_state"}
-
-
-def _bind(proxies, values, env) -> None:
-    if isinstance(proxies, Proxy):
-        # An in-place op's output keeps the name of the input the capture saw (``x`` for
-        # ``x.clamp_()`` even when the line writes the working copy ``x_updated``): a name
-        # already bound keeps its value, or the input's fake would be lost.
-        env.setdefault(proxies.name, values)
-        return
-    if isinstance(proxies, (tuple, list)) and isinstance(values, (tuple, list)):
-        for p, v in zip(proxies, values):
-            _bind(p, v, env)
-    elif isinstance(proxies, dict) and isinstance(values, dict):
-        for k in proxies:
-            _bind(proxies[k], values[k], env)
 
 
 def _apply_state(bsym) -> None:
