@@ -3,7 +3,8 @@
 Run: python benchmarks/overhead.py [--calls N] [--skip-compile]
 
 Two programs, all figures measured in this one run, medians over many calls, one intra-op thread:
-- a tiny function, gelu(x @ y + 1).sum(-1) with x 4x8 and y 8x8: whole-call time;
+- a tiny function, gelu(x @ y + 1).sum(-1) with x 4x8 and y 8x8: whole-call time; and its cache
+  hit on a symbolic entry (dynamic=True) against a static one, prologue alone and whole call;
 - a Llama-3-8B-shaped litgpt GPT (all 32 layers and every parameter tensor of the real config,
   tiny widths), input (1, 8), under torch.no_grad(): the prologue alone (the cache-hit checks) and
   the whole call; plus a reference, a plain Python loop checking shape, dtype, device and
@@ -82,6 +83,29 @@ def bench_tiny(calls: int, with_compile: bool):
     return times
 
 
+def bench_symbolic(calls: int):
+    """The tiny function's cache hit on a static entry and on a symbolic one (dynamic=True: every
+    size a symbol, its guards and bindings checked in the prologue): the prologue alone and the
+    whole call, each with its ratio to the static entry's."""
+    x, y = torch.randn(4, 8), torch.randn(8, 8)
+    systems = {"keraunos, static entry": keraunos.jit(tiny, dynamic=False),
+               "keraunos, symbolic entry": keraunos.jit(tiny, dynamic=True)}
+    prologue, whole = {}, {}
+    for name, fn in systems.items():
+        torch.testing.assert_close(fn(x, y), tiny(x, y))
+        entry = keraunos.state_of(fn).last_entry
+        prologue[name] = median_time(lambda: entry.prologue_fn(x, y), calls)
+        whole[name] = median_time(lambda: fn(x, y), calls)
+    assert keraunos.cache_misses(systems["keraunos, symbolic entry"]) == 1
+    static = "keraunos, static entry"
+    print("\ntiny function, symbolic vs static cache entry (ratio to the static entry)")
+    for label, times in (("prologue alone", prologue), ("whole call", whole)):
+        print(f"  {label}")
+        for name, t in times.items():
+            print(row("  " + name, t, times[static]))
+    return prologue, whole
+
+
 def llama3_shaped():
     import litgpt
     from litgpt.model import GPT
@@ -143,6 +167,7 @@ def main():
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread\n")
     bench_tiny(args.calls, not args.skip_compile)
+    bench_symbolic(args.calls)
     bench_llama(max(args.calls // 20, 50), not args.skip_compile)
 
 

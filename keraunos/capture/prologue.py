@@ -214,8 +214,19 @@ def _bind_formatter(bsym, w):
     return [f"{bsym.outputs.name} = {bsym.info['read']}  # {bsym.info['where']}"]
 
 
-# A tensor check with symbolic sizes prints as the exact one (its sizes are the bound names).
-_symbolic_tensor_formatter = _check_tensor_formatter
+def _symbolic_tensor_formatter(bsym, w):
+    # The rest was checked in one C++ call (symbolic_tensor_guards): here only the sizes and
+    # strides that are expressions of the symbols, leaving out the dimensions read into their
+    # own symbols (s0 = x.shape[0]).
+    (t,), e = bsym.args, bsym.info["expected"]
+    name, bound = t.name, bsym.info["bound_dims"]
+    parts = [f"{name}.shape[{d}] == {w.value(size)}" for d, size in enumerate(e["shape"])
+             if d not in bound and not isinstance(size, int)]
+    if not all(isinstance(stride, int) for stride in e["stride"]):  # one call: cheaper than two
+        parts.append(f"{name}.stride() == {w.value(e['stride'])}")
+    if not parts:
+        return [f"pass  # {name}: its sizes are its symbols, its strides numbers"]
+    return [f"if not ({' and '.join(parts)}): return {bsym.info['index']}"]
 
 
 def _size_checks_formatter(bsym, w):
@@ -238,26 +249,44 @@ def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
     """Read each size symbol from where it lives (``s0 = x.shape[1]``) after checking that the
     tensor has the rank to read it from, then check the guards on the symbols."""
     b.namespace["is_tensor_of_rank"] = is_tensor_of_rank
+    b.namespace["Tensor"] = torch.Tensor
     by_tensor: dict[str, list] = {}
     for binding in ctx.symbols.bindings.values():
         if binding.tensor is not None:
             by_tensor.setdefault(binding.tensor.name, []).append(binding)
         else:  # an int argument: its variable is the symbol (checked to be an int with guards)
             b.var(binding.path, binding.proxy)
+    symbolic = [entry for entry in ctx.inputs if has_symbols(entry.fake)]
+    if symbolic:
+        symbolic_tensor_guards(b, symbolic)
     for entry in ctx.inputs:
         bindings = by_tensor.get(entry.proxy.name)
         if not bindings:
             continue
-        name, ndim = entry.proxy.name, entry.real.dim()
-        b.check(f"{entry.path} is a tensor of {ndim} dimensions",
-                lambda w, name=name, ndim=ndim: f"not is_tensor_of_rank({name}, {ndim})", False,
-                uses=(name,))
         for binding in bindings:
             b.bsyms.append(BoundSymbol(BIND, (entry.proxy,), outputs=binding.proxy, info={
                 "read": binding.read(), "where": binding.where()}))
     if check_values:
         b.bsyms.append(BoundSymbol(CHECK_SIZES, tuple(p.name for p in ctx.symbols.proxies),
                                    info={"symbols": ctx.symbols}))
+
+
+def symbolic_tensor_guards(b: _Builder, entries) -> None:
+    """One C++ call (dynamo's ``TensorGuards``) checking each tensor with symbolic sizes for its
+    type, rank, dtype, device, requires_grad, dispatch keys, and the sizes and strides compiled
+    as numbers; what is symbolic is checked against the symbols after they are bound."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    def plain(values):
+        return [None if isinstance(v, torch.SymInt) else v for v in values]
+    guards = TensorGuards(*(e.real for e in entries),
+                          dynamic_dims_sizes=[plain(e.fake.shape) for e in entries],
+                          dynamic_dims_strides=[plain(e.fake.stride()) for e in entries])
+    names = tuple(e.proxy.name for e in entries)
+    described = "; ".join(f"{e.path}: {e.real.dim()} dimensions, {e.real.dtype}, "
+                          f"{e.real.device}, requires_grad {e.real.requires_grad}" for e in entries)
+    b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)", lambda w: f"not {w.constant(guards, 'tensor_guards')}"
+            f".check({', '.join(names)})", False, uses=names)
 
 
 def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
@@ -271,8 +300,10 @@ def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
     b.descriptions.append(f"tensor {entry.path} has shape {_show(expected['shape'])}, stride "
                           f"{_show(expected['stride'])}, dtype, device and requires_grad it was "
                           f"compiled for")
+    bound = {binding.dim for binding in ctx.symbols.bindings.values()
+             if binding.tensor is entry.proxy and binding.prop == "size"}
     b.bsyms.append(BoundSymbol(CHECK_SYMBOLIC_TENSOR, (entry.proxy,), info={
-        "expected": expected, "index": index}))
+        "expected": expected, "index": index, "bound_dims": bound}))
 
 
 def _show(values: tuple) -> str:
