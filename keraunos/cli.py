@@ -1,5 +1,9 @@
 """The command line: ``python -m keraunos.cli run`` compiles the shipped GPT and shows its traces.
 
+``bench``: eager, keraunos (torch executor), keraunos (inductor executor) and ``torch.compile`` on
+three workloads, as one table and one PNG chart (``benchmarks/fusion.py``, whose options it takes:
+``keraunos bench --help``; the chart needs the ``bench`` extra).
+
 ``run``: build the small GPT of ``keraunos.examples.gpt`` with random weights, compile it, check it
 against eager, print the prologue and computation traces, the per-stage compile times and the
 per-call time next to eager's (median of many calls, one intra-op thread). ``--report PATH``
@@ -75,7 +79,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_script():
+    """``benchmarks/fusion.py`` of the source tree keraunos runs from, loaded as a module."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fusion.py"
+    if not path.is_file():
+        raise SystemExit(f"keraunos bench: {path} is missing; the benchmarks ship with the "
+                         f"source tree (run it from a clone of keraunos)")
+    spec = importlib.util.spec_from_file_location("keraunos_bench_fusion", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench(argv: list[str]) -> int:
+    return _bench_script().main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option is the script's own (keraunos bench --help)
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="keraunos", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="compile and run the shipped small GPT, show traces and timings")
@@ -86,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--report", metavar="PATH", help="also write the HTML report (keraunos.report): "
                    "every trace after every pass, compile stages, cache misses, per-call timings")
+    sub.add_parser("bench", help="eager vs keraunos vs keraunos+inductor vs torch.compile: a "
+                   "table and a PNG chart (keraunos bench --help)", add_help=False)
     args = parser.parse_args(argv)
     return run(args)
 

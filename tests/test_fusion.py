@@ -699,3 +699,39 @@ def test_sizes_the_kernel_was_not_compiled_for_run_the_region_lines(monkeypatch)
         assert_close(jitted(x), f(x), **TOL)
     assert ran == ["kernel", "kernel", "lines", "lines"]
     assert keraunos.cache_misses(jitted) == 1
+
+
+# ----------------------------------------------------------------------------- keraunos bench
+def test_bench_quick_runs_and_reports_every_figure(tmp_path, capsys):
+    from keraunos import cli
+    figures = tmp_path / "bench.json"
+    assert cli.main(["bench", "--quick", "--workloads", "a", "--systems", "eager,keraunos",
+                     "--chart", "", "--json", str(figures)]) == 0
+    printed = capsys.readouterr().out
+    assert "(a) Llama-3-8B-shaped" in printed and "keraunos " in printed
+    import json
+    rows = json.loads(figures.read_text())
+    assert [(r["workload"], r["system"]) for r in rows] == [("a", "eager"), ("a", "keraunos")]
+    eager, jitted = rows
+    assert eager["warm"] is None and jitted["warm"] is not None  # a second process, warm
+    for r in (eager["cold"], jitted["cold"], jitted["warm"]):
+        assert r["median"] > 0 and r["peak"] > 0 and r["diff"] < 1e-4, r
+
+
+def test_bench_chart_needs_matplotlib_and_says_so(tmp_path, capsys):
+    bench = __import__("keraunos.cli", fromlist=["_bench_script"])._bench_script()
+    run = dict(compile=1.0, median=0.01, first=1.0, peak=2**20, peak_over_setup=0, saved=None,
+               diff=0.0)
+    rows = [dict(workload="a", system=s, cold=dict(run, median=m), warm=None)
+            for s, m in (("eager", 0.02), ("keraunos+inductor", 0.01), ("torch.compile", 0.005))]
+    text = bench.table(rows)
+    assert "0.50x" in text and "2.00x" in text  # keraunos+inductor vs eager, vs torch.compile
+    path = tmp_path / "chart.png"
+    try:
+        import matplotlib  # noqa: F401 - the bench extra
+    except ImportError:
+        assert bench.chart(rows, str(path)) is False and not path.exists()
+        assert "pip install 'keraunos[bench]'" in capsys.readouterr().err
+    else:
+        assert bench.chart(rows, str(path)) is True
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
