@@ -735,3 +735,29 @@ def test_bench_chart_needs_matplotlib_and_says_so(tmp_path, capsys):
     else:
         assert bench.chart(rows, str(path)) is True
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grad_mode_switched_inside_the_program_fuses_around_what_autograd_records():
+    def f(x, w):
+        a = torch.sigmoid(x * 2) + 1  # no grad mode: fused
+        with torch.enable_grad():
+            y = torch.tanh(a @ w) * 2  # reads w, which requires grad: autograd records it
+        return y, (a * 3).exp()
+
+    x, w = torch.randn(4, 6), torch.randn(6, 3, requires_grad=True)
+    w2 = w.detach().clone().requires_grad_()
+    jitted = keraunos.jit(f, executors=FUSED)
+    with torch.no_grad():
+        (y, b), (ref_y, ref_b) = jitted(x, w), f(x, w2)
+    assert_close(y, ref_y, **TOL)
+    assert_close(b, ref_b, **TOL)
+    assert y.requires_grad and ref_y.requires_grad and not b.requires_grad
+    grad = torch.randn(4, 3)
+    y.backward(grad)
+    ref_y.backward(grad)
+    assert_close(w.grad, w2.grad, **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    assert fusion_lines(trace)
+    recorded = [b for b in trace.bound_symbols if b.symbol.name in ("matmul", "tanh", "mul")
+                and any(p.requires_grad for p in b.output_proxies())]
+    assert recorded and all(b.executor == "torch" for b in recorded)

@@ -131,7 +131,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     claimed = [b.executor in {e.name for e in fusion} for b in lines]
     if not any(claimed):
         return trace, []
-    if records_autograd:
+    if records_autograd or _switches_grad_mode(lines):  # lines may record autograd as they run
         claimed = [c and not any(getattr(p, "requires_grad", False)
                                  for p in b.input_proxies() + b.output_proxies())
                    for b, c in zip(lines, claimed)]
@@ -184,8 +184,8 @@ def _why_not(lines, claimed) -> str | None:
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                             and torch.is_autocast_enabled("cuda")):
         return "autocast is on"  # the trace's ops would run under autocast; a region not
-    if any(b.symbol.name == "set_global_state" for b in lines):
-        return "the program switches grad mode or autocast"
+    if any(i != 0 for b in lines if b.symbol.name == "set_global_state" for i, _ in b.args[0]):
+        return "the program switches autocast"  # (grad mode alone cuts regions, see fuse)
     devices = {b.output_proxies()[0].device.type for b, c in zip(lines, claimed) if c}
     for device in sorted(devices):
         problem = compiler.toolchain_problem(device)
@@ -194,6 +194,13 @@ def _why_not(lines, claimed) -> str | None:
                                f"here ({problem}); the torch executor runs its ops instead.")
             return problem
     return None
+
+
+def _switches_grad_mode(lines) -> bool:
+    """A ``with torch.no_grad()`` or ``enable_grad()`` inside a program without a backward trace
+    of ours: the lines under grad mode that read or make tensors requiring grad stay out of
+    regions (autograd records them), the others may fuse; a switch is a line no region crosses."""
+    return any(b.symbol.name == "set_global_state" for b in lines)
 
 
 def _next_executor(bsym, executors, fusion) -> str:
