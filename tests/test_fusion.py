@@ -761,3 +761,24 @@ def test_grad_mode_switched_inside_the_program_fuses_around_what_autograd_record
     recorded = [b for b in trace.bound_symbols if b.symbol.name in ("matmul", "tanh", "mul")
                 and any(p.requires_grad for p in b.output_proxies())]
     assert recorded and all(b.executor == "torch" for b in recorded)
+
+
+def test_litgpt_over_prompt_lengths_fuses_the_dynamic_entry_with_one_kernel_per_layer():
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+    name, overrides = LITGPT_FAMILIES["llama2"]
+    config = litgpt.Config.from_name(name, n_layer=2, n_embd=64, vocab_size=256,
+                                     padded_vocab_size=256, block_size=64, **overrides)
+    torch.manual_seed(0)
+    model = LitGPT(config).eval()
+    jitted = keraunos.jit(model, executors=FUSED)
+    with torch.no_grad():
+        for length in (8, 12, 16, 23, 5):
+            idx = torch.randint(0, 256, (1, length))
+            assert_close(jitted(idx), model(idx), **TOL)
+    assert keraunos.cache_misses(jitted) == 2  # 8 exact, then one symbolic entry for the rest
+    lines, regions, symbolic = symbolic_fusion(jitted)
+    layers = [r for r in regions if r.layer is not None]
+    assert symbolic and lines and [r.layer for r in layers] == ["transformer.h.0",
+                                                                "transformer.h.1"]
+    assert layers[0].kernel is layers[1].kernel
