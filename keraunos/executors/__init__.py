@@ -1,20 +1,21 @@
 """Executors: who runs each line of a trace.
 
 An executor claims the bound symbols it can run; ``claim`` walks a trace and gives each line to
-the first executor in the user's list that claims it. Operator executors map one symbol to one
-callable; the ``torch`` executor claims every torch-level operation, the ``python`` executor the
-glue of prologues and epilogues (unpacking, checks, write-backs). The ``inductor`` fusion
-executor (``executors=["inductor", "torch"]``, see ``executors/fusion``) claims the lines it may
-fuse, and after the claims each run of them becomes one line calling an Inductor-compiled
-region; what it leaves goes to the next executor in the list. A custom kernel plugs in by
-registering an executor whose ``claims`` accepts the symbols it implements:
+the first executor in the user's list that claims it, then lets that executor ``lower`` the line
+(rewrite it to call what really runs it). The ``torch`` executor claims every torch-level
+operation and runs it as written; the ``python`` executor the glue of prologues and epilogues
+(unpacking, checks, write-backs). An ``OperatorExecutor`` maps torch ops to callables of yours:
+the lines it claims call your callable instead. The ``inductor`` fusion executor
+(``executors=["inductor", "torch"]``, see ``executors/fusion``) claims the lines it may fuse, and
+after the claims each run of them becomes one line calling an Inductor-compiled region; what it
+leaves goes to the next executor in the list. A custom kernel plugs in like this:
 
-    >>> import keraunos
-    >>> class MyGelu(keraunos.executors.Executor):
-    ...     name = "my_gelu"
-    ...     def claims(self, bsym):
-    ...         return getattr(bsym.symbol, "name", "") == "torch.nn.functional.gelu"
-    >>> keraunos.executors.register(MyGelu())
+    >>> import torch, keraunos
+    >>> mine = keraunos.executors.OperatorExecutor("my_kernels")
+    >>> mine.register_implementation(torch.nn.functional.gelu,
+    ...                              lambda x, approximate="none": x * torch.sigmoid(1.702 * x))
+    >>> _ = keraunos.executors.register(mine)
+    >>> f = keraunos.jit(torch.nn.functional.gelu, executors=["my_kernels", "torch"])
 """
 from __future__ import annotations
 
@@ -32,8 +33,44 @@ class Executor:
     def claims(self, bsym: BoundSymbol) -> bool:
         raise NotImplementedError
 
+    def lower(self, bsym: BoundSymbol) -> BoundSymbol:
+        """The line as it runs under this executor (by default: as written)."""
+        return bsym
+
     def __repr__(self) -> str:
         return f"<executor {self.name}>"
+
+
+class OperatorExecutor(Executor):
+    """Runs the torch ops it has implementations for with callables of yours.
+
+    ``register_implementation(op, fn, checker=None)``: lines calling ``op`` (the object the
+    trace records: ``torch.nn.functional.gelu``, ``torch.Tensor.softmax``, an ATen overload in a
+    backward trace) call ``fn`` with the same arguments instead, when ``checker(*args,
+    **kwargs)`` (given the proxies: shapes, dtypes, devices) accepts them. The trace prints the
+    line as a call of ``<executor>_<op>``. ``fn`` must compute what ``op`` computes: the
+    backward keraunos derives is PyTorch's formula for ``op``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.implementations: dict[int, tuple] = {}  # id(op) -> (op, fn, checker)
+
+    def register_implementation(self, op, fn, *, checker=None) -> None:
+        self.implementations[id(op)] = (op, fn, checker)
+
+    def claims(self, bsym):
+        found = isinstance(bsym.symbol, TorchSymbol) and \
+            self.implementations.get(id(bsym.symbol.fn))
+        if not found:
+            return False
+        checker = found[2]
+        return checker is None or bool(checker(*bsym.args, **bsym.kwargs))
+
+    def lower(self, bsym):
+        symbol = bsym.symbol
+        _, fn, _ = self.implementations[id(symbol.fn)]
+        short = symbol.name.rsplit(".", 1)[-1].strip("_") or "op"  # a method's self is args[0]
+        return bsym.replace(symbol=TorchSymbol(fn, f"{self.name}_{short}", "opaque"))
 
 
 class TorchExecutor(Executor):
@@ -92,7 +129,7 @@ def claim(trace: Trace, executors: list[Executor]) -> Trace:
     for bsym in trace.bound_symbols:
         for ex in executors:
             if ex.claims(bsym):
-                lines.append(bsym.replace(executor=ex.name))
+                lines.append(ex.lower(bsym.replace(executor=ex.name)))
                 break
         else:
             raise NotImplementedError(
