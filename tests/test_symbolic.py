@@ -353,7 +353,10 @@ def test_memory_is_flat_over_300_decode_steps():
     finally:
         tracemalloc.stop()
     assert keraunos.cache_misses(jm) <= 2
-    assert grown < 32 * 1024, f"{grown} bytes over 300 steps"
+    # Under one small tuple (56 bytes) a step: keeping any container per call fails this. (About
+    # 10-25 bytes a step remain, allocated at the call line, not inside keraunos; an eager loop
+    # grows by a few bytes a step too.)
+    assert grown < 300 * 48, f"{grown} bytes over 300 steps"
     with torch.no_grad():  # and the last step still gives eager's logits
         assert_close(out, model(token, input_pos=torch.tensor([309]), input_pos_maxp1=310))
 
