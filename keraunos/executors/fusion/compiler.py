@@ -179,6 +179,7 @@ class RegionCall:
         self.always_checked = always_checked
         self.fixed_outputs: tuple[int, ...] = ()
         self.run = self._first_call
+        self._evaluators = None  # with symbolic sizes: each layout as a function of the sizes
         self.guard = self.guard_source = None
         self.fallback = fallback  # the region's own lines, where a guard fails
         if kernel.guards:
@@ -201,14 +202,18 @@ class RegionCall:
         """The input and output layouts of this call: the traced ones, evaluated when symbolic."""
         if self.layout is None:
             return self.inputs, self.outputs
-        bindings = self.layout.bindings(args)
-
-        def concrete(meta):
-            if meta is None:
-                return None
-            shape, stride = (self.layout.concrete(v, bindings) for v in meta)
-            return None if shape is None or stride is None else (shape, stride)
-        return [concrete(m) for m in self.inputs], [concrete(m) for m in self.outputs]
+        if self._evaluators is None:
+            self._evaluators = [None if m is None else self.layout.evaluator((*m[0], *m[1]))
+                                for m in self.inputs + self.outputs]
+        values = self.layout.values(args)
+        metas = []
+        for meta, evaluate in zip(self.inputs + self.outputs, self._evaluators):
+            if evaluate is None:  # a size symbol, or a size the call does not give
+                metas.append(None)
+                continue
+            both = evaluate(*values)
+            metas.append((both[:len(meta[0])], both[len(meta[0]):]))
+        return metas[:len(self.inputs)], metas[len(self.inputs):]
 
     def _first_call(self, *args):
         inputs, outputs = self._metas(args)  # (with symbolic sizes, args end with the extras)

@@ -184,24 +184,21 @@ class Layout:
     def extra_values(self, args) -> list[int]:
         return [args[k].size(d) for k, d, _ in self.extra]
 
+    def evaluator(self, values):
+        """A function of the bound sizes (``values(args)``) that gives ``values`` (ints and
+        SymInts) as ints, compiled once (the backward's incoming gradients are checked on every
+        call); None when one reads a size that is not bound."""
+        import math
+
+        from ...capture.symbolic import print_expression
+        names = {symbol: f"v{k}" for k, (_, _, symbol) in enumerate(self.binders)}
+        exprs = [expr_of(v) for v in values]
+        if any(not getattr(e, "free_symbols", set()) <= set(names) for e in exprs):
+            return None
+        items = [print_expression(e, names) if is_symbolic(v) else repr(v)
+                 for e, v in zip(exprs, values)]
+        source = f"lambda {', '.join(names.values())}: ({', '.join(items)},)"
+        return eval(source, {"max": max, "min": min, "math": math})  # noqa: S307
+
     def values(self, args) -> list[int]:
         return [args[k] if d is None else args[k].size(d) for k, d, _ in self.binders]
-
-    def bindings(self, args) -> dict:
-        return {symbol: sympy.Integer(args[k] if d is None else args[k].size(d))
-                for k, d, symbol in self.binders}
-
-    @staticmethod
-    def concrete(values, bindings: dict):
-        """``values`` (ints and SymInts) as ints under ``bindings``; None when a symbol is not
-        bound (nothing to compare with then)."""
-        result = []
-        for v in values:
-            if not is_symbolic(v):
-                result.append(v)
-                continue
-            e = expr_of(v).xreplace(bindings)
-            if not e.is_number:
-                return None
-            result.append(int(e))
-        return tuple(result)
