@@ -4,8 +4,10 @@ Run: python benchmarks/models.py [--models llama,bert] [--iters N] [--no-inducto
 
 Every figure comes from this one run, one intra-op thread. Per zoo model (tiny configs, random
 weights, nothing downloaded) and per system (eager, keraunos.jit, torch.compile with
-backend="keraunos", torch.compile with backend="eager" (dynamo's own floor: its guards and frame
-evaluation around the uncompiled FX graphs), torch.compile with Inductor):
+backend="keraunos", the same backend with the inductor fusion executor
+(``keraunos.dynamo.backend(executors=["inductor", "torch"])``), torch.compile with backend="eager"
+(dynamo's own floor: its guards and frame evaluation around the uncompiled FX graphs),
+torch.compile with Inductor):
 
 - inference: eval mode, torch.no_grad(), with the zoo's padding mask where the model takes one;
 - training step: train mode (the config's dropout), labels, no mask: ``zero_grad``, forward,
@@ -13,7 +15,7 @@ evaluation around the uncompiled FX graphs), torch.compile with Inductor):
 
 Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
 ``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
-eager's; ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and
+eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor); ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and
 every parameter's gradient) equal eager's within rtol/atol 1e-4, else ``FAIL`` with why: the
 exception's type, or ``mismatch``. A failure never stops the script.
 Inductor runs with ``torch._inductor.config.fallback_random = True``, so that its dropout draws
@@ -26,21 +28,18 @@ import copy
 import importlib
 import os
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
 
 import keraunos  # noqa: E402
 import keraunos.dynamo  # noqa: E402,F401 - registers backend="keraunos" without the entry point
-from test_model_zoo import ZOO, inputs_of, make_models  # noqa: E402
+from keraunos.testing.zoo import ZOO, inputs_of, make_models  # noqa: E402
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
@@ -66,6 +65,11 @@ def wrap_backend(model):
     return torch.compile(model, backend="keraunos")
 
 
+def wrap_backend_fused(model):
+    torch._dynamo.reset()
+    return torch.compile(model, backend=keraunos.dynamo.backend(executors=["inductor", "torch"]))
+
+
 def wrap_dynamo_floor(model):
     torch._dynamo.reset()
     return torch.compile(model, backend="eager")
@@ -80,9 +84,11 @@ SYSTEMS: dict[str, Callable] = {
     "eager": wrap_eager,
     "keraunos.jit": wrap_jit,
     "torch.compile(backend=keraunos)": wrap_backend,
+    "backend=keraunos, inductor fusion": wrap_backend_fused,
     "torch.compile(backend=eager)": wrap_dynamo_floor,
     "torch.compile (Inductor)": wrap_inductor,
 }
+INDUCTOR = "torch.compile (Inductor)"
 
 
 # ------------------------------------------------------------------------------ comparison
@@ -185,19 +191,22 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
 # ----------------------------------------------------------------------------------- output
 def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
     print(f"\n{title}")
-    print(f"  {'model':<11} {'system':<32} {'compile':>10} {'per call':>11} {'vs eager':>9}"
-          f"  result")
+    print(f"  {'model':<11} {'system':<34} {'compile':>10} {'per call':>11} {'vs eager':>9}"
+          f" {'vs Inductor':>11}  result")
     for model_name, results in rows.items():
-        eager = results.get("eager")
+        eager, inductor = results.get("eager"), results.get(INDUCTOR)
         for label, m in results.items():
             compile_s = f"{m.compile_s:8.3f} s" if m.compile_s is not None else f"{'':>10}"
             per_call = f"{m.per_call_s * 1e3:8.3f} ms" if m.per_call_s is not None else ""
-            ratio = ""
-            if m.per_call_s is not None and eager is not None and eager.per_call_s:
-                ratio = f"{m.per_call_s / eager.per_call_s:8.2f}x"
             verdict = "pass" if m.error is None else f"FAIL ({m.error})"
-            print(f"  {model_name:<11} {label:<32} {compile_s:>10} {per_call:>11} {ratio:>9}"
-                  f"  {verdict}")
+            print(f"  {model_name:<11} {label:<34} {compile_s:>10} {per_call:>11} "
+                  f"{ratio(m, eager):>9} {ratio(m, inductor):>11}  {verdict}")
+
+
+def ratio(m: Measured, base: Measured | None) -> str:
+    if m.per_call_s is None or base is None or not base.per_call_s:
+        return ""
+    return f"{m.per_call_s / base.per_call_s:8.2f}x"
 
 
 def parse_args():
@@ -206,7 +215,8 @@ def parse_args():
                         help=f"comma-separated zoo names (default: all {len(ZOO)})")
     parser.add_argument("--iters", type=int, default=30, help="timed calls per system and mode")
     parser.add_argument("--no-inductor", action="store_true",
-                        help="leave torch.compile's default (Inductor) out: its compiles are slow")
+                        help="leave Inductor out (torch.compile's default and keraunos's fusion "
+                             "executor): their compiles are slow")
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a training step (default: on)")
     args = parser.parse_args()
@@ -222,7 +232,7 @@ def main():
     torch.set_num_threads(1)
     systems = dict(SYSTEMS)
     if args.no_inductor:
-        del systems["torch.compile (Inductor)"]
+        del systems[INDUCTOR], systems["backend=keraunos, inductor fusion"]
     else:
         importlib.import_module("torch._inductor.config").fallback_random = True
     import transformers

@@ -27,13 +27,12 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
 
-import copy  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import keraunos  # noqa: E402
+from keraunos.testing.zoo import assert_same_grads, assert_same_output, eval_and_copy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,13 +177,7 @@ def make_models(kind: str, attn: str, *, dropout: float = 0.0):
     else:
         raise ValueError(kind)
     assert model.config._attn_implementation == attn
-    # norm weights start at exactly 1 and biases at 0, which would hide a dropped scale or shift
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0.0, 0.1)
-    model.eval()
-    return model, copy.deepcopy(model)
+    return eval_and_copy(model)
 
 
 def tokens(*shape, seed: int):
@@ -211,48 +204,6 @@ def extra_kwargs(kind: str) -> dict:
 def call(model, x, *, seed: int = 0, **kwargs):
     torch.manual_seed(seed)  # the same dropout masks for the jitted and the eager call
     return model(x, **kwargs)
-
-
-def assert_same_output(got, want, path="output"):
-    """Every field of a ModelOutput (or nested tuple/list/DynamicCache) equals eager's."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: {type(got)}"
-        assert type(got) is torch.Tensor, f"{path} is a {type(got).__name__}, not a plain tensor"
-        assert got.requires_grad == want.requires_grad, path
-        torch.testing.assert_close(got, want, msg=lambda m: f"{path}: {m}")
-    elif isinstance(want, transformers.utils.ModelOutput):
-        assert type(got) is type(want), path
-        assert list(got.keys()) == list(want.keys()), path
-        for key in want.keys():
-            assert_same_output(got[key], want[key], f"{path}.{key}")
-    elif isinstance(want, (tuple, list)):
-        assert type(got) is type(want) and len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same_output(g, w, f"{path}[{i}]")
-    elif isinstance(want, transformers.DynamicCache):
-        assert type(got) is type(want), path
-        assert got is not want
-        assert len(got.layers) == len(want.layers), path
-        for i, (g, w) in enumerate(zip(got.layers, want.layers)):
-            assert_same_output(g.keys, w.keys, f"{path}.layers[{i}].keys")
-            assert_same_output(g.values, w.values, f"{path}.layers[{i}].values")
-        assert got.get_seq_length() == want.get_seq_length()
-    else:
-        assert got == want, path
-
-
-def assert_same_grads(model, ref):
-    ref_params = dict(ref.named_parameters())
-    n_grads = 0
-    for name, p in model.named_parameters():
-        q = ref_params[name]
-        if q.grad is None:
-            assert p.grad is None, f"eager has no grad for {name}, keraunos has one"
-            continue
-        assert p.grad is not None, f"no grad for {name}"
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
-        n_grads += 1
-    assert n_grads > 0
 
 
 def loss_of(kind: str, out, targets):

@@ -164,7 +164,8 @@ def direct_entry(fn: Any) -> Callable | None:
     and autograd, and modes still see the ``OpOverload``. Calling it directly saves that frame and
     the ``torch.ops.aten.X.Y`` lookups (about 1.5 us per op, hundreds of ops per training step).
     Subclasses that override ``__call__`` (TorchBind ops) keep their own call."""
-    if type(fn).__call__ is torch._ops.OpOverload.__call__ and isinstance(fn, torch._ops.OpOverload):
+    overload = torch._ops.OpOverload
+    if isinstance(fn, overload) and type(fn).__call__ is overload.__call__:
         return getattr(fn, "_op", None)
     return None
 
