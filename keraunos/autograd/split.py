@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..capture.state import SET_GLOBAL_STATE
 from ..capture.symbolic import as_code, expr_key, is_backed, layout_key, refuse_raw_symbols
+from ..core.aten import constant_line, is_lifted_constant
 from ..core.proxies import NumberProxy, ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
-from ..core.aten import constant_line, is_lifted_constant
 from .joint import record_joint
 from .recompute import recompute_in_backward, recompute_views_in_backward
 
@@ -216,7 +217,7 @@ def split_forward_backward(computation: Trace) -> Split:
                if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
     forward_lines: list[BoundSymbol] = []
     for index, bsym in enumerate(computation.bound_symbols[:-1]):
-        if bsym.symbol.name == "set_global_state":
+        if bsym.symbol is SET_GLOBAL_STATE:
             continue  # Function.forward runs with grad mode off; the backward is ours
         if index not in lowered:
             forward_lines.append(bsym)

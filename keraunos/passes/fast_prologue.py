@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..capture.prologue import CHECK, CHECK_TENSOR, UNPACK
 from ..capture.provenance import root
 from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol, Code, GlueSymbol
@@ -47,16 +48,15 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     checks: list[BoundSymbol] = []
     late: list[BoundSymbol] = []  # checks of values read from tensor data: need every tensor
     for b in bsyms[:-1]:
-        name = b.symbol.name
-        path = b.info.get("path") if name == "unpack" else b.info.get("subject")
+        path = b.info.get("path") if b.symbol is UNPACK else b.info.get("subject")
         if b.info.get("after_structure"):
             late.append(b)
-        elif name == "check_tensor":
+        elif b.symbol is CHECK_TENSOR:
             checks.append(b)
         elif path is not None and not isinstance(path, str) and all(
                 p.is_structural() for p in b.info.get("paths", (path,))):
             walk.append(b)
-            if name == "unpack":
+            if b.symbol is UNPACK:
                 structural_vars[b.outputs.name] = path
         else:
             rest.append(b)
@@ -83,7 +83,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         dicts = _tuple([f"{n}.__dict__" for n in dict_vars])
         if object_dicts_box and object_dicts_box[0]:
             dicts = f"{dicts} + {w.constant(tuple(object_dicts_box[0]), 'object_dicts')}"
-        modules = ["module"] + [b.outputs.name for b in walk if b.symbol.name == "unpack"
+        modules = ["module"] + [b.outputs.name for b in walk if b.symbol is UNPACK
                                 and b.info["path"].kind == "submodule"]
         w.namespace["watch_modules"] = watch_modules
         return [f"watch_modules({_tuple(modules)})",
@@ -143,12 +143,12 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
 
 
 def _from_module(b: BoundSymbol) -> bool:
-    path = b.info.get("path") if b.symbol.name == "unpack" else b.info.get("subject")
+    path = b.info.get("path") if b.symbol is UNPACK else b.info.get("subject")
     return path is not None and not isinstance(path, str) and path.is_module_derived()
 
 
 def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
-    return (b.symbol.name == "unpack" and b.info["path"].kind == "attr"
+    return (b.symbol is UNPACK and b.info["path"].kind == "attr"
             and b.args[0] in attribute_parents)
 
 
@@ -244,7 +244,7 @@ def _names_in(values) -> list[str]:
 def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
     parents = set()
     for b in rest:
-        if b.symbol.name == "unpack" and b.info["path"].kind == "attr":
+        if b.symbol is UNPACK and b.info["path"].kind == "attr":
             (parent,) = b.args
             if parent in structural_vars:
                 parents.add(parent)
@@ -264,7 +264,7 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     entries = []  # (dict index, key, expected object, description, check index)
     lines: list[BoundSymbol] = []
     for b in part:
-        if b.symbol.name == "unpack" and b.info["path"].kind == "attr" and b.args[0] in source_of \
+        if b.symbol is UNPACK and b.info["path"].kind == "attr" and b.args[0] in source_of \
                 and (source_of[b.args[0]] < len(dict_vars) or b.info["path"].key in
                      object_dicts[source_of[b.args[0]] - len(dict_vars)]):
             out, key, index = b.outputs.name, b.info["path"].key, source_of[b.args[0]]
@@ -276,7 +276,7 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
             continue
         g = b.info.get("guard")
         var = var_of_path.get(b.info.get("subject"))
-        if (b.symbol.name == "check" and g is not None and var in read_from
+        if (b.symbol is CHECK and g is not None and var in read_from
                 and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")
                 and not (g.kind == "value" and isinstance(g.expected, (list, dict, set)))):
             index, key = read_from[var]

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..capture.epilogue import COPY_BACK
 from ..core.symbols import BoundSymbol, GlueSymbol
 from ..core.trace import Trace
 
@@ -42,6 +43,6 @@ def reinplace(computation: Trace, epilogue: Trace) -> tuple[Trace, Trace]:
         return computation, epilogue
     seconds = time.perf_counter() - start
     epilogue_lines = [b for b in epilogue.bound_symbols
-                      if not (b.symbol.name == "copy_back" and b.args[1].name in direct)]
+                      if not (b.symbol is COPY_BACK and b.args[1].name in direct)]
     return (computation.derive(lines, "Reinplace", seconds),
             epilogue.derive(epilogue_lines, "Reinplace", seconds))

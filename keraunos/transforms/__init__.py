@@ -11,6 +11,7 @@ Subclass ``Transform`` and override any hook; each defaults to doing nothing.
 """
 from __future__ import annotations
 
+from ..capture.prologue import CHECK, CHECK_TENSOR
 from ..core.tags import INPUT_TENSOR, MODULE_CHECK, STATIC_MEMORY_LOCATION
 from ..core.trace import Trace
 
@@ -71,7 +72,7 @@ class ExtractionOnlyPrologueTransform(Transform):
             dropped.add(INPUT_TENSOR)
 
         def drop(b):
-            return b.symbol.name == "check_tensor" and bool(b.args[0].tags & dropped)
+            return b.symbol is CHECK_TENSOR and bool(b.args[0].tags & dropped)
         return _without(prologue, drop), computation, epilogue
 
 
@@ -88,9 +89,9 @@ class PrunePrologueChecks(Transform):
 
     def transform_traces_pre_prologue(self, prologue, computation, epilogue):
         def drop(b):
-            if b.symbol.name == "check_tensor":
+            if b.symbol is CHECK_TENSOR:
                 return STATIC_MEMORY_LOCATION in b.args[0].tags
-            return b.symbol.name == "check" and MODULE_CHECK in b.tags
+            return b.symbol is CHECK and MODULE_CHECK in b.tags
         return _without(prologue, drop), computation, epilogue
 
 
