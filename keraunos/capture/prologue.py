@@ -285,8 +285,9 @@ def symbolic_tensor_guards(b: _Builder, entries) -> None:
     names = tuple(e.proxy.name for e in entries)
     described = "; ".join(f"{e.path}: {e.real.dim()} dimensions, {e.real.dtype}, "
                           f"{e.real.device}, requires_grad {e.real.requires_grad}" for e in entries)
-    b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)", lambda w: f"not {w.constant(guards, 'tensor_guards')}"
-            f".check({', '.join(names)})", False, uses=names)
+    b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)",
+            lambda w: f"not {w.constant(guards, 'tensor_guards')}.check({', '.join(names)})",
+            False, uses=names)
 
 
 def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
