@@ -15,8 +15,9 @@ torch.compile with Inductor):
 
 Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
 ``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
-eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor); ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and
-every parameter's gradient) equal eager's within rtol/atol 1e-4, else ``FAIL`` with why: the
+eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor);
+``result`` is ``pass`` when the first call's outputs (and, for training, the loss and every
+parameter's gradient) equal eager's within rtol/atol 1e-4, else ``FAIL`` with why: the
 exception's type, or ``mismatch``. A failure never stops the script.
 Inductor runs with ``torch._inductor.config.fallback_random = True``, so that its dropout draws
 eager's random numbers and a training step can be compared.
