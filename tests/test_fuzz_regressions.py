@@ -233,3 +233,29 @@ def test_one_tensor_passed_twice_to_a_program_writing_one_of_them_recompiles():
     leaf.grad = None
     want.sum().backward()
     torch.testing.assert_close(leaf_grad_jit, leaf.grad)
+
+
+def test_repeated_rounding_casts_of_a_value_that_requires_grad_are_not_merged():
+    """Fuzzer 53:1341: three `t1.to(bfloat16).float()` in a loop were merged into one by CSE;
+    autograd then rounded the sum of their gradients to bfloat16 once, where eager rounds each
+    gradient on its own: L.grad differed in the third digit."""
+    def f(a):
+        t1 = a.mean(-1, keepdim=True)
+        t2 = a
+        for _ in range(3):
+            t2 = t2 * 0.5 + t1.to(torch.bfloat16).float()
+        return (t2.sum(-1).to(torch.bfloat16).float() * (a.sum(-1) - 0.5).double()) * 1.5
+
+    torch.manual_seed(547414)
+    leaf = torch.randn(5, 4).requires_grad_()
+    leaf_ref = leaf.detach().clone().requires_grad_()
+    keraunos.jit(f)(leaf.clone()).sum().backward()
+    f(leaf_ref.clone()).sum().backward()
+    torch.testing.assert_close(leaf.grad, leaf_ref.grad, rtol=0, atol=0)
+    # Without grad the casts are still merged: nothing rounds a gradient.
+    jf = keraunos.jit(f)
+    with torch.no_grad():
+        torch.testing.assert_close(jf(leaf), f(leaf))
+    casts = [b for b in keraunos.last_traces(jf)[-1].bound_symbols
+             if getattr(b.symbol, "name", "") == "to"]
+    assert len(casts) == 2  # t1's cast once, and the final sum's

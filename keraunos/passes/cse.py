@@ -7,12 +7,17 @@ the other), and lines under different grad modes or autocast states (``x.t()`` u
 is detached; the same expression outside it is not). Constants are compared exactly: ``-0.0`` is
 not ``0.0``, and ``nan`` is ``nan``.
 
+Nor are lines that round a value that requires grad to a narrower floating dtype
+(``t.to(torch.bfloat16)``): autograd rounds each such line's incoming gradient on its own, and
+eager's sum of three rounded gradients is not the rounding of their sum (fuzzer 53:1341).
+
 A backward trace passes ``distinct_outputs=False``: the gradients it returns go to autograd, which
 copies a gradient handed to two parameters, while two views of one result would both be kept as
 ``.grad`` and then accumulate into each other.
 """
 from __future__ import annotations
 
+import torch
 from torch.utils import _pytree as pytree
 
 from ..core.proxies import Proxy, TensorProxy
@@ -58,7 +63,8 @@ def common_subexpression_elimination(trace: Trace,
             switched.update(bsym.args[0])
         mergeable = (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {MUTATION, RANDOM}
                      and not any(isinstance(p, TensorProxy) and p.storage in written
-                                 for p in bsym.input_proxies() + bsym.output_proxies()))
+                                 for p in bsym.input_proxies() + bsym.output_proxies())
+                     and not _narrows_a_gradient(bsym))
         if mergeable:
             key = (id(bsym.symbol.fn), bsym.symbol.name, bsym.symbol.style,
                    _key(bsym.args), _key(bsym.kwargs), tuple(sorted(switched.items())))
@@ -73,6 +79,18 @@ def common_subexpression_elimination(trace: Trace,
             seen.setdefault(key, bsym)
         result.append(bsym)
     return result
+
+
+def _narrows_a_gradient(bsym) -> bool:
+    """Whether the line rounds a tensor that requires grad to a floating dtype with fewer bits."""
+    outputs = [p for p in bsym.output_proxies() if isinstance(p, TensorProxy)]
+    for x in bsym.input_proxies():
+        if isinstance(x, TensorProxy) and x.requires_grad and x.dtype.is_floating_point:
+            bits = torch.finfo(x.dtype).bits
+            if any(o.dtype.is_floating_point and torch.finfo(o.dtype).bits < bits
+                   for o in outputs):
+                return True
+    return False
 
 
 def _returned_names(trace: Trace) -> set[str]:
