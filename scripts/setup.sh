@@ -12,7 +12,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install torch==2.13.0
 fi
-if ! .venv/bin/python -c "import keraunos, litgpt, pytest, expecttest, transformers" 2>/dev/null; then
+if ! .venv/bin/python -c "import keraunos, litgpt, pytest, xdist, expecttest, transformers" 2>/dev/null; then
   "${PIP[@]}" install -c scripts/constraints.txt -e ".[test]"
 fi
 # Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, only

@@ -19,7 +19,11 @@ def _isolate_global_state():
 
 
 def pytest_configure(config):
+    import os
+    # Under pytest-xdist (README: -n auto) each worker is one process per core: one intra-op
+    # thread each, or two workers' matmuls fight over the same cores.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
     # Every trace a pass makes and every trace compiled to Python is checked by the trace checker
     # (keraunos.core.lint): a malformed trace fails the test that made it.
-    import os
     os.environ.setdefault("KERAUNOS_LINT", "1")
