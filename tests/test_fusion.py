@@ -783,3 +783,34 @@ def test_litgpt_over_prompt_lengths_fuses_the_dynamic_entry_with_one_kernel_per_
     assert symbolic and lines and [r.layer for r in layers] == ["transformer.h.0",
                                                                 "transformer.h.1"]
     assert layers[0].kernel is layers[1].kernel
+
+
+class _Residual(nn.Module):
+    def __init__(self, n=3, width=8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width))
+                                    for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x.sum(-1)
+
+
+def test_backward_region_reading_an_expanded_gradient_gets_its_values():
+    """`out.sum().backward()` hands in a gradient expanded along every dim (strides 0, 0); the
+    backward region was compiled for `expand(unsqueeze(grad))`, strides (1, 0). Making that
+    layout from the call's tensor used to fail ("more than one element of the written-to
+    tensor refers to a single memory location")."""
+    model = _Residual()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    jitted = keraunos.jit(model, executors=FUSED)
+    for _ in range(2):  # the first call fixes layouts, the second runs the fixing path
+        jitted(x).sum().backward()
+        ref(xe).sum().backward()
+    assert_close(x.grad, xe.grad, **TOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, **TOL)
+    assert keraunos.last_fusions(jitted)

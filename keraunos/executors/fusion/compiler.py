@@ -255,9 +255,21 @@ def _restrided(tensors, positions, metas) -> list:
             tensors[i] = torch.empty((0,), dtype=t.dtype, device=t.device).set_(
                 t.untyped_storage(), t.storage_offset(), shape, stride)
         else:
-            tensors[i] = torch.empty_strided(shape, stride, dtype=t.dtype,
-                                             device=t.device).copy_(t)
+            tensors[i] = _relaid(t, shape, stride)
     return tensors
+
+
+def _relaid(t: torch.Tensor, shape, stride) -> torch.Tensor:
+    """A copy of ``t`` laid out as ``(shape, stride)``. A layout that repeats memory (stride 0
+    over a size above 1) is an expanded tensor: the trace made the value by ``expand``, so it
+    is the same along that dim whatever the call's strides (a gradient of ``out.sum()`` comes
+    expanded along every dim); one slice of ``t`` is copied and expanded again."""
+    repeated = [d for d, (n, s) in enumerate(zip(shape, stride)) if s == 0 and n > 1]
+    source = t
+    for d in repeated:
+        source = source.narrow(d, 0, 1)
+    out = torch.empty_strided(source.shape, stride, dtype=t.dtype, device=t.device).copy_(source)
+    return out.expand(shape) if repeated else out
 
 
 _warned: set[str] = set()
