@@ -543,21 +543,70 @@ def _generate_through(jitted: JittedModule, generate: Callable) -> Callable:
     @functools.wraps(generate)
     def run(*args, **kwargs):
         orig = jitted._orig_mod
-        before, forward = orig.__dict__.get("forward"), orig.forward
-
-        def compiled_forward(*a, **k):  # capture itself calls the module: the original then
-            if active_context() is not None:
-                return forward(*a, **k)
-            return jitted._call(jitted._keraunos, a, k)
-        orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
-        try:
+        if _top_level_hooks(orig):
+            # generate calls the module, which runs its hooks, then the routed forward, whose
+            # program was captured from a call of the module: the hooks would run twice.
+            if not getattr(jitted._keraunos, "warned_generate_hooks", False):
+                jitted._keraunos.warned_generate_hooks = True
+                _warn_at_user_line(
+                    f"keraunos: {jitted._keraunos.name}.generate runs eagerly: the module has "
+                    f"forward or backward hooks of its own (or global ones), which the compiled "
+                    f"program already runs. Jit the model without them, or remove the hooks.",
+                    stacklevel=3)
             return generate(*args, **kwargs)
-        finally:
-            if before is None:
-                orig.__dict__.pop("forward", None)
-            else:
-                orig.__dict__["forward"] = before
+        with _forward_routed(jitted):
+            return generate(*args, **kwargs)
     return run
+
+
+_routing_lock = threading.Lock()
+
+
+class _forward_routed:
+    """While any thread is inside the jitted module's ``generate``, the original module's
+    ``forward`` (in its ``__dict__``) runs the compiled program; the first thread in installs
+    it, the last one out restores what was there (counted, so threads cannot interleave a
+    save and a restore)."""
+
+    def __init__(self, jitted: JittedModule):
+        self.jitted = jitted
+
+    def __enter__(self):
+        state, orig = self.jitted._keraunos, self.jitted._orig_mod
+        with _routing_lock:
+            if getattr(state, "routing_depth", 0) == 0:
+                state.saved_forward = orig.__dict__.get("forward")
+                forward = orig.forward
+                jitted = self.jitted
+
+                def compiled_forward(*a, **k):  # capture itself calls the module: the original
+                    if active_context() is not None:
+                        return forward(*a, **k)
+                    return jitted._call(jitted._keraunos, a, k)
+                orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
+            state.routing_depth = getattr(state, "routing_depth", 0) + 1
+
+    def __exit__(self, *exc):
+        state, orig = self.jitted._keraunos, self.jitted._orig_mod
+        with _routing_lock:
+            state.routing_depth -= 1
+            if state.routing_depth == 0:
+                if state.saved_forward is None:
+                    orig.__dict__.pop("forward", None)
+                else:
+                    orig.__dict__["forward"] = state.saved_forward
+
+
+_GLOBAL_CALL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _top_level_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling the module runs hooks around its forward (its own or global ones)."""
+    modules = torch.nn.modules.module
+    return any(getattr(modules, name, None) for name in _GLOBAL_CALL_HOOKS) or any(
+        module.__dict__.get(name) for name in _CALL_HOOKS)
 
 
 def _rejit(module, options):

@@ -259,3 +259,20 @@ def test_repeated_rounding_casts_of_a_value_that_requires_grad_are_not_merged():
     casts = [b for b in keraunos.last_traces(jf)[-1].bound_symbols
              if getattr(b.symbol, "name", "") == "to"]
     assert len(casts) == 2  # t1's cast once, and the final sum's
+
+
+def test_two_attention_calls_with_dropout_draw_twice_like_eager():
+    """Found in review: attention with dropout (`dropout_p` > 0) was not tagged random in
+    capture, so CSE merged two identical calls into one draw."""
+    def f(q, k, v):
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        b = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        return a - b
+
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    torch.manual_seed(0)
+    want = f(q, k, v)
+    torch.manual_seed(0)
+    got = keraunos.jit(f)(q, k, v)
+    assert want.abs().sum() > 0  # two draws differ
+    torch.testing.assert_close(got, want)

@@ -567,3 +567,63 @@ def test_hf_generate_of_the_jitted_module_runs_the_compiled_forward():
     assert compiles[0] >= 1 and compiles[1] == 0, compiles
     assert keraunos.cache_hits(jm) >= 10  # every decode step ran the compiled program
     assert "forward" not in model.__dict__  # generate left the module as it was
+
+
+def test_a_conjugated_view_passed_in_keeps_its_conjugate_bit():
+    """Found in review: a view given symbolic sizes was rebuilt with `set_`, which drops the
+    conjugate bit; `x.is_conj()` was baked in as False on the symbolic entry."""
+    def f(x):
+        return x * 2 if x.is_conj() else x * 3
+    jf = keraunos.jit(f)
+    for n in (3, 4, 5):
+        x = torch.randn(6, 6, dtype=torch.cfloat)[:, :n].conj()
+        torch.testing.assert_close(jf(x), f(x))
+
+
+class _Generates(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def generate(self, x, steps=3):
+        for _ in range(steps):
+            x = self(x)
+        return x
+
+
+def test_generate_of_a_jitted_module_with_hooks_runs_them_once_and_says_it_runs_eagerly():
+    """Found in review: the compiled program already runs the module's hooks, and generate's
+    call of the module ran them again around it."""
+    model = _Generates()
+    model.register_forward_hook(lambda mod, args, out: out + 100)
+    jm = keraunos.jit(model)
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="generate runs eagerly"):
+        torch.testing.assert_close(jm.generate(x), model.generate(x))
+
+
+def test_generate_from_threads_at_once_leaves_the_original_forward_alone():
+    import threading
+    model = _Generates()
+    jm = keraunos.jit(model)
+    x = torch.randn(2, 4)
+    want = model.generate(x)
+    results, start = [], threading.Barrier(4)
+
+    def run():
+        start.wait()
+        for _ in range(20):
+            results.append(jm.generate(x))
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 80
+    for r in results:
+        torch.testing.assert_close(r, want)
+    assert "forward" not in model.__dict__  # the routing is gone once every generate returned
+    assert keraunos.cache_hits(jm) > 0

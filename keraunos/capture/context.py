@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..core.aten import AtenRecorder, constant_line, is_lifted_constant
-from ..core.effects import is_inplace_by_name, is_random
+from ..core.effects import draws_random, is_inplace_by_name
 from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
@@ -642,7 +642,7 @@ class CaptureContext:
                 # Whether any write happened with grad mode on: the epilogue's copy-back follows.
                 self.mutated_with_grad[key] = self.mutated_with_grad.get(key, False) or \
                     torch.is_grad_enabled()
-        if is_random(symbol):
+        if draws_random(symbol, args, kwargs):
             tags.add(RANDOM)
         info = {}
         if opaque:

@@ -77,6 +77,3 @@ def torch_symbol(func: Callable) -> TorchSymbol:
         pass
     return TorchSymbol(func, getattr(func, "__name__", "fn"), "opaque")
 
-
-# Until the fusion executor imports them from their home (keraunos/core/effects.py).
-from ..core.effects import is_inplace_by_name, is_random  # noqa: E402,F401

@@ -60,6 +60,25 @@ def is_random(symbol: TorchSymbol) -> bool:
     return id(fn) in _random_ids()
 
 
+def draws_random(symbol: TorchSymbol, args: tuple, kwargs: dict) -> bool:
+    """Whether this call draws from the global generator: a random op, or attention (the ATen
+    overloads with a ``dropout_p`` argument, ``F.scaled_dot_product_attention``) with dropout."""
+    if is_random(symbol):
+        return True
+    fn = symbol.fn
+    if isinstance(fn, torch._ops.OpOverload):
+        names = [a.name for a in fn._schema.arguments]
+        if "dropout_p" not in names or torch.Tag.nondeterministic_seeded not in fn.tags:
+            return False
+        i = names.index("dropout_p")
+    elif fn is torch.nn.functional.scaled_dot_product_attention:
+        i = 4
+    else:
+        return False
+    p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)  # a symbolic p: assume it draws
+
+
 _INPLACE_OPERATORS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
                       "or", "xor", "lshift", "rshift"}
 

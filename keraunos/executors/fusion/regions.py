@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from ...capture.naming import is_inplace_by_name, is_random
 from ...capture.symbolic import SymbolicValue
+from ...core.effects import draws_random, is_inplace_by_name, is_random
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
 from ...core.tags import MUTATION, OPAQUE, RANDOM
@@ -109,19 +109,7 @@ def _supported(t: TensorProxy) -> bool:
 
 
 def _draws_random(bsym: BoundSymbol) -> bool:
-    """Random ops the name test misses: ATen ops marked as seeded, attention with dropout."""
-    fn = bsym.symbol.fn
-    if isinstance(fn, torch._ops.OpOverload):
-        names = [a.name for a in fn._schema.arguments]
-        if "dropout_p" in names:  # attention: seeded, but draws nothing without dropout
-            i = names.index("dropout_p")
-            p = bsym.args[i] if i < len(bsym.args) else bsym.kwargs.get("dropout_p", 0.0)
-            return p != 0.0
-        return torch.Tag.nondeterministic_seeded in fn.tags
-    if bsym.symbol.name.endswith("scaled_dot_product_attention"):
-        p = bsym.args[4] if len(bsym.args) > 4 else bsym.kwargs.get("dropout_p", 0.0)
-        return p != 0.0
-    return False
+    return draws_random(bsym.symbol, bsym.args, bsym.kwargs)
 
 
 class _Proxies:

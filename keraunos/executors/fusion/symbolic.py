@@ -19,6 +19,7 @@ run time. What the entry's prologue checks is all a kernel may assume, so:
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import sympy
@@ -140,9 +141,11 @@ def guard_function(conditions: list, layout: "Layout"):
     names = {symbol: f"v{k}" for k, (_, _, symbol) in enumerate(layout.binders)}
     if any(not e.free_symbols <= set(names) for e in conditions):
         return None
-    body = " and ".join(f"({print_expression(e, names)})" for e in conditions) or "True"
-    source = f"lambda {', '.join(names.values())}: {body}"
-    return eval(source, {"max": max, "min": min}), source  # noqa: S307 - our own expressions
+    body = " and ".join(f"({print_expression(e, names)})" for e in dict.fromkeys(conditions))
+    source = f"lambda {', '.join(names.values())}: {body or 'True'}"
+    # The printer writes math.ceil / math.floor / math.trunc and max / min.
+    namespace = {"max": max, "min": min, "math": math}
+    return eval(source, namespace), source  # noqa: S307 - our own expressions
 
 
 def readable(conditions: list, names: dict) -> str:
