@@ -206,10 +206,6 @@ class _Builder:
             raise AssertionError(g.kind)
 
 
-def is_tensor_of_rank(t, ndim: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == ndim
-
-
 def _bind_formatter(bsym, w):
     return [f"{bsym.outputs.name} = {bsym.info['read']}  # {bsym.info['where']}"]
 
@@ -240,16 +236,14 @@ def _size_checks_formatter(bsym, w):
 
 
 BIND = GlueSymbol("bind_symbol", _bind_formatter)
-CHECK_SYMBOLIC_TENSOR = GlueSymbol("check_symbolic_tensor", _symbolic_tensor_formatter,
-                                   {"check_tensor": check_tensor})
+CHECK_SYMBOLIC_TENSOR = GlueSymbol("check_symbolic_tensor", _symbolic_tensor_formatter)
 CHECK_SIZES = GlueSymbol("check_sizes", _size_checks_formatter)
 
 
 def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
-    """Read each size symbol from where it lives (``s0 = x.shape[1]``) after checking that the
-    tensor has the rank to read it from, then check the guards on the symbols."""
-    b.namespace["is_tensor_of_rank"] = is_tensor_of_rank
-    b.namespace["Tensor"] = torch.Tensor
+    """Read each size symbol from where it lives (``s0 = x.shape[1]``) after one C++ call has
+    checked each such tensor's type and rank (``symbolic_tensor_guards``), then check the guards
+    on the symbols."""
     by_tensor: dict[str, list] = {}
     for binding in ctx.symbols.bindings.values():
         if binding.tensor is not None:
@@ -298,9 +292,9 @@ def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
                 "dtype": entry.real.dtype, "device": entry.real.device,
                 "requires_grad": entry.real.requires_grad}
     index = len(b.descriptions)
-    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected['shape'])}, stride "
-                          f"{_show(expected['stride'])}, dtype, device and requires_grad it was "
-                          f"compiled for")
+    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected['shape'])} and stride "
+                          f"{_show(expected['stride'])} (its dtype, device and requires_grad are "
+                          f"checked with the other tensors' in one call)")
     bound = {binding.dim for binding in ctx.symbols.bindings.values()
              if binding.tensor is entry.proxy and binding.prop == "size"}
     b.bsyms.append(BoundSymbol(CHECK_SYMBOLIC_TENSOR, (entry.proxy,), info={
