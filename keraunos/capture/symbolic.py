@@ -291,10 +291,10 @@ def _non_view_alias(real: torch.Tensor, path: Path) -> torch.Tensor:
     A view's fake would be a view of a fake of its base, whose sizes get symbols of their own that
     nothing binds (the base is no input); the program only sees the view's own layout (and its
     storage, which the fake mode still shares with every other input on it, so that writes to
-    shared memory are refused as for any input: capture/program.py). Views that require grad keep exact sizes:
-    their gradient must flow to the base through the view's autograd history. So do views with
-    the conjugate or negative bit (``x.conj()``): ``set_`` would drop the bit, and the program
-    would see (and bake in) ``is_conj() == False``."""
+    shared memory are refused as for any input: capture/program.py). Views that require grad
+    keep exact sizes: their gradient must flow to the base through the view's autograd history.
+    So do views with the conjugate or negative bit (``x.conj()``): ``set_`` would drop the bit,
+    and the program would see (and bake in) ``is_conj() == False``."""
     if real.requires_grad:
         raise SymbolicUnsupported(f"{path} is a view that requires grad; it keeps exact sizes")
     if real.is_conj() or real.is_neg() or real._is_zerotensor():
