@@ -33,7 +33,8 @@ from .guards import Guard, is_plain
 from .provenance import Path, root
 
 from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
-from .state import SET_GLOBAL_STATE, global_state
+from ..core.glue import SET_GLOBAL_STATE
+from .state import global_state
 from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported, has_symbols,
                        is_backed)
 from .symbolic import _from_call
@@ -644,12 +645,12 @@ class CaptureContext:
                     torch.is_grad_enabled()
         if draws_random(symbol, args, kwargs):
             tags.add(RANDOM)
-        info = {}
+        comment = None
         if opaque:
             tags |= {OPAQUE, MUTATION}  # unknown effects: never removed or merged
-            info["comment"] = "opaque: no fake kernel; output metadata from a run on zeros"
+            comment = "opaque: no fake kernel; output metadata from a run on zeros"
         self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
-                                              user_source(), tags, info=info))
+                                              user_source(), tags, comment=comment))
 
 
 MODULE_INTERNALS = frozenset({
