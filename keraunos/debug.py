@@ -32,6 +32,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .core.glue import is_glue
+
 logger = logging.getLogger("keraunos")
 
 HISTORY = 64  # compilations remembered per jitted callable (summaries; entries held weakly)
@@ -135,7 +137,7 @@ def _inputs_summary(entry) -> str:
     params = [p for p in traces[0].params if hasattr(p, "name")]
     described = [f"{p.name}: {p.describe()}" for p in params[:6] if hasattr(p, "describe")]
     more = f", and {len(params) - 6} more" if len(params) > 6 else ""
-    ops = sum(1 for b in traces[-1].bound_symbols if b.symbol.name not in ("del", "return"))
+    ops = sum(1 for b in traces[-1].bound_symbols if not is_glue(b))
     backward = ", with a backward trace" if entry.backward_traces else ""
     return f"{len(params)} inputs ({', '.join(described)}{more}), {ops} ops{backward}"
 

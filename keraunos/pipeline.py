@@ -14,7 +14,7 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
 from .core.proxies import Proxy
-from .core.tags import OPAQUE
+from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
 from .core.trace import Trace
 from .executors import fusion
 from .passes.fast_prologue import fast_prologue
@@ -230,7 +230,7 @@ def _written_positions(computation: Trace) -> tuple | None:
     for b in computation.bound_symbols:
         if OPAQUE in b.tags:
             return None
-        if b.info.get("copy_of_written_input"):  # capture copies every input written to
+        if COPY_OF_WRITTEN_INPUT in b.tags:  # capture copies every input written to
             written.append(index[b.args[0].name])
     return tuple(written)
 

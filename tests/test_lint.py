@@ -7,12 +7,13 @@ import torch
 import keraunos
 from keraunos.core.lint import TraceLintError, problems
 from keraunos.core.proxies import TensorProxy
-from keraunos.core.symbols import BoundSymbol, GlueSymbol
+from keraunos.core.glue import Glue
+from keraunos.core.symbols import BoundSymbol
 from keraunos.core.trace import Trace
 
 
 def _glue(name, *lines):
-    return GlueSymbol(name, lambda bsym, w: list(lines))
+    return Glue(name, lambda bsym, w: list(lines))
 
 
 def _trace(*symbols, params=("*args", "**kwargs")):
@@ -45,7 +46,7 @@ def test_a_read_after_del_is_caught():
 def test_a_proxy_read_before_the_line_that_makes_it_is_caught():
     x = _proxy("x")
     y = _proxy("y")
-    ret = GlueSymbol("return", lambda bsym, w: [f"return {bsym.args[0].name}"])
+    ret = Glue("return", lambda bsym, w: [f"return {bsym.args[0].name}"])
     t = Trace("computation", [x], [BoundSymbol(ret, args=(y,))])
     assert any("reads y, which nothing before it binds" in p for p in problems(t))
 

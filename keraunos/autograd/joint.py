@@ -15,9 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ..capture.program import RETURN as PROGRAM_RETURN
-from ..capture.state import SET_GLOBAL_STATE
 from ..capture.symbolic import SymbolicValue
+from ..core import glue
 from ..core.aten import AtenCall, AtenRecorder
 from ..core.interpreter import SKIP, Interpreter
 from ..core.proxies import NumberProxy, TensorProxy
@@ -81,9 +80,9 @@ class _FakeForward(Interpreter):
             self.recorder.parent = index
             out = rule_for(symbol.fn)(*args, **kwargs)
             return SKIP if symbol.style == "setitem" else out
-        if symbol is PROGRAM_RETURN:
+        if symbol is glue.RETURN:
             self.outputs = list(bsym.args[0])
-        elif symbol is SET_GLOBAL_STATE:
+        elif symbol is glue.SET_GLOBAL_STATE:
             _apply_state(bsym)
         else:
             raise NotImplementedError(f"line of {symbol.name} in an autograd computation")

@@ -57,7 +57,7 @@ def recompute_views_in_backward(saved: list[str], joint, namer, torch_level: set
         args, kwargs = _trace_args(call, namer, number)
         lines.append(BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}", "function"),
                                  tuple(args), dict(kwargs), namer.proxies[name],
-                                 info={"comment": "a view, recomputed rather than saved"}))
+                                 comment="a view, recomputed rather than saved"))
     return saved, lines
 
 
@@ -108,7 +108,7 @@ def recompute_in_backward(saved: list[str], joint, namer, parent_of, lowered, nu
             lines.insert(0, BoundSymbol(TorchSymbol(call.func, f"torch.ops.{call.func}",
                                                     "function"), tuple(args), dict(kwargs),
                                         namer.proxies[name],
-                                        info={"comment": "recomputed rather than saved"}))
+                                        comment="recomputed rather than saved"))
             changed = True
     return saved, _ordered(lines, namer)
 

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture.state import SET_GLOBAL_STATE
 from ..capture.symbolic import as_code, expr_key, is_backed, layout_key, refuse_raw_symbols
 from ..core.aten import constant_line, is_lifted_constant
+from ..core import glue
 from ..core.proxies import NumberProxy, ObjectProxy, TensorProxy
-from ..core.symbols import BoundSymbol, Code, GlueSymbol, TorchSymbol
+from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
@@ -124,8 +124,8 @@ class _SavedSizes:
             tensor, dim = _tensor_with_size(size, self.namer, self.forward_names)
             proxy = ObjectProxy(self.namer.names.fresh("size"), int)
             self.proxies[expr] = proxy
-            self.lines.append((tensor, BoundSymbol(_SIZE, (self.namer.proxies[tensor], dim),
-                                                   outputs=proxy)))
+            self.lines.append((tensor, glue.SIZE.bind(self.namer.proxies[tensor], dim,
+                                                      outputs=proxy)))
         return self.proxies[expr]
 
     def place(self, forward_lines: list[BoundSymbol]) -> list[BoundSymbol]:
@@ -217,7 +217,7 @@ def split_forward_backward(computation: Trace) -> Split:
                if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
     forward_lines: list[BoundSymbol] = []
     for index, bsym in enumerate(computation.bound_symbols[:-1]):
-        if bsym.symbol is SET_GLOBAL_STATE:
+        if bsym.symbol is glue.SET_GLOBAL_STATE:
             continue  # Function.forward runs with grad mode off; the backward is ours
         if index not in lowered:
             forward_lines.append(bsym)
@@ -248,7 +248,7 @@ def split_forward_backward(computation: Trace) -> Split:
     saved_proxies = [namer.proxies[n] for n in saved]
     size_proxies = list(sizes.proxies.values()) + list(numbers_read.values())
     forward_lines = sizes.place(forward_lines)
-    forward_lines.append(BoundSymbol(_FORWARD_RETURN, (outputs, saved_proxies + size_proxies)))
+    forward_lines.append(glue.RETURN_FORWARD.bind(outputs, saved_proxies + size_proxies))
     grads = []
     for i in range(len(joint.inputs)):
         if i in joint.needs_grad:
@@ -256,7 +256,7 @@ def split_forward_backward(computation: Trace) -> Split:
             grads.append(namer.proxies[namer.name_of[id(g)]] if g is not None else None)
         else:
             grads.append(None)
-    backward_lines.append(BoundSymbol(_BACKWARD_RETURN, (grads,)))
+    backward_lines.append(glue.RETURN_GRADIENTS.bind(grads))
     seconds = time.perf_counter() - start
     forward = computation.derive(forward_lines, "Autograd Split (forward)", seconds)
     backward = Trace("backward", saved_proxies + size_proxies +
@@ -333,7 +333,7 @@ def _gradients_in_own_memory(backward: Trace, namer: _Namer, mode) -> Trace:
             raise NotImplementedError(f"a gradient {g.name} of unknown metadata")
         copy = namer.proxies[namer.name(fake, "b")]
         clones.append(BoundSymbol(_aten_symbol(torch.ops.aten.clone.default), (g,), {}, copy,
-                                  info={"comment": "a gradient of its own memory"}))
+                                  comment="a gradient of its own memory"))
         grads.append(copy)
     if not clones:
         return backward
@@ -372,24 +372,3 @@ def _size_expression(x, namer: _Namer, available: set[int], numbers: dict):
         return as_code(x, numbers)
     name, d = _tensor_with_size(x, namer, available)
     return Code(f"{name}.size({d})")
-
-
-def _size_formatter(bsym, w):
-    tensor, dim = bsym.args
-    return [f"{bsym.outputs.name} = {tensor.name}.size({dim})  # a size the backward needs"]
-
-
-_SIZE = GlueSymbol("size", _size_formatter)
-
-
-def _forward_return_formatter(bsym, w):
-    outputs, saved = bsym.args
-    return [f"return {w.value(tuple(outputs))}, {w.value(tuple(saved))}"]
-
-
-def _backward_return_formatter(bsym, w):
-    return [f"return {w.value(tuple(bsym.args[0]))}"]
-
-
-_FORWARD_RETURN = GlueSymbol("return", _forward_return_formatter)
-_BACKWARD_RETURN = GlueSymbol("return", _backward_return_formatter)

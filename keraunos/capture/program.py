@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 import torch
 
+from ..core import glue
 from ..core.proxies import NameGenerator, TensorProxy
-from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
-from ..core.tags import INPUT_TENSOR
+from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -37,7 +38,8 @@ from .symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
                        refuse_raw_symbols)
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .epilogue import Build, FromInput, ObjectRef, ViewGrad, ViewOf, build_epilogue, template_of
+from ..core.templates import FromInput, ObjectRef, ViewGrad, ViewOf
+from .epilogue import build_epilogue, template_of
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -122,14 +124,6 @@ def _view_grad(view, source) -> ViewGrad:
     return ViewGrad.NO_GRAD if grad_fn is None else ViewGrad.TRACKED
 
 
-def _return_formatter(bsym, w):
-    outputs = bsym.args[0]
-    return [f"return {w.value(tuple(outputs))}" if len(outputs) != 1 else f"return {outputs[0].name},"]
-
-
-RETURN = GlueSymbol("return", _return_formatter)
-
-
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
                     check_values: bool = True, specialize_data: bool = False) -> Program:
     t0 = time.perf_counter()
@@ -197,8 +191,8 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             clone = TensorProxy(names.fresh(base.name + "_updated"), first.fake)
             renames[base.name] = clone
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone, info={"comment": "written in place: work on a copy",
-                                                 "copy_of_written_input": True}))
+                                    clone, tags={COPY_OF_WRITTEN_INPUT},
+                                    comment="written in place: work on a copy"))
             final = first.fake
             # The offset as a change: a later call may pass the same layout at another offset.
             # (Compared only when it is numbers: comparing symbols would add guards.)
@@ -234,7 +228,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
                                set(first.proxy.tags), f"storage of {first.path}")
             clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone, info={"copy_of_written_input": True}))
+                                    clone, tags={COPY_OF_WRITTEN_INPUT}))
             for m in members:
                 fake = m.fake
                 body.append(BoundSymbol(
@@ -328,7 +322,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
         if g.updated.name not in seen:
             seen.add(g.updated.name)
             flat.append(g.updated)
-    body.append(BoundSymbol(RETURN, (flat,)))
+    body.append(glue.RETURN.bind(flat))
 
     params: list[TensorProxy] = []
     for entry in ctx.inputs:

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from ..core import glue
 from ..core.proxies import ObjectProxy, Proxy, TensorProxy
-from ..core.symbols import BoundSymbol, Code, GlueSymbol
-from ..core.tags import MODULE_CHECK
+from ..core.symbols import BoundSymbol
+from ..core.tags import AFTER_STRUCTURE, MODULE_CHECK
 from ..core.trace import Trace
 from .guards import Guard
 from .provenance import Path
@@ -40,59 +41,6 @@ class MutableGroup:
     new_metadata: tuple | None = None
 
 
-def check_tensor(t, shape, stride, dtype, device, requires_grad) -> bool:
-    """The metadata check of one tensor, as the readable prologue writes it."""
-    return (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride
-            and t.dtype is dtype and t.device == device and t.requires_grad is requires_grad)
-
-
-def _unpack_formatter(bsym, w):
-    (parent,), path = bsym.args, bsym.info["path"]
-    return [f"{bsym.outputs.name} = {path.expression(parent)}"]
-
-
-def storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
-    """A flat view of all of ``t``'s storage. Taken of the tensor ``t`` views (when it views one
-    with its dtype and requires_grad) so that gradients reach memory outside ``t`` itself (the
-    rows of another argument sharing the storage), as they do in eager."""
-    base = t._base
-    if base is None or base.dtype is not t.dtype or base.requires_grad is not t.requires_grad:
-        base = t
-    return torch.as_strided(base, (numel,), (1,), 0)
-
-
-def _storage_view_formatter(bsym, w):
-    (tensor,), n = bsym.args, bsym.info["numel"]
-    return [f"{bsym.outputs.name} = storage_view({tensor.name}, {n})"]
-
-
-def _check_formatter(bsym, w):
-    return [f"if {bsym.info['condition'](w)}: return {bsym.info['index']}  "
-            f"# {bsym.info['description']}"]
-
-
-def _check_tensor_formatter(bsym, w):
-    (t,), e = bsym.args, bsym.info["expected"]
-    return [f"if not check_tensor({t.name}, {w.value(e['shape'])}, {w.value(e['stride'])}, "
-            f"{w.value(e['dtype'])}, {w.value(e['device'])}, {e['requires_grad']}): "
-            f"return {bsym.info['index']}"]
-
-
-def _return_formatter(bsym, w):
-    inputs, pro_to_epi = bsym.args
-    return [f"return {w.value(tuple(inputs))}, {w.value(tuple(pro_to_epi))}"]
-
-
-UNPACK = GlueSymbol("unpack", _unpack_formatter)
-UNPACK_CONSTANT = GlueSymbol("unpack_constant",
-                             lambda b, w: [f"{b.outputs.name} = {b.args[0]}"])
-STORAGE_VIEW = GlueSymbol("storage_view", _storage_view_formatter,
-                          {"storage_view": storage_view})
-CHECK = GlueSymbol("check", _check_formatter)
-CHECK_TENSOR = GlueSymbol("check_tensor", _check_tensor_formatter, {"check_tensor": check_tensor})
-RETURN = GlueSymbol("return", _return_formatter)
-
-
 class _Builder:
     def __init__(self, ctx, check_values: bool):
         self.ctx = ctx
@@ -102,15 +50,18 @@ class _Builder:
         self.descriptions: list[str] = []
         self.namespace: dict[str, Any] = {}
         fn = ctx.fn
-        self.roots = {"args": "args", "kwargs": "kwargs", "module": "module",
-                      "globals": "fn_globals", "closure": "fn_closure"}
+        # The roots every path starts from: the prologue's parameters and namespace names.
+        self.roots = {key: ObjectProxy(name, object, provenance=key) for key, name in (
+            ("args", "args"), ("kwargs", "kwargs"), ("module", "module"),
+            ("globals", "fn_globals"), ("closure", "fn_closure"))}
         self.namespace["fn_globals"] = getattr(fn, "__globals__", None)
         self.namespace["fn_closure"] = getattr(fn, "__closure__", None)
 
-    def var(self, path: Path, proxy: Proxy | None = None) -> str:
+    def var(self, path: Path, proxy: Proxy | None = None) -> Proxy:
+        """The variable holding the value at ``path``, unpacked from its parent on first use."""
         known = self.vars.get(path)
         if known is not None:
-            return known.name
+            return known
         if path.kind == "root":
             if path.key in self.roots:
                 return self.roots[path.key]
@@ -118,26 +69,25 @@ class _Builder:
             self.namespace[name] = self.ctx.root_objects[path.key]
             if proxy is not None:  # a tensor the program holds by reference
                 self.vars[path] = proxy
-                self.bsyms.append(BoundSymbol(UNPACK_CONSTANT, (name,), outputs=proxy,
-                                              info={"path": path}))
-                return proxy.name
-            return name
+                self.bsyms.append(glue.UNPACK_CONSTANT.bind(outputs=proxy, path=path,
+                                                            constant=name))
+                return proxy
+            return ObjectProxy(name, object, provenance=str(path))  # a namespace name
         parent = self.var(path.parent)
         if proxy is None:
             proxy = ObjectProxy(self.ctx.names.fresh(path.name_hint()), object, provenance=str(path))
         self.vars[path] = proxy
-        self.bsyms.append(BoundSymbol(UNPACK, (parent,), outputs=proxy, info={"path": path}))
-        return proxy.name
+        self.bsyms.append(glue.UNPACK.bind(parent, outputs=proxy, path=path))
+        return proxy
 
     def check(self, description: str, condition, from_module: bool, guard: Guard | None = None,
               subject: Path | None = None, uses: tuple = ()) -> None:
+        """A check line; ``uses``: the variables (proxies) its condition reads."""
         index = len(self.descriptions)
         self.descriptions.append(description)
         tags = {MODULE_CHECK} if from_module else set()
-        # ``uses``: the variables the condition reads (strings), for passes that move lines.
-        self.bsyms.append(BoundSymbol(CHECK, args=tuple(uses), tags=tags, info={
-            "condition": condition, "index": index, "description": description, "guard": guard,
-            "subject": subject}))
+        self.bsyms.append(glue.CHECK.bind(*uses, tags=tags, condition=condition, index=index,
+                                          description=description, guard=guard, subject=subject))
 
     def guard(self, g: Guard) -> None:
         if g.kind == "data":
@@ -151,32 +101,35 @@ class _Builder:
         if g.kind == "absent attribute":  # of a plain object passed in
             parent = self.var(g.path.parent)
             name = g.path.key
-            self.check(g.description, lambda w: f"{name!r} in {parent}.__dict__", False, guard=g,
-                       uses=(parent,))
+            self.check(g.description, lambda w: f"{name!r} in {parent.name}.__dict__", False,
+                       guard=g, uses=(parent,))
             return
         if g.kind == "absent":
             parent = self.var(g.path.parent)
             name = g.path.key
             self.check(g.description, lambda w: " or ".join(
-                f"{name!r} in {parent}.{table}"
+                f"{name!r} in {parent.name}.{table}"
                 for table in ("__dict__", "_parameters", "_buffers", "_modules")),
                 g.from_module, guard=g, subject=g.path, uses=(parent,))
             return
         if g.kind == "symbolic int":  # the int is the symbol: s0 = args[1]
-            v = self.var(g.path, g.expected)
-            self.check(g.description, lambda w: f"type({v}) is not int", False, uses=(v,))
+            p = self.var(g.path, g.expected)
+            self.check(g.description, lambda w: f"type({p.name}) is not int", False, uses=(p,))
             return
-        v = self.var(g.path)
-        check = functools.partial(self.check, guard=g, subject=g.path, uses=(v,))
+        p = self.var(g.path)
+        v = p.name
+        check = functools.partial(self.check, guard=g, subject=g.path, uses=(p,))
         if g.kind == "value":
             check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
         elif g.kind == "identity":
             other = g.expected
             if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
                 first = self.var(other.path, other.proxy)
-                self.check(g.description, lambda w: f"{v} is not {first}", g.from_module, guard=g,
-                           subject=g.path, uses=(v, first))
-                self.bsyms[-1].info["paths"] = (g.path, other.path)
+                index = len(self.descriptions)
+                self.descriptions.append(g.description)
+                self.bsyms.append(glue.CHECK_ALIAS.bind(
+                    p, first, tags={MODULE_CHECK} if g.from_module else (), index=index,
+                    description=g.description, paths=(g.path, other.path)))
             else:
                 check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
                            g.from_module)
@@ -206,40 +159,6 @@ class _Builder:
             raise AssertionError(g.kind)
 
 
-def _bind_formatter(bsym, w):
-    return [f"{bsym.outputs.name} = {bsym.info['read']}  # {bsym.info['where']}"]
-
-
-def _symbolic_tensor_formatter(bsym, w):
-    # The rest was checked in one C++ call (symbolic_tensor_guards): here only the sizes and
-    # strides that are expressions of the symbols, leaving out the dimensions read into their
-    # own symbols (s0 = x.shape[0]).
-    (t,), e = bsym.args, bsym.info["expected"]
-    name, bound = t.name, bsym.info["bound_dims"]
-    parts = [f"{name}.shape[{d}] == {w.value(size)}" for d, size in enumerate(e["shape"])
-             if d not in bound and not isinstance(size, int)]
-    if not all(isinstance(stride, int) for stride in e["stride"]):  # one call: cheaper than two
-        parts.append(f"{name}.stride() == {w.value(e['stride'])}")
-    if not parts:
-        return [f"pass  # {name}: its sizes are its symbols, its strides numbers"]
-    return [f"if not ({' and '.join(parts)}): return {bsym.info['index']}"]
-
-
-def _size_checks_formatter(bsym, w):
-    # Read from the ShapeEnv now, when the prologue is generated: after the capture, the
-    # backward's recording on the same symbols may have added guards.
-    lines = []
-    for condition, why in bsym.info["symbols"].checks():
-        text = f"{condition} ({why})" if why else condition
-        lines.append(f"if not ({condition}): return {text!r}")
-    return lines or ["pass  # no guards on the symbolic sizes"]
-
-
-BIND = GlueSymbol("bind_symbol", _bind_formatter)
-CHECK_SYMBOLIC_TENSOR = GlueSymbol("check_symbolic_tensor", _symbolic_tensor_formatter)
-CHECK_SIZES = GlueSymbol("check_sizes", _size_checks_formatter)
-
-
 def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
     """Read each size symbol from where it lives (``s0 = x.shape[1]``) after one C++ call has
     checked each such tensor's type and rank (``symbolic_tensor_guards``), then check the guards
@@ -258,11 +177,10 @@ def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
         if not bindings:
             continue
         for binding in bindings:
-            b.bsyms.append(BoundSymbol(BIND, (entry.proxy,), outputs=binding.proxy, info={
-                "read": binding.read(), "where": binding.where()}))
+            b.bsyms.append(glue.BIND_SYMBOL.bind(entry.proxy, outputs=binding.proxy,
+                                                 read=binding.read(), where=binding.where()))
     if check_values:
-        b.bsyms.append(BoundSymbol(CHECK_SIZES, tuple(p.name for p in ctx.symbols.proxies),
-                                   info={"symbols": ctx.symbols}))
+        b.bsyms.append(glue.CHECK_SIZES.bind(*ctx.symbols.proxies, symbols=ctx.symbols))
 
 
 def symbolic_tensor_guards(b: _Builder, entries) -> None:
@@ -281,24 +199,23 @@ def symbolic_tensor_guards(b: _Builder, entries) -> None:
                           f"{e.real.device}, requires_grad {e.real.requires_grad}" for e in entries)
     b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)",
             lambda w: f"not {w.constant(guards, 'tensor_guards')}.check({', '.join(names)})",
-            False, uses=names)
+            False, uses=tuple(e.proxy for e in entries))
 
 
 def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
     """The metadata check of a tensor with symbolic sizes: its shape and strides as expressions
     of the symbols (``(1, s0, 64)``, ``(64*s0, 64, 1)``)."""
     fake, code = entry.fake, ctx.symbols.code
-    expected = {"shape": tuple(map(code, fake.shape)), "stride": tuple(map(code, fake.stride())),
-                "dtype": entry.real.dtype, "device": entry.real.device,
-                "requires_grad": entry.real.requires_grad}
+    expected = glue.TensorMetadata(tuple(map(code, fake.shape)), tuple(map(code, fake.stride())),
+                                   entry.real.dtype, entry.real.device, entry.real.requires_grad)
     index = len(b.descriptions)
-    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected['shape'])} and stride "
-                          f"{_show(expected['stride'])} (its dtype, device and requires_grad are "
+    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected.shape)} and stride "
+                          f"{_show(expected.stride)} (its dtype, device and requires_grad are "
                           f"checked with the other tensors' in one call)")
-    bound = {binding.dim for binding in ctx.symbols.bindings.values()
-             if binding.tensor is entry.proxy and binding.prop == "size"}
-    b.bsyms.append(BoundSymbol(CHECK_SYMBOLIC_TENSOR, (entry.proxy,), info={
-        "expected": expected, "index": index, "bound_dims": bound}))
+    bound = frozenset(binding.dim for binding in ctx.symbols.bindings.values()
+                      if binding.tensor is entry.proxy and binding.prop == "size")
+    b.bsyms.append(glue.CHECK_SYMBOLIC_TENSOR.bind(entry.proxy, expected=expected, index=index,
+                                                   bound_dims=bound))
 
 
 def _show(values: tuple) -> str:
@@ -308,13 +225,13 @@ def _show(values: tuple) -> str:
 def data_guard(b: _Builder, g: Guard) -> None:
     """Recompute a value read from tensor data, with the ops that made it, and check it."""
     for line in g.lines:
-        b.bsyms.append(line.replace(info={**line.info, "after_structure": True}))
+        b.bsyms.append(line.replace(tags=line.tags | {AFTER_STRUCTURE}))
     expected = g.expected
     b.check(g.description, lambda w: f"{g.target.name}.{g.method}() != {w.value(expected)}"
             if is_plain_value(expected) else
             f"{g.target.name}.{g.method}() != {w.constant(expected, 'expected')}", False,
-            uses=(g.target.name,))
-    b.bsyms[-1].info["after_structure"] = True
+            uses=(g.target,))
+    b.bsyms[-1].tags.add(AFTER_STRUCTURE)
 
 
 def is_plain_value(v) -> bool:
@@ -389,32 +306,28 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
                     return " or ".join(parts)
                 b.check(f"{', '.join(str(m.path) for m in g.members)} share one storage of "
                         f"{nbytes} bytes at offsets {offsets}", same_storage, False,
-                        uses=tuple(names))
+                        uses=tuple(m.proxy for m in g.members))
                 # A member may be a buffer, which the fast prologue loads with the module
                 # structure: this check and the view must come after that.
-                b.bsyms[-1].info["after_structure"] = True
-            b.bsyms.append(BoundSymbol(STORAGE_VIEW, (first.proxy,), outputs=g.base,
-                                       info={"numel": n, "after_structure": True}))
+                b.bsyms[-1].tags.add(AFTER_STRUCTURE)
+            b.bsyms.append(glue.STORAGE_VIEW.bind(first.proxy, outputs=g.base, numel=n,
+                                                  tags={AFTER_STRUCTURE}))
     if check_values:
         for entry in ctx.inputs:
             real = entry.real
             if ctx.symbols is not None and has_symbols(entry.fake):
                 check_symbolic_tensor(b, ctx, entry)
                 continue
-            expected = {"shape": tuple(real.shape), "stride": tuple(real.stride()),
-                        "dtype": real.dtype, "device": real.device,
-                        "requires_grad": real.requires_grad}
+            expected = glue.TensorMetadata(tuple(real.shape), tuple(real.stride()), real.dtype,
+                                           real.device, real.requires_grad)
             index = len(b.descriptions)
             b.descriptions.append(f"tensor {entry.path} has the shape, stride, dtype, device and "
                                   f"requires_grad it was compiled for")
-            b.bsyms.append(BoundSymbol(CHECK_TENSOR, (entry.proxy,), tags=set(entry.proxy.tags),
-                                       info={"expected": expected, "index": index,
-                                             "real": weakref.ref(real),
-                                             "path": str(entry.path)}))
-    epi_values = []
-    for x in pro_to_epi:
-        epi_values.append(Code(b.var(x)) if isinstance(x, Path) else x)
-    b.bsyms.append(BoundSymbol(RETURN, (list(params), epi_values)))
+            b.bsyms.append(glue.CHECK_TENSOR.bind(entry.proxy, tags=entry.proxy.tags,
+                                                  expected=expected, index=index,
+                                                  path=str(entry.path), real=weakref.ref(real)))
+    epi_values = [b.var(x) if isinstance(x, Path) else x for x in pro_to_epi]
+    b.bsyms.append(glue.RETURN_INPUTS.bind(list(params), epi_values))
     trace = Trace("prologue", ["*args", "**kwargs"], b.bsyms, ["Constructed by capture"],
                   namespace={"module": getattr(ctx, "root_module", None), **b.namespace})
     return trace, b.descriptions

@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from ..core.symbols import GlueSymbol
+from ..core.glue import AUTOCAST_DEVICES as _AUTOCAST_DEVICES
 
 _active = threading.local()
 
@@ -19,11 +19,6 @@ def requested_dynamic():
     """What the next capture in this thread makes symbolic (a ``DynamicRequest``, set by ``jit``
     around its compilation), or None: exact sizes."""
     return getattr(_active, "dynamic", None)
-
-
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def global_state() -> tuple:
@@ -41,18 +36,3 @@ def restore_global_state(state: tuple) -> None:
         torch.set_autocast_dtype(device, state[2 + 2 * i])
 
 
-def _set_global_state_formatter(bsym, w):
-    lines = []
-    for i, value in bsym.args[0]:
-        if i == 0:
-            lines.append(f"torch._C._set_grad_enabled({value!r})")
-        else:
-            device = _AUTOCAST_DEVICES[(i - 1) // 2]
-            if (i - 1) % 2 == 0:
-                lines.append(f"torch.set_autocast_enabled({device!r}, {value!r})")
-            else:
-                lines.append(f"torch.set_autocast_dtype({device!r}, {w.value(value)})")
-    return lines
-
-
-SET_GLOBAL_STATE = GlueSymbol("set_global_state", _set_global_state_formatter)

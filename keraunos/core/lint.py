@@ -46,15 +46,16 @@ def check(trace) -> None:
 
 
 def _proxy_problems(trace) -> list[str]:
-    """Def-use on the bound symbols: a line reads only proxies the signature or an earlier line
-    binds. (Glue that reads through its ``info`` is checked on the source below.)"""
+    """Def-use on the bound symbols: a line reads only proxies the signature, the namespace or
+    an earlier line binds. (Lines a pass writes as Python, ``glue.PYTHON``, are checked on the
+    source below.)"""
     found = []
-    bound = set()
+    bound = set(trace.namespace)
     for p in trace.params:
-        if isinstance(p, Proxy):
-            if p.name in bound:
-                found.append(f"parameter {p.name} appears twice in the signature")
-            bound.add(p.name)
+        name = p.name if isinstance(p, Proxy) else str(p).lstrip("*")
+        if name in bound - set(trace.namespace):
+            found.append(f"parameter {name} appears twice in the signature")
+        bound.add(name)
     for i, bsym in enumerate(trace.bound_symbols):
         for p in bsym.input_proxies():
             if p.name not in bound:

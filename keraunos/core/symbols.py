@@ -5,6 +5,7 @@ of our own (a prologue check, an epilogue write-back). A ``BoundSymbol`` is one 
 the symbol applied to arguments (proxies and constants, possibly nested in lists, tuples and dicts),
 the proxies it defines, the user source line it came from, its tags, and optionally its
 ``subsymbols`` (a decomposition into lower-level operations, for passes that want one).
+Glue symbols, the lines of our own, are defined in ``glue.py``.
 """
 from __future__ import annotations
 
@@ -91,28 +92,10 @@ class TorchSymbol(Symbol):
         expr = self.expression(bsym, w)
         if self.style == "setitem":
             return [f"{expr} = {w.value(bsym.args[2])}"]
-        comment = f"  # {bsym.info['comment']}" if bsym.info.get("comment") else ""
+        comment = f"  # {bsym.comment}" if bsym.comment else ""
         if self.style == "operator" and self.name.strip("_")[0] == "i" and self.name.strip("_")[1:] in _BINARY:
             return [expr + comment]  # `a += b` rebinds a to itself
         return [w.assignment(bsym, expr) + comment]
-
-
-class GlueSymbol(Symbol):
-    """An operation of our own (prologue unpacking and checks, epilogue writes).
-
-    ``formatter(bsym, w)`` returns the Python lines; ``runtime`` holds the objects those lines
-    call, added to the trace's namespace under their own names.
-    """
-
-    def __init__(self, name: str, formatter: Callable[["BoundSymbol", "CodeWriter"], list[str]],
-                 runtime: dict[str, Any] | None = None):
-        self.name = name
-        self.formatter = formatter
-        self.runtime = runtime or {}
-
-    def format(self, bsym, w):
-        w.namespace.update(self.runtime)
-        return self.formatter(bsym, w)
 
 
 @dataclass
@@ -127,8 +110,10 @@ class BoundSymbol:
     tags: set[Tag] = field(default_factory=set)
     subsymbols: list["BoundSymbol"] = field(default_factory=list)
     executor: str | None = None
-    # Free-form data a glue symbol's formatter reads (expected values of a check, say).
-    info: dict = field(default_factory=dict)
+    # A glue line's typed record (``glue.Unpack``, ``glue.CheckTensor``, ...); None otherwise.
+    fields: Any = None
+    comment: str | None = None  # printed after the line: why it is there
+    layer: str | None = None    # the repeated module it came from (``h.3``), where fusion cuts
 
     def input_proxies(self) -> list[Proxy]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
@@ -140,7 +125,8 @@ class BoundSymbol:
     def replace(self, **changes) -> "BoundSymbol":
         fields = dict(symbol=self.symbol, args=self.args, kwargs=self.kwargs, outputs=self.outputs,
                       source=self.source, tags=set(self.tags), subsymbols=list(self.subsymbols),
-                      executor=self.executor, info=dict(self.info))
+                      executor=self.executor, fields=self.fields, comment=self.comment,
+                      layer=self.layer)
         fields.update(changes)
         return BoundSymbol(**fields)
 

@@ -41,3 +41,9 @@ MUTATION = Tag.register("MUTATION")
 MODULE_CHECK = Tag.register("MODULE_CHECK")
 # A bound symbol for an op no fake kernel describes: run as is, its effects unknown to passes.
 OPAQUE = Tag.register("OPAQUE")
+# The copy capture makes of an input the program writes to (the computation stays pure; the
+# epilogue copies the result back). Reinplace turns it into an alias where autograd cannot see.
+COPY_OF_WRITTEN_INPUT = Tag.register("COPY_OF_WRITTEN_INPUT")
+# A prologue line that needs the module structure loaded first (it reads a buffer, or tensor
+# data): the fast prologue places it after the cached module walk.
+AFTER_STRUCTURE = Tag.register("AFTER_STRUCTURE")

@@ -13,6 +13,7 @@ import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..cache import CacheEntry
+from ..core import glue
 from ..core.trace import Trace
 from ..jit import jit
 from ..transforms import Transform
@@ -165,16 +166,17 @@ def _passes_arguments_through(entry: CacheEntry, n_args: int) -> bool:
 
 def _reads_from_prologue(epilogue: Trace) -> bool:
     """Whether the epilogue uses anything the prologue hands it (``pro_to_epi``)."""
-    return any("pro_to_epi" in b.args and (b.symbol.name != "unpack" or b.outputs)
+    return any(b.symbol is glue.UNPACK_OUTPUTS and b.fields.origin == "pro_to_epi" and b.outputs
                for b in epilogue.bound_symbols)
 
 
 def _returns_outputs_as_is(epilogue: Trace) -> bool:
     """The epilogue unpacks the outputs and returns them in a tuple, in order: nothing else."""
     *unpacks, ret = epilogue.bound_symbols
-    if ret.symbol.name != "return_value" or any(b.symbol.name != "unpack" for b in unpacks):
+    if ret.symbol is not glue.RETURN_VALUE or any(b.symbol is not glue.UNPACK_OUTPUTS
+                                                  for b in unpacks):
         return False
-    outputs = [b.outputs for b in unpacks if b.args == ("outputs",)]
+    outputs = [b.outputs for b in unpacks if b.fields.origin == "outputs"]
     built = ret.args[0] if len(ret.args) == 1 else None
     return (len(outputs) == 1 and not _reads_from_prologue(epilogue)
             and getattr(built, "kind", None) == "tuple"

@@ -59,7 +59,7 @@ def layers_of_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 class UserSourceLines(Transform):
     """Points each line of the computation at the user's line that dynamo traced it from, and
-    tags it with its layer (``info["layer"]``, what the fusion executor cuts regions at so that
+    tags it with its layer (``bsym.layer``, what the fusion executor cuts regions at so that
     identical layers share one kernel; see ``layers_of_nodes``).
 
     Capture sees the GraphModule's generated code (``<eval_with_key>.N``), whose lines read
@@ -86,8 +86,8 @@ class UserSourceLines(Transform):
         if node is None:
             return bsym
         layer = self.layers.get(node)
-        info = bsym.info if layer is None else {**bsym.info, "layer": layer}
-        return bsym.replace(source=self.sources.get(node, bsym.source), info=info)
+        return bsym.replace(source=self.sources.get(node, bsym.source),
+                            layer=bsym.layer if layer is None else layer)
 
     def transform_traces_pre_prologue(self, prologue: Trace, computation: Trace,
                                       epilogue: Trace) -> tuple[Trace, Trace, Trace]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 
-from ..core.symbols import BoundSymbol, GlueSymbol, TorchSymbol
+from ..core.glue import Glue
+from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.trace import Trace
 
 
@@ -88,7 +89,7 @@ class PythonExecutor(Executor):
     name = "python"
 
     def claims(self, bsym):
-        return isinstance(bsym.symbol, GlueSymbol)
+        return isinstance(bsym.symbol, Glue)
 
 
 _registry: dict[str, Executor] = {}

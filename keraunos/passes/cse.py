@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core import glue
 from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from ..capture.state import SET_GLOBAL_STATE
 from .runner import trace_pass
 
 
@@ -59,7 +59,7 @@ def common_subexpression_elimination(trace: Trace,
     for bsym in trace.bound_symbols:
         if renames:
             bsym = bsym.substitute(renames)
-        if bsym.symbol is SET_GLOBAL_STATE:
+        if bsym.symbol is glue.SET_GLOBAL_STATE:
             switched.update(bsym.args[0])
         mergeable = (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {MUTATION, RANDOM}
                      and not any(isinstance(p, TensorProxy) and p.storage in written
@@ -96,7 +96,7 @@ def _narrows_a_gradient(bsym) -> bool:
 def _returned_names(trace: Trace) -> set[str]:
     """The names the trace's last line (its return) hands out."""
     last = trace.bound_symbols[-1] if trace.bound_symbols else None
-    if last is None or last.symbol.name != "return":
+    if last is None or last.symbol not in glue.RETURNS:
         return set()
     return {p.name for p in last.input_proxies()}
 

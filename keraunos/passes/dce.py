@@ -5,8 +5,9 @@ generator, so later random values depend on them) are kept whatever their use.
 """
 from __future__ import annotations
 
-from ..core.proxies import Proxy, TensorProxy
-from ..core.symbols import BoundSymbol, GlueSymbol
+from ..core.proxies import TensorProxy
+from ..core.glue import Glue
+from ..core.symbols import BoundSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
 from .runner import trace_pass
@@ -23,13 +24,12 @@ def dead_code_elimination(trace: Trace) -> list[BoundSymbol]:
     for index in range(len(trace.bound_symbols) - 1, -1, -1):
         bsym = trace.bound_symbols[index]
         new_outputs = [p.name for p in bsym.output_proxies()]
-        needed = (bsym.tags & _KEEP or isinstance(bsym.symbol, GlueSymbol) and not new_outputs
+        needed = (bsym.tags & _KEEP or isinstance(bsym.symbol, Glue) and not new_outputs
                   or any(name in live for name in new_outputs)
                   or bool(refreshing.get(index, set()) & written_later))
         if needed:
             kept.append(bsym)
             live.update(p.name for p in bsym.input_proxies())
-            live.update(_info_proxies(bsym))
             if MUTATION in bsym.tags and bsym.args and isinstance(bsym.args[0], TensorProxy):
                 written_later.add(bsym.args[0].name)
     kept.reverse()
@@ -57,6 +57,3 @@ def _refreshing_reads(bsyms) -> dict[int, set[str]]:
             reads[index] = names
     return reads
 
-
-def _info_proxies(bsym) -> list[str]:
-    return [v.name for v in bsym.info.values() if isinstance(v, Proxy)]

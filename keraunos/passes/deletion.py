@@ -1,17 +1,11 @@
 """Free intermediates early: ``del`` each name right after the line that last uses it."""
 from __future__ import annotations
 
+from ..core import glue
 from ..core.proxies import Proxy
-from ..core.symbols import BoundSymbol, GlueSymbol
+from ..core.symbols import BoundSymbol
 from ..core.trace import Trace
 from .runner import trace_pass
-
-
-def _del_formatter(bsym, w):
-    return [f"del {', '.join(bsym.args)}"]
-
-
-DELETE = GlueSymbol("del", _del_formatter)
 
 
 @trace_pass("Delete Last Used")
@@ -21,15 +15,15 @@ def delete_last_used(trace: Trace) -> list[BoundSymbol]:
     result: list[BoundSymbol] = []
     last = trace.bound_symbols[-1] if trace.bound_symbols else None
     for bsym in reversed(trace.bound_symbols):
-        used = [p.name for p in bsym.input_proxies()]
+        used = bsym.input_proxies()
         if bsym is not last:
-            dead = []
-            for name in [p.name for p in bsym.output_proxies()] + used:
-                if name not in seen and name not in params and name not in dead:
-                    dead.append(name)
+            dead: dict[str, Proxy] = {}
+            for p in bsym.output_proxies() + used:
+                if p.name not in seen and p.name not in params:
+                    dead.setdefault(p.name, p)
             if dead:
-                result.append(BoundSymbol(DELETE, tuple(dead)))
-        seen.update(used)
+                result.append(glue.DELETE.bind(*dead.values()))
+        seen.update(p.name for p in used)
         result.append(bsym)
     result.reverse()
     return result

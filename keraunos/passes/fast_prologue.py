@@ -18,21 +18,25 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..capture.prologue import CHECK, CHECK_TENSOR, UNPACK
 from ..capture.provenance import root
+from ..core import glue
+from ..core.glue import CHECK, CHECK_TENSOR, UNPACK
 from ..core.proxies import Proxy
-from ..core.symbols import BoundSymbol, Code, GlueSymbol
+from ..core.symbols import BoundSymbol, Code
+from ..core.tags import AFTER_STRUCTURE
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
 from .guard_trees import attribute_guards, tensor_guards
 
 
-def _lines_formatter(bsym, w):
-    return bsym.info["lines"](w)
+def _glue(label: str, lines, binds=None) -> BoundSymbol:
+    """A line the pass writes as Python; ``binds``: the proxies its text binds, if any."""
+    return glue.PYTHON.bind(label=label, lines=lines, outputs=binds, executor="python")
 
 
-def _glue(name: str, lines) -> BoundSymbol:
-    return BoundSymbol(GlueSymbol(name, _lines_formatter), info={"lines": lines}, executor="python")
+def _subject(b: BoundSymbol):
+    """The path of the value a prologue line unpacks or checks, if it is about one."""
+    return getattr(b.fields, "subject", None)
 
 
 def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
@@ -48,13 +52,13 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     checks: list[BoundSymbol] = []
     late: list[BoundSymbol] = []  # checks of values read from tensor data: need every tensor
     for b in bsyms[:-1]:
-        path = b.info.get("path") if b.symbol is UNPACK else b.info.get("subject")
-        if b.info.get("after_structure"):
+        path = _subject(b)
+        if AFTER_STRUCTURE in b.tags:
             late.append(b)
         elif b.symbol is CHECK_TENSOR:
             checks.append(b)
-        elif path is not None and not isinstance(path, str) and all(
-                p.is_structural() for p in b.info.get("paths", (path,))):
+        elif path is not None and all(
+                p.is_structural() for p in getattr(b.fields, "paths", (path,))):
             walk.append(b)
             if b.symbol is UNPACK:
                 structural_vars[b.outputs.name] = path
@@ -84,7 +88,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         if object_dicts_box and object_dicts_box[0]:
             dicts = f"{dicts} + {w.constant(tuple(object_dicts_box[0]), 'object_dicts')}"
         modules = ["module"] + [b.outputs.name for b in walk if b.symbol is UNPACK
-                                and b.info["path"].kind == "submodule"]
+                                and b.fields.path.kind == "submodule"]
         w.namespace["watch_modules"] = watch_modules
         return [f"watch_modules({_tuple(modules)})",
                 f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
@@ -123,14 +127,17 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
                  f"if _s[0] is not {token}[0]:  # the module tree changed",
                  "  _s = refresh_module_structure()",
                  "  if type(_s) is not tuple: return _s"]
-        if static_names and _needs_locals(static_names, rest + late, checks, ret):
+        if bound_statics:
             lines.append(f"{_targets(static_names)} = _s[1]")
         if dict_vars:
             lines.append("_attribute_dicts = _s[2]")
         if module_vars:
             lines.append(f"{_targets(module_vars)} = _s[3]")
         return lines
-    lines = call_part + [_glue("load module structure", load)]
+    bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
+    walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
+    binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
+    lines = call_part + [_glue("load module structure", load, binds=tuple(binds))]
     if guards is not None:
         def check_attributes(w):
             g = w.constant(guards, "attribute_guards")
@@ -143,20 +150,20 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
 
 
 def _from_module(b: BoundSymbol) -> bool:
-    path = b.info.get("path") if b.symbol is UNPACK else b.info.get("subject")
-    return path is not None and not isinstance(path, str) and path.is_module_derived()
+    path = _subject(b)
+    return path is not None and path.is_module_derived()
 
 
 def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
-    return (b.symbol is UNPACK and b.info["path"].kind == "attr"
-            and b.args[0] in attribute_parents)
+    return (b.symbol is UNPACK and b.fields.path.kind == "attr"
+            and b.args[0].name in attribute_parents)
 
 
 def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) -> Trace:
     check_names = [b.args[0].name for b in checks]
     if checks:
         guards = tensor_guards(checks)
-        names = [b.info["path"] for b in checks]
+        names = [b.fields.path for b in checks]
         arg_list = _splice(check_names, static_names, statics_expr)
 
         def fused(w):
@@ -184,14 +191,14 @@ def _attribute_comments(entries) -> list[str]:
 
 
 def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
-    rows = [(f"{b.args[0].name} from {b.info['path']}:", b.info["expected"]) for b in checks]
+    rows = [(f"{b.args[0].name} from {b.fields.path}:", b.fields.expected) for b in checks]
     width = max(len(who) for who, _ in rows)
-    shape_width = max(len(str(tuple(e["shape"]))) for _, e in rows) + 1
-    stride_width = max(len(str(tuple(e["stride"]))) for _, e in rows) + 1
+    shape_width = max(len(str(tuple(e.shape))) for _, e in rows) + 1
+    stride_width = max(len(str(tuple(e.stride))) for _, e in rows) + 1
     return ["# it checks, per tensor:"] + [
-        f"#   {who:<{width}} shape {str(tuple(e['shape'])) + ',':<{shape_width}} "
-        f"stride {str(tuple(e['stride'])) + ',':<{stride_width}} dtype {e['dtype']}, "
-        f"device {e['device']}, requires_grad {e['requires_grad']}" for who, e in rows]
+        f"#   {who:<{width}} shape {str(tuple(e.shape)) + ',':<{shape_width}} "
+        f"stride {str(tuple(e.stride)) + ',':<{stride_width}} dtype {e.dtype}, "
+        f"device {e.device}, requires_grad {e.requires_grad}" for who, e in rows]
 
 
 def _run_at(names: list[str], static_names: list[str]) -> int | None:
@@ -227,7 +234,6 @@ def _names_used(bsyms: list[BoundSymbol]) -> set[str]:
     used = set()
     for b in bsyms:
         used.update(p.name for p in b.input_proxies())
-        used.update(x for x in b.args if isinstance(x, str))
     return used
 
 
@@ -244,10 +250,10 @@ def _names_in(values) -> list[str]:
 def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
     parents = set()
     for b in rest:
-        if b.symbol is UNPACK and b.info["path"].kind == "attr":
+        if b.symbol is UNPACK and b.fields.path.kind == "attr":
             (parent,) = b.args
-            if parent in structural_vars:
-                parents.add(parent)
+            if parent.name in structural_vars:
+                parents.add(parent.name)
     return parents
 
 
@@ -264,23 +270,23 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     entries = []  # (dict index, key, expected object, description, check index)
     lines: list[BoundSymbol] = []
     for b in part:
-        if b.symbol is UNPACK and b.info["path"].kind == "attr" and b.args[0] in source_of \
-                and (source_of[b.args[0]] < len(dict_vars) or b.info["path"].key in
-                     object_dicts[source_of[b.args[0]] - len(dict_vars)]):
-            out, key, index = b.outputs.name, b.info["path"].key, source_of[b.args[0]]
-            var_of_path[b.info["path"]] = out
+        parent = b.args[0].name if b.symbol is UNPACK else None
+        if parent in source_of and b.fields.path.kind == "attr" \
+                and (source_of[parent] < len(dict_vars) or b.fields.path.key in
+                     object_dicts[source_of[parent] - len(dict_vars)]):
+            out, key, index = b.outputs.name, b.fields.path.key, source_of[parent]
+            var_of_path[b.fields.path] = out
             read_from[out] = (index, key)
             lines.append(_glue("unpack", lambda w, out=out, index=index, key=key:
-                               [f"{out} = _attribute_dicts[{index}][{key!r}]"]))
-            lines[-1].info["defines"] = out
+                               [f"{out} = _attribute_dicts[{index}][{key!r}]"], binds=b.outputs))
             continue
-        g = b.info.get("guard")
-        var = var_of_path.get(b.info.get("subject"))
+        g = getattr(b.fields, "guard", None)
+        var = var_of_path.get(_subject(b))
         if (b.symbol is CHECK and g is not None and var in read_from
                 and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")
                 and not (g.kind == "value" and isinstance(g.expected, (list, dict, set)))):
             index, key = read_from[var]
-            entries.append((index, key, g.expected, b.info["description"], b.info["index"]))
+            entries.append((index, key, g.expected, b.fields.description, b.fields.index))
             if g.kind == "identity" and isinstance(getattr(g.expected, "__dict__", None), dict):
                 source_of[var] = len(dict_vars) + len(object_dicts)
                 object_dicts.append(g.expected.__dict__)
@@ -295,8 +301,10 @@ def _attribute_lines(lines, entries, guards, keep):
             lines.append(_glue("check", lambda w, i=index, k=key, e=expected, d=description,
                                c=check_index: [f"if _attribute_dicts[{i}][{k!r}] is not "
                                                f"{w.constant(e, 'expected')}: return {c}  # {d}"]))
-    used = _names_used([b for b in lines if "defines" not in b.info]) | keep
-    return [b for b in lines if "defines" not in b.info or b.info["defines"] in used]
+    def defines(b):  # the one name a cached attribute read binds
+        return b.outputs.name if b.symbol is glue.PYTHON and b.outputs is not None else None
+    used = _names_used([b for b in lines if defines(b) is None]) | keep
+    return [b for b in lines if defines(b) is None or defines(b) in used]
 
 
 def _tuple(names: list[str]) -> str:

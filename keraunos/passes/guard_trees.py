@@ -12,7 +12,7 @@ from torch._C._dynamo.guards import TensorGuards
 def tensor_guards(checks):
     """One ``TensorGuards`` over the tensors of these ``check_tensor`` lines. The compiling call's
     tensors are held weakly by the trace (an entry must not keep them alive)."""
-    reals = [b.info["real"]() for b in checks]
+    reals = [b.fields.real() for b in checks]
     return TensorGuards(*reals, dynamic_dims_sizes=[list(t.shape) for t in reals],
                         dynamic_dims_strides=[list(t.stride()) for t in reals])
 

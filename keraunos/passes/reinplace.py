@@ -12,17 +12,9 @@ import time
 
 import torch
 
-from ..capture.epilogue import COPY_BACK
-from ..core.symbols import BoundSymbol, GlueSymbol
+from ..core import glue
+from ..core.tags import COPY_OF_WRITTEN_INPUT
 from ..core.trace import Trace
-
-
-def _alias_formatter(bsym, w):
-    return [f"{bsym.outputs.name} = {bsym.args[0].name}  # written in place, directly: "
-            f"nothing here records autograd"]
-
-
-ALIAS = GlueSymbol("alias", _alias_formatter)
 
 
 def can_reinplace(computation: Trace) -> bool:
@@ -35,14 +27,14 @@ def reinplace(computation: Trace, epilogue: Trace) -> tuple[Trace, Trace]:
     direct: set[str] = set()
     lines = []
     for b in computation.bound_symbols:
-        if b.info.get("copy_of_written_input"):
+        if COPY_OF_WRITTEN_INPUT in b.tags:
             direct.add(b.outputs.name)
-            b = BoundSymbol(ALIAS, b.args, outputs=b.outputs, source=b.source, tags=set(b.tags))
+            b = glue.ALIAS.bind(*b.args, outputs=b.outputs, source=b.source, tags=b.tags)
         lines.append(b)
     if not direct:
         return computation, epilogue
     seconds = time.perf_counter() - start
     epilogue_lines = [b for b in epilogue.bound_symbols
-                      if not (b.symbol is COPY_BACK and b.args[1].name in direct)]
+                      if not (b.symbol is glue.COPY_BACK and b.args[1].name in direct)]
     return (computation.derive(lines, "Reinplace", seconds),
             epilogue.derive(epilogue_lines, "Reinplace", seconds))

@@ -11,7 +11,7 @@ Subclass ``Transform`` and override any hook; each defaults to doing nothing.
 """
 from __future__ import annotations
 
-from ..capture.prologue import CHECK, CHECK_TENSOR
+from ..core.glue import CHECK, CHECK_ALIAS, CHECK_TENSOR
 from ..core.tags import INPUT_TENSOR, MODULE_CHECK, STATIC_MEMORY_LOCATION
 from ..core.trace import Trace
 
@@ -91,7 +91,7 @@ class PrunePrologueChecks(Transform):
         def drop(b):
             if b.symbol is CHECK_TENSOR:
                 return STATIC_MEMORY_LOCATION in b.args[0].tags
-            return b.symbol is CHECK and MODULE_CHECK in b.tags
+            return (b.symbol is CHECK or b.symbol is CHECK_ALIAS) and MODULE_CHECK in b.tags
         return _without(prologue, drop), computation, epilogue
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.symbols import BoundSymbol, CodeWriter, GlueSymbol, Symbol
+from ...core import glue
+from ...core.symbols import BoundSymbol
 from ...core.trace import Trace
 from .. import Executor
 from . import compiler, fx_graph, layers
@@ -80,38 +81,7 @@ class FusionRegion:
                 f"{len(self.outputs)} outputs, kernel k{self.kernel.number}>")
 
 
-class FusionSymbol(Symbol):
-    """A fused region as one line: the call of its compiled kernel, its lines as comments."""
-
-    def __init__(self, region: FusionRegion, call: compiler.RegionCall):
-        self.name = region.name
-        self.region = region
-        self.call = call
-
-    def format(self, bsym, w):
-        w.namespace[self.name] = self.call
-        r = self.region
-        where = f"layer {r.layer}, " if r.layer else ""
-        reuse = (f"the kernel of {r.shared_with}" if r.shared_with
-                 else "compiled for this region")
-        lines = [f"# {self.name}: {where}{len(r.lines)} lines, kernel k{r.kernel.number} "
-                 f"({reuse})"]
-        if self.call.guard_source:  # sizes Inductor assumed: other sizes run the lines below
-            lines.append(f"#   kernel where {self.call.guard_source}; else these lines:")
-        sub = CodeWriter({})  # comments only: nothing may enter the trace's namespace
-        sub.defined = set(w.defined)
-        for b in r.lines:
-            lines += [f"#   {line}" for line in b.symbol.format(b, sub)]
-            sub.defined.update(p.name for p in b.output_proxies())
-        args = ", ".join(p.name for p in bsym.args)
-        return lines + [w.assignment(bsym, f"{self.name}({args})")]
-
-
-def _region_return_formatter(bsym, w):
-    return [f"return {', '.join(p.name for p in bsym.args)},"]
-
-
-_REGION_RETURN = GlueSymbol("return", _region_return_formatter)
+FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's fusion call)
 
 
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
@@ -184,7 +154,7 @@ def _why_not(lines, claimed) -> str | None:
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                             and torch.is_autocast_enabled("cuda")):
         return "autocast is on"  # the trace's ops would run under autocast; a region not
-    if any(i != 0 for b in lines if b.symbol.name == "set_global_state" for i, _ in b.args[0]):
+    if any(i != 0 for b in lines if b.symbol is glue.SET_GLOBAL_STATE for i, _ in b.args[0]):
         return "the program switches autocast"  # (grad mode alone cuts regions, see fuse)
     devices = {b.output_proxies()[0].device.type for b, c in zip(lines, claimed) if c}
     for device in sorted(devices):
@@ -200,7 +170,7 @@ def _switches_grad_mode(lines) -> bool:
     """A ``with torch.no_grad()`` or ``enable_grad()`` inside a program without a backward trace
     of ours: the lines under grad mode that read or make tensors requiring grad stay out of
     regions (autograd records them), the others may fuse; a switch is a line no region crosses."""
-    return any(b.symbol.name == "set_global_state" for b in lines)
+    return any(b.symbol is glue.SET_GLOBAL_STATE for b in lines)
 
 
 def _next_executor(bsym, executors, fusion) -> str:
@@ -224,7 +194,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
                            f"{len(r.lines)} lines run on the next executor.")
         return None
     region_trace = Trace(name, list(r.inputs), list(r.lines) + [
-        BoundSymbol(_REGION_RETURN, tuple(r.outputs))])
+        glue.RETURN_REGION.bind(*r.outputs)])
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(

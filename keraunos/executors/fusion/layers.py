@@ -4,7 +4,7 @@ Fusion cuts regions at layer boundaries so that identical layers make identical 
 share one compiled kernel. The boundary is where the layer's ``forward`` starts and ends, which
 only the module calls themselves know: during capture, global module hooks note the position in
 the recording when a layer is entered and tag the lines recorded until it returns with
-``info["layer"]`` (its qualified name, ``h.3``). Passes copy ``info`` with the line, so the tag
+``layer`` (its qualified name, ``h.3``). Passes copy ``layer`` with the line, so the tag
 reaches the trace the executors see. Lines that later passes make anew (ATen ops of a lowered
 line) carry no tag; :func:`layer_of_lines` fills such gaps from their neighbours.
 """
@@ -58,7 +58,7 @@ def tagging_layers(module: torch.nn.Module | None):
             return
         _, start = open_calls.pop()
         for bsym in ctx.bound_symbols[start:]:  # an outer layer leaves last and wins
-            bsym.info["layer"] = layers[id(mod)]
+            bsym.layer = layers[id(mod)]
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
     post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
@@ -78,7 +78,7 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
     gradients: set[str] = set()  # values computed from the incoming gradients
     tags = []
     for b in lines:
-        tag = b.info.get("layer")
+        tag = b.layer
         inputs = b.input_proxies()
         if tag is None and layer_of_name:
             found = {known.get(p.name) for p in inputs} - {None}

@@ -31,7 +31,7 @@ from ...capture.symbolic import SymbolicValue
 from ...core.effects import draws_random, is_inplace_by_name, is_random
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
-from ...core.tags import MUTATION, OPAQUE, RANDOM
+from ...core.tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM
 from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
@@ -62,7 +62,7 @@ def fusible(bsym: BoundSymbol) -> bool:
     symbol = bsym.symbol
     if not isinstance(symbol, TorchSymbol) or symbol.style not in _STYLES:
         return False
-    if bsym.tags & {RANDOM, MUTATION, OPAQUE} or bsym.info.get("copy_of_written_input"):
+    if bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}:
         return False
     if is_inplace_by_name(symbol) or is_random(symbol) or _draws_random(bsym):
         return False
@@ -235,9 +235,9 @@ def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
 
 def _movable(bsym: BoundSymbol) -> bool:
     """A line whose only effect is its outputs: it may run earlier than written."""
-    return (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {RANDOM, MUTATION, OPAQUE}
-            and not is_inplace_by_name(bsym.symbol) and not is_random(bsym.symbol)
-            and not bsym.info.get("copy_of_written_input"))
+    return (isinstance(bsym.symbol, TorchSymbol)
+            and not bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}
+            and not is_inplace_by_name(bsym.symbol) and not is_random(bsym.symbol))
 
 
 def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
