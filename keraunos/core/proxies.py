@@ -40,7 +40,7 @@ class Proxy:
 class TensorProxy(Proxy):
     """A tensor in a trace, with the metadata its computation was captured for."""
 
-    __slots__ = ("shape", "stride", "dtype", "device", "requires_grad", "storage")
+    __slots__ = ("shape", "stride", "dtype", "device", "requires_grad", "storage", "_storage")
 
     def __init__(self, name: str, tensor: torch.Tensor, tags=None, provenance=None):
         super().__init__(name, tags, provenance)
@@ -50,11 +50,15 @@ class TensorProxy(Proxy):
         self.device = tensor.device
         self.requires_grad = tensor.requires_grad
         # Which capture-time storage the tensor lives in: tensors that share one are views of each
-        # other, which passes must respect when the program writes in place.
+        # other, which passes must respect when the program writes in place. The number is the
+        # storage's address, so the proxy keeps the (fake) storage alive: a storage freed after
+        # capture would let one the autograd split makes take its address, and unrelated values
+        # would look like views of each other (regions cut at random places, CSE and DCE held back).
         try:
-            self.storage = tensor.untyped_storage()._cdata
+            self._storage = tensor.untyped_storage()
+            self.storage = self._storage._cdata
         except Exception:
-            self.storage = None
+            self._storage = self.storage = None
 
     def describe(self) -> str:
         dtype = _DTYPE_ABBREVIATIONS.get(self.dtype, str(self.dtype).removeprefix("torch."))
