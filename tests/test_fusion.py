@@ -527,6 +527,31 @@ def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypat
     assert not fusion_lines(keraunos.last_traces(jitted)[-1])
 
 
+def test_kernels_g_plus_plus_fails_to_build_run_the_region_lines_with_a_warning(monkeypatch):
+    # g++ builds a region's kernels while the rest compiles; its failure shows at the first
+    # call, which then runs the region's own lines (the torch executor's ops), exactly.
+    compile_region = compiler._compile
+
+    def failing_build(*args):
+        kernel = compile_region(*args)
+        kernel.pending.insert(0, (lambda scope: (_ for _ in ()).throw(
+            RuntimeError("g++ failed")), {}))
+        return kernel
+    monkeypatch.setattr(compiler, "_compile", failing_build)
+    monkeypatch.setattr(compiler, "_kernels", {})
+    monkeypatch.setattr(compiler, "_warned", set())
+
+    def f(x):
+        return torch.cos(x * 5).exp() - 1
+
+    x = torch.randn(6)
+    jitted = keraunos.jit(f, executors=FUSED)
+    with pytest.warns(UserWarning, match="could not build the kernels .*g\\+\\+ failed"):
+        assert_close(jitted(x), f(x), rtol=0, atol=0)  # the torch executor's ops: exact
+    assert len(fusion_lines(keraunos.last_traces(jitted)[-1])) == 1
+    assert_close(jitted(x), f(x), rtol=0, atol=0)
+
+
 def test_dynamo_front_end_fuses_too():
     def f(x, y):
         return torch.tanh(x @ y).exp() * 2 - 1

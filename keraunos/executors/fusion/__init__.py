@@ -16,6 +16,7 @@ failed, go to the next executor in the list.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,16 @@ from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers"]
 
-tagging_layers = layers.tagging_layers
+
+
+@contextlib.contextmanager
+def tagging_layers(module: torch.nn.Module | None):
+    """While capturing: each line tagged with its layer (``layers.tagging_layers``); when a
+    module's program is captured for fusion, Inductor's one-time set-up starts meanwhile."""
+    if module is not None:
+        compiler.start_warming()
+    with layers.tagging_layers(module):
+        yield
 
 
 class InductorExecutor(Executor):
@@ -198,7 +208,8 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
-            region_trace.python_callable() if kernel.guards else None))
+            region_trace.python_callable() if kernel.guards else None),
+            make_fallback=region_trace.python_callable)
     except compiler.SymbolicUnguardable as e:
         compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
                            f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "

@@ -8,13 +8,21 @@ Within a process, ``Kernel``s are kept by region key: identical layers share one
 Each region's call goes through ``RegionCall``, which checks on its first call that the inputs
 arrive with the strides the kernel was compiled for and that the outputs leave with the strides
 the trace says, and then calls the kernel directly (or keeps fixing the strides that differed).
+
+Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and waits for them
+when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
+the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
+regions, the forward's while the backward is split and lowered, and the one-time probe of the
+CPU's vector instructions runs while the program is captured (``start_warming``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import shutil
 import subprocess
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -38,15 +46,35 @@ _kernel_numbers = itertools.count()
 class Kernel:
     """One compiled region graph, shared by every region with the same key."""
 
-    fn: object              # Inductor's callable: (*inputs) -> list of outputs
+    compiled: object        # Inductor's callable: (*inputs) -> list of outputs (see ``fn``)
     graph: object           # the FX graph it was compiled from (a copy: compile_fx changes its own)
     number: int             # kernel k{number}, as the traces say
     first_region: str       # the region it was compiled for
     code: str               # Inductor's generated wrapper, with its C++ or Triton kernels
     path: str | None        # where that code lives on disk
-    seconds: float          # compile time
+    seconds: float          # compile time (with the wait for g++, once ``ready``)
     cache: str              # how Inductor got it: "compiled", "AOTAutograd cache", "FX graph cache"
     guards: list = field(default_factory=list)  # symbolic sizes: facts it assumes (sympy)
+    pending: list = field(default_factory=list)  # Inductor's put-off waits for its C++ kernels
+    _lock: object = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def fn(self):
+        """The compiled callable, once its C++ kernels are built (``ready``)."""
+        self.ready()
+        return self.compiled
+
+    def ready(self) -> None:
+        """Wait for the kernels g++ is still building (raises what the build raised)."""
+        if not self.pending:
+            return
+        with self._lock:
+            start = time.perf_counter()
+            while self.pending:
+                wait, scope = self.pending[0]
+                wait(scope)  # puts the built kernels into the wrapper module's globals
+                self.pending.pop(0)
+            self.seconds += time.perf_counter() - start
 
 
 @dataclass
@@ -97,7 +125,8 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     fakes = fx_graph.fake_inputs(inputs, fake_mode)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
     before = _cache_counts(counters)
-    with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources:
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources, \
+            _putting_off_waits() as pending:
         fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
                         config_patches=dict(CONFIG_PATCHES))
     # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
@@ -109,7 +138,7 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     code = sources[-1] if sources else ""
     path = PyCodeCache.write(code)[1] if code else None
     return Kernel(fn, shown, next(_kernel_numbers), region_name, code, path,
-                  time.perf_counter() - start, cache, guards)
+                  time.perf_counter() - start, cache, guards, pending)
 
 
 def _cache_counts(counters) -> tuple[int, int]:
@@ -136,6 +165,49 @@ class _saving_output_code:
     def __exit__(self, *exc) -> None:
         from torch._inductor.graph import GraphLowering
         GraphLowering.save_output_code = self.previous
+
+
+@contextlib.contextmanager
+def _putting_off_waits():
+    """Within it, Inductor's wait for the C++ kernels of the wrapper module it loads (on this
+    thread) is recorded instead of done: the kernels stay futures in the module's globals until
+    ``Kernel.ready`` waits for them, and g++ works on them meanwhile."""
+    from torch._inductor.async_compile import AsyncCompile
+    pending: list = []
+    original, thread = AsyncCompile.__dict__["wait"], threading.get_ident()
+
+    def wait(self, scope):
+        if threading.get_ident() != thread:  # another thread's compile: Inductor's own way
+            return original(self, scope)
+        pending.append((functools.partial(original, self), scope))
+    AsyncCompile.wait = wait
+    try:
+        yield pending
+    finally:
+        AsyncCompile.wait = original
+
+
+_warming: list[threading.Thread] = []
+
+
+def start_warming() -> None:
+    """Start, in the background, what the first CPU compile of a process waits for: Inductor's
+    probe of the vector instructions it may use (a g++ build and a load of a test library,
+    seconds), while the program is captured and split. Once per process."""
+    if _warming:
+        return
+    # Imported here, on the calling thread: two threads importing torch._dynamo's circle of
+    # modules at once can meet one of them half initialized (an ImportError).
+    from torch._inductor import codecache, compile_fx, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    def probe():
+        try:
+            cpu_vec_isa.pick_vec_isa()  # cached: the first compile finds it done
+        except Exception:  # noqa: BLE001 - the compile itself will meet and report it
+            pass
+    thread = threading.Thread(target=probe, name="keraunos-inductor-warming", daemon=True)
+    _warming.append(thread)
+    thread.start()
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,8 +240,9 @@ class RegionCall:
     traced layouts are expressions, evaluated with the sizes of the call (``symbolic.Layout``)."""
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
-                 always_checked: tuple[int, ...], fallback=None):
+                 always_checked: tuple[int, ...], fallback=None, make_fallback=None):
         self.kernel = kernel
+        self.make_fallback = make_fallback  # the region's own lines, should g++ have failed
         self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
                        for p in inputs]  # None: a size symbol, passed as an int
         self.outputs = [(p.shape, p.stride) for p in outputs]
@@ -216,6 +289,17 @@ class RegionCall:
         return metas[:len(self.inputs)], metas[len(self.inputs):]
 
     def _first_call(self, *args):
+        try:
+            self.kernel.ready()
+        except Exception as e:  # noqa: BLE001 - a kernel g++ could not build: the lines run
+            if self.make_fallback is None:
+                raise
+            warn_once(f"keraunos: Inductor could not build the kernels of "
+                      f"{self.kernel.first_region} ({type(e).__name__}: {e}); its lines run "
+                      f"on the torch executor.")
+            lines, count = self.make_fallback(), len(self.inputs)
+            self.run = lambda *a: lines(*a[:count])  # (symbolic sizes: without the extras)
+            return self.run(*args)
         inputs, outputs = self._metas(args)  # (with symbolic sizes, args end with the extras)
         inputs = inputs + [None] * (len(args) - len(inputs))
         fix_inputs = tuple(i for i, m in enumerate(inputs)
