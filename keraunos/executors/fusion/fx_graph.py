@@ -1,8 +1,9 @@
 """A region as an FX graph, with names that depend only on its structure, and its cache key.
 
-The graph is built straight from the region's lines (no Dynamo): a placeholder ``i0, i1, ...``
-per input in order of first use, one node per line calling the same torch callable the trace
-calls, and an output tuple. FX names the other nodes after their targets (``linear``,
+The graph is built straight from the region's lines (no Dynamo), by walking them as any trace is
+walked (``core.interpreter.Interpreter``, with FX nodes as the values): a placeholder ``i0, i1,
+...`` per input in order of first use, one node per line calling the same torch callable the
+trace calls, and an output tuple. FX names the other nodes after their targets (``linear``,
 ``linear_1``), so two regions made of the same ops in the same order print the same code, which
 is what Inductor's own caches and keraunos's key compare.
 """
@@ -12,9 +13,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from ...capture.symbolic import SymbolicValue
+from ...core.interpreter import Interpreter
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol
 from . import symbolic
@@ -28,18 +29,36 @@ def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
     symbols = {p.symbol: env[p.name] for p in inputs if isinstance(p, NumberProxy)}
     for k, (_, _, symbol) in enumerate(symbolic.Layout(inputs).extra, start=len(inputs)):
         symbols[symbol] = graph.placeholder(f"i{k}")  # a size read from a tensor, by the caller
-
-    def value(x):
-        if isinstance(x, Proxy):
-            return env[x.name]
-        if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
-            return symbolic.expression_node(graph, x.value.node.expr, symbols)
-        return x
-    for b in lines:
-        args, kwargs = pytree.tree_map(value, (b.args, b.kwargs))
-        _bind(graph, b.outputs, _node(graph, b.symbol, tuple(args), dict(kwargs)), env)
+    _GraphBuilder(graph, env, symbols).run(lines)
     graph.output(tuple(env[p.name] for p in outputs))
     return graph
+
+
+class _GraphBuilder(Interpreter):
+    """Walks a region's lines with FX nodes as the values: each line becomes the node calling its
+    torch callable, each output the node (or a ``getitem`` of it) that makes it."""
+
+    def __init__(self, graph: fx.Graph, env: dict[str, fx.Node], symbols: dict):
+        super().__init__(env)
+        self.graph = graph
+        self.symbols = symbols  # size symbol -> the node giving it
+
+    def constant(self, x):
+        if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
+            return symbolic.expression_node(self.graph, x.value.node.expr, self.symbols)
+        return x
+
+    def run_line(self, index, bsym, args, kwargs):
+        return _node(self.graph, bsym.symbol, tuple(args), dict(kwargs))
+
+    def bind(self, proxies, node) -> None:
+        """Name ``proxies`` (a proxy, or nested tuples of them) by ``node`` and its items."""
+        if isinstance(proxies, Proxy):
+            self.bind_name(proxies.name, node)
+            return
+        for k, item in enumerate(proxies):
+            if item is not None:
+                self.bind(item, self.graph.call_function(operator.getitem, (node, k)))
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:
@@ -54,16 +73,6 @@ def _node(graph: fx.Graph, symbol, args: tuple, kwargs: dict) -> fx.Node:
     # Methods and operators (``x.view(...)``, ``x.__radd__(2)``) as method calls, which
     # Inductor's caches accept for tensors.
     return graph.call_method(symbol.name, args, kwargs)
-
-
-def _bind(graph: fx.Graph, outputs, node: fx.Node, env: dict[str, fx.Node]) -> None:
-    """Name ``outputs`` (a proxy, or nested tuples of them) by ``node`` and its items."""
-    if isinstance(outputs, Proxy):
-        env[outputs.name] = node
-        return
-    for k, item in enumerate(outputs):
-        if item is not None:
-            _bind(graph, item, graph.call_function(operator.getitem, (node, k)), env)
 
 
 def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list:
