@@ -727,6 +727,29 @@ def test_sizes_the_kernel_was_not_compiled_for_run_the_region_lines(monkeypatch)
     assert keraunos.cache_misses(jitted) == 1
 
 
+def test_a_size_inductor_assumed_is_the_kernels_guard_not_the_entrys(monkeypatch):
+    # Inductor compiles the reduction assuming its size is at most 4096 and records that in the
+    # ShapeEnv it is given: a private copy, so the fact guards the kernel, not the entry (whose
+    # prologue checks the capture's ShapeEnv); a larger size runs the region's own lines on the
+    # same entry instead of recompiling.
+    def f(x):
+        return (x.exp() * 2).sum(0)
+
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    x = torch.randn(64, 8)
+    assert_close(jitted(x), f(x), **TOL)
+    (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
+    assert "s0 <= 4096" in line.symbol.call.guard_source
+    assert "4096" not in str(keraunos.last_prologue_traces(jitted)[-1])
+    ran, fallback = [], line.symbol.call.fallback
+    monkeypatch.setattr(line.symbol.call, "fallback",
+                        lambda *a: ran.append("lines") or fallback(*a))
+    big = torch.randn(5000, 8)
+    assert_close(jitted(big), f(big), **TOL)
+    assert ran == ["lines"]
+    assert keraunos.cache_misses(jitted) == 1
+
+
 # ----------------------------------------------------------------------------- keraunos bench
 def test_bench_quick_runs_and_reports_every_figure(tmp_path, capsys):
     from keraunos import cli

@@ -119,9 +119,8 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     if shape_env is not None and symbolic.Layout(inputs).unbound:
         raise SymbolicUnguardable(f"sizes {sorted(map(str, symbolic.Layout(inputs).unbound))} "
                                   f"that no input dimension gives")
-    fake_mode = FakeTensorMode(shape_env=shape_env if shape_env is not None else ShapeEnv())
-    if shape_env is not None:
-        symbolic.baseline(shape_env)  # taken before this entry's first compile adds facts
+    compile_env = symbolic.private_copy(shape_env) if shape_env is not None else None
+    fake_mode = FakeTensorMode(shape_env=compile_env if compile_env is not None else ShapeEnv())
     fakes = fx_graph.fake_inputs(inputs, fake_mode)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
     before = _cache_counts(counters)
@@ -131,7 +130,7 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
                         config_patches=dict(CONFIG_PATCHES))
     # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
     # each call checks them (``RegionCall``), and runs the region's own lines where one fails.
-    guards = symbolic.added_facts(shape_env) if shape_env is not None else []
+    guards = symbolic.added_facts(compile_env) if compile_env is not None else []
     after = _cache_counts(counters)
     cache = ("AOTAutograd cache" if after[0] > before[0] else
              "FX graph cache" if after[1] > before[1] else "compiled")

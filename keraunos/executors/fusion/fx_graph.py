@@ -77,12 +77,18 @@ def _node(graph: fx.Graph, symbol, args: tuple, kwargs: dict) -> fx.Node:
 
 def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list:
     """Fake tensors of the recorded metadata (strides included: the compiled code asserts them);
-    a size symbol's example is its capture-time ``SymInt``."""
+    a size symbol's example is its capture-time ``SymInt``, moved to the ``ShapeEnv`` of
+    ``fake_mode`` (the region's private copy of the capture's)."""
+    env = fake_mode.shape_env
+
+    def sizes(values):
+        return [symbolic.moved(v, env) for v in values]
     with fake_mode:
-        fakes = [p.value if isinstance(p, NumberProxy) else
-                 torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+        fakes = [sizes([p.value])[0] if isinstance(p, NumberProxy) else
+                 torch.empty_strided(sizes(p.shape), sizes(p.stride), dtype=p.dtype,
+                                     device=p.device)
                  for p in inputs]
-    return fakes + [inputs[k].shape[d] for k, d, _ in symbolic.Layout(inputs).extra]
+    return fakes + sizes([inputs[k].shape[d] for k, d, _ in symbolic.Layout(inputs).extra])
 
 
 def shape_env(inputs: list[TensorProxy]):

@@ -6,8 +6,9 @@ capture's own ``SymInt`` sizes (the same ``ShapeEnv``), the symbols it reads as 
 (``2*s0``) becomes graph nodes over them. Inductor then generates code that reads the sizes at
 run time. What the entry's prologue checks is all a kernel may assume, so:
 
-- facts about the sizes that a region's compile records beyond the prologue's (a guard Inductor
-  took, ``s0 <= 4096``; a narrower range; a replacement) become the kernel's ``guards``: each call
+- a region is compiled on a private copy of the capture's ``ShapeEnv`` (``private_copy``): facts
+  about the sizes that its compile records beyond the prologue's (a guard Inductor took,
+  ``s0 <= 4096``; a narrower range; a replacement) become the kernel's ``guards``: each call
   checks them (a Python expression of the call's sizes) and, where one fails, runs the region's
   own lines instead (the torch executor's ops, exact); a region whose guards read a size that its
   inputs do not give runs on the next executor;
@@ -19,6 +20,7 @@ run time. What the entry's prologue checks is all a kernel may assume, so:
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 
@@ -112,6 +114,26 @@ def baseline(shape_env) -> tuple:
                  dict(shape_env.replacements), set(shape_env.divisible))
         shape_env._keraunos_fusion_baseline = found
     return found
+
+
+def private_copy(shape_env):
+    """A copy of ``shape_env`` for one region's compile: the facts Inductor records while
+    compiling go to it, not to the capture's, whose facts the entry's prologue checks (with
+    Inductor's, a call outside them would miss the entry and recompile instead of running the
+    region's own lines). Its baseline is its state as copied."""
+    copied = copy.deepcopy(shape_env)
+    copied.__dict__.pop("_keraunos_fusion_baseline", None)
+    baseline(copied)
+    return copied
+
+
+def moved(value, shape_env):
+    """``value`` (an int or a ``SymInt`` of another ``ShapeEnv``) as a ``SymInt`` of ``shape_env``:
+    the same expression, the same hint."""
+    if not isinstance(value, torch.SymInt):
+        return value
+    from torch.fx.experimental.sym_node import SymNode
+    return torch.SymInt(SymNode(value.node.expr, shape_env, int, value.node.hint))
 
 
 def added_facts(shape_env) -> list:
