@@ -72,7 +72,8 @@ def tagging_layers(module: torch.nn.Module | None):
 def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[str | None]:
     """The layer of each line: its own tag; else, for a line made by a pass (the backward's ATen
     ops), the one layer of the values it reads (``layer_of_name`` for the forward's, and what is
-    computed from those alone); then an untagged run
+    computed from those alone); in the backward, the lines between two layers that only
+    gradients reach (see ``_gradient_lines``); then an untagged run
     between two lines of the same layer belongs to that layer."""
     known = dict(layer_of_name or {})
     gradients: set[str] = set()  # values computed from the incoming gradients
@@ -91,6 +92,15 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
             elif tag is not None:
                 known.update((name, tag) for name in made)  # a view of a layer's weight, say
         tags.append(tag)
+    _fill_runs(tags)
+    if layer_of_name:
+        _gradient_lines(lines, tags)
+        _fill_runs(tags)
+    return tags
+
+
+def _fill_runs(tags: list[str | None]) -> None:
+    """An untagged run between two lines of the same layer belongs to that layer."""
     i = 0
     while i < len(tags):
         if tags[i] is not None:
@@ -102,7 +112,75 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
         if 0 < i and j < len(tags) and tags[i - 1] == tags[j]:
             tags[i:j] = [tags[j]] * (j - i)
         i = j
-    return tags
+
+
+def _gradient_lines(lines, tags: list[str | None]) -> None:
+    """Tag the backward's lines between two layers, which read gradients only and so have no
+    tag: the gradient of a layer's input is the sum of what its lines computed (``add(b135,
+    b142)``, both made by h.3's lines: h.3's), and the views of that sum that the layer below
+    reads (``view``, ``t``, read by h.2's lines only: h.2's). Then no run of a few lines between
+    layers is compiled on its own, and the top layer takes the views the head makes for it. Only
+    kept where it makes fewer distinct runs (a run's ops), which is what decides how many
+    kernels are compiled: where the layers' own tags already reach these lines, the first and
+    last layer would differ from the others instead."""
+    readers: dict[str, list[int]] = {}
+    maker: dict[str, int] = {}
+    for i, b in enumerate(lines):
+        for p in b.input_proxies():
+            readers.setdefault(p.name, []).append(i)
+        for p in b.output_proxies():
+            maker.setdefault(p.name, i)
+    tried = list(tags)
+    for i, j in _untagged_runs(tried):
+        before, after = tried[i - 1] if i else None, tried[j] if j < len(tried) else None
+        k = j  # from the run's end: views that only the next layer reads are its own
+        while after is not None and k > i and _is_view(lines[k - 1]) and {
+                tried[r] for p in lines[k - 1].output_proxies()
+                for r in readers.get(p.name, ())} == {after}:
+            k -= 1
+            tried[k] = after
+        m = i  # from the run's start: lines reading only what the layer before made
+        while before is not None and m < k and isinstance(lines[m].symbol, TorchSymbol) and {
+                tried[maker[p.name]] if p.name in maker else None
+                for p in lines[m].input_proxies()} == {before}:
+            tried[m] = before
+            m += 1
+    if _distinct_runs(lines, tried) < _distinct_runs(lines, tags):
+        tags[:] = tried
+
+
+def _untagged_runs(tags) -> list[tuple[int, int]]:
+    runs, i = [], 0
+    while i < len(tags):
+        if tags[i] is not None:
+            i += 1
+            continue
+        j = i
+        while j < len(tags) and tags[j] is None:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def _distinct_runs(lines, tags) -> int:
+    """How many different runs of one tag there are, by the ops they hold."""
+    runs, current, previous = set(), [], object()
+    for b, tag in zip(lines, tags):
+        if tag != previous and current:
+            runs.add(tuple(current))
+            current = []
+        current.append(b.symbol.name)
+        previous = tag
+    runs.add(tuple(current))
+    return len(runs)
+
+
+def _is_view(bsym) -> bool:
+    """A line whose outputs are views of what it reads (no computation)."""
+    read = {p.storage for p in bsym.input_proxies() if getattr(p, "storage", None) is not None}
+    outputs = bsym.output_proxies()
+    return bool(outputs) and all(getattr(p, "storage", None) in read for p in outputs)
 
 
 def layers_of_names(trace, tags: list[str | None]) -> dict[str, str]:
