@@ -11,6 +11,7 @@ fixtures and the shapes are small; Inductor's on-disk cache makes reruns faster.
 """
 import copy
 import os
+import threading
 import warnings
 
 import pytest
@@ -464,6 +465,38 @@ def test_litgpt_adamw_losses_and_gradients_match_eager(family):
         assert second <= first, kernels
 
 
+@pytest.mark.parametrize("family", ["llama2", "mixtral"])
+def test_litgpt_backward_layers_make_identical_regions_with_none_between(family, monkeypatch):
+    # The gradient of a layer's input is summed after the layer's own lines, and the layer
+    # below reads views of it: those lines join the layers, so every layer's backward region
+    # is the same graph (one kernel) and no few-line region between layers needs one of its own.
+    # The regions are formed and recorded here, not compiled.
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+    from keraunos.executors.fusion import fx_graph
+    name, overrides = LITGPT_FAMILIES[family]
+    config = litgpt.Config.from_name(name, n_layer=4, n_embd=64, vocab_size=256,
+                                     padded_vocab_size=256, block_size=64, **overrides)
+    torch.manual_seed(0)
+    model = LitGPT(config)
+    formed = []
+
+    def record(region, trace_name, *args):
+        graph = fx_graph.region_graph(region.lines, region.inputs, region.outputs)
+        formed.append((trace_name, region.layer, graph.python_code(root_module="self").src))
+        return None  # the lines run on the torch executor
+    monkeypatch.setattr(fusion, "_fuse_region", record)
+    jitted = keraunos.jit(model, executors=FUSED)
+    idx = torch.randint(0, 256, (2, 16))
+    jitted(idx).sum().backward()
+    backward = [(layer, code) for trace_name, layer, code in formed if trace_name == "backward"]
+    layers = [layer for layer, _ in backward]
+    tagged = [i for i, layer in enumerate(layers) if layer is not None]
+    assert [layers[i] for i in tagged] == [f"transformer.h.{k}" for k in (3, 2, 1, 0)]
+    assert all(layers[i] is not None for i in range(tagged[0], tagged[-1] + 1)), layers
+    assert len({backward[i][1] for i in tagged}) == 1
+
+
 def saved_for_backward(fn, parameters):
     """Bytes of the distinct storages autograd keeps for backward while ``fn()`` builds its
     graph: all of them, and those that are not parameters (the activations); and ``fn()``."""
@@ -622,6 +655,27 @@ def test_opinfo_subset_with_fusion_matches_eager(monkeypatch):
     assert not failed, "\n".join(failed)
     assert all(isinstance(k, compiler.Kernel) for k in compiled), [
         k.error for k in compiled if not isinstance(k, compiler.Kernel)]
+
+
+def test_fusing_single_ops_in_one_thread_leaves_other_threads_alone():
+    from keraunos.executors.fusion.regions import fusing_single_ops
+    inside, release = threading.Event(), threading.Event()
+
+    def sweep():  # an OpInfo sweep with fusion, in another thread
+        with fusing_single_ops():
+            inside.set()
+            release.wait(60)
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    try:
+        assert inside.wait(60)
+        jitted = keraunos.jit(lambda x: torch.sin(x), executors=FUSED)
+        x = torch.randn(4)
+        assert_close(jitted(x), torch.sin(x), rtol=0, atol=0)
+        assert not fusion_lines(keraunos.last_traces(jitted)[-1])  # one op: not worth a compile
+    finally:
+        release.set()
+        sweeper.join()
 
 
 # ----------------------------------------------------------------------------- symbolic sizes

@@ -26,7 +26,7 @@ from ...core import glue
 from ...core.symbols import BoundSymbol
 from ...core.trace import Trace
 from .. import Executor
-from . import compiler, fx_graph, layers
+from . import compiler, fx_graph, layers, symbolic
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers"]
@@ -193,11 +193,13 @@ def _next_executor(bsym, executors, fusion) -> str:
 
 def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
     name = f"inductor_region{counter[0]}"
-    key = fx_graph.region_key(fx_graph.region_graph(r.lines, r.inputs, r.outputs), r.inputs,
-                              environment)
+    layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
+    graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
+    key = fx_graph.region_key(graph, r.inputs, environment)
     kernel, existed = compiler.kernel_for(
-        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs, r.outputs)),
-        r.inputs, r.outputs, name)
+        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs, r.outputs,
+                                                                 layout)),
+        r.inputs, r.outputs, name, layout, graph)
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
@@ -209,7 +211,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
             region_trace.python_callable() if kernel.guards else None),
-            make_fallback=region_trace.python_callable)
+            make_fallback=region_trace.python_callable, layout=layout)
     except compiler.SymbolicUnguardable as e:
         compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
                            f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "

@@ -92,21 +92,25 @@ def environment() -> tuple:
 
 
 def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[TensorProxy],
-               region_name: str) -> tuple["Kernel | CompileFailure", bool]:
+               region_name: str, layout: symbolic.Layout | None = None,
+               graph=None) -> tuple["Kernel | CompileFailure", bool]:
     """The kernel for ``key`` and whether it was already there (compiled for another region);
-    ``make_graph()`` builds the region's FX graph module, only when it must be compiled."""
+    ``make_graph()`` builds the region's FX graph module, only when it must be compiled;
+    ``graph``: an FX graph of the region already built (for the key), shown as the kernel's,
+    and ``layout`` the inputs' ``symbolic.Layout``, when the caller has them."""
     found = _kernels.get(key)
     if found is not None:
         return found, True
     try:
-        kernel = _compile(make_graph, inputs, outputs, region_name)
+        kernel = _compile(make_graph, inputs, outputs, region_name,
+                          layout or symbolic.Layout(inputs), graph)
     except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
         kernel = CompileFailure(e)
     _kernels[key] = kernel
     return kernel, False
 
 
-def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
+def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
@@ -114,14 +118,15 @@ def _compile(make_graph, inputs, outputs, region_name) -> Kernel:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
-    gm, shown = make_graph(), make_graph()
+    gm = make_graph()  # compile_fx changes the graph it compiles: the one shown is another
+    shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
     shape_env = fx_graph.shape_env(inputs)  # the capture's, when sizes are symbolic
-    if shape_env is not None and symbolic.Layout(inputs).unbound:
-        raise SymbolicUnguardable(f"sizes {sorted(map(str, symbolic.Layout(inputs).unbound))} "
+    if shape_env is not None and layout.unbound:
+        raise SymbolicUnguardable(f"sizes {sorted(map(str, layout.unbound))} "
                                   f"that no input dimension gives")
     compile_env = symbolic.private_copy(shape_env) if shape_env is not None else None
     fake_mode = FakeTensorMode(shape_env=compile_env if compile_env is not None else ShapeEnv())
-    fakes = fx_graph.fake_inputs(inputs, fake_mode)
+    fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
     before = _cache_counts(counters)
     with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources, \
@@ -239,14 +244,15 @@ class RegionCall:
     traced layouts are expressions, evaluated with the sizes of the call (``symbolic.Layout``)."""
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
-                 always_checked: tuple[int, ...], fallback=None, make_fallback=None):
+                 always_checked: tuple[int, ...], fallback=None, make_fallback=None,
+                 layout: symbolic.Layout | None = None):
         self.kernel = kernel
         self.make_fallback = make_fallback  # the region's own lines, should g++ have failed
         self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
                        for p in inputs]  # None: a size symbol, passed as an int
         self.outputs = [(p.shape, p.stride) for p in outputs]
         metas = [m for m in self.inputs + self.outputs if m is not None]
-        self.layout = (symbolic.Layout(inputs) if any(map(symbolic.is_symbolic, (
+        self.layout = ((layout or symbolic.Layout(inputs)) if any(map(symbolic.is_symbolic, (
             v for shape, stride in metas for v in (*shape, *stride)))) else None)
         self.always_checked = always_checked
         self.fixed_outputs: tuple[int, ...] = ()

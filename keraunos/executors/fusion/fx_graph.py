@@ -22,12 +22,14 @@ from . import symbolic
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
-                 outputs: list[TensorProxy]) -> fx.Graph:
-    """Inputs are tensors and, in a region with symbolic sizes, the size symbols it reads."""
+                 outputs: list[TensorProxy], layout: symbolic.Layout | None = None) -> fx.Graph:
+    """Inputs are tensors and, in a region with symbolic sizes, the size symbols it reads
+    (``layout``: the inputs' ``symbolic.Layout``, when the caller has it)."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {p.name: graph.placeholder(f"i{k}") for k, p in enumerate(inputs)}
     symbols = {p.symbol: env[p.name] for p in inputs if isinstance(p, NumberProxy)}
-    for k, (_, _, symbol) in enumerate(symbolic.Layout(inputs).extra, start=len(inputs)):
+    layout = layout or symbolic.Layout(inputs)
+    for k, (_, _, symbol) in enumerate(layout.extra, start=len(inputs)):
         symbols[symbol] = graph.placeholder(f"i{k}")  # a size read from a tensor, by the caller
     _GraphBuilder(graph, env, symbols).run(lines)
     graph.output(tuple(env[p.name] for p in outputs))
@@ -75,7 +77,8 @@ def _node(graph: fx.Graph, symbol, args: tuple, kwargs: dict) -> fx.Node:
     return graph.call_method(symbol.name, args, kwargs)
 
 
-def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list:
+def fake_inputs(inputs: list[TensorProxy], fake_mode,
+                layout: symbolic.Layout | None = None) -> list:
     """Fake tensors of the recorded metadata (strides included: the compiled code asserts them);
     a size symbol's example is its capture-time ``SymInt``, moved to the ``ShapeEnv`` of
     ``fake_mode`` (the region's private copy of the capture's)."""
@@ -88,7 +91,8 @@ def fake_inputs(inputs: list[TensorProxy], fake_mode) -> list:
                  torch.empty_strided(sizes(p.shape), sizes(p.stride), dtype=p.dtype,
                                      device=p.device)
                  for p in inputs]
-    return fakes + sizes([inputs[k].shape[d] for k, d, _ in symbolic.Layout(inputs).extra])
+    layout = layout or symbolic.Layout(inputs)
+    return fakes + sizes([inputs[k].shape[d] for k, d, _ in layout.extra])
 
 
 def shape_env(inputs: list[TensorProxy]):

@@ -22,6 +22,7 @@ recomputes cheap forward values at its start, which then join their layer's regi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -36,18 +37,21 @@ from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
 MIN_COMPUTE_LINES = 2
+# The minimum in force: a context variable, so that ``fusing_single_ops`` in one thread (or
+# asyncio task) leaves the compilations of the others alone.
+_min_compute_lines: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "keraunos_fusion_min_compute_lines", default=MIN_COMPUTE_LINES)
 
 
 @contextlib.contextmanager
 def fusing_single_ops():
-    """Within it, a region of one op is compiled too: the OpInfo sweep with fusion runs each op
-    through Inductor, not through the torch executor as too small a region."""
-    global MIN_COMPUTE_LINES
-    previous, MIN_COMPUTE_LINES = MIN_COMPUTE_LINES, 1
+    """Within it (in this thread), a region of one op is compiled too: the OpInfo sweep with
+    fusion runs each op through Inductor, not through the torch executor as too small a region."""
+    token = _min_compute_lines.set(1)
     try:
         yield
     finally:
-        MIN_COMPUTE_LINES = previous
+        _min_compute_lines.reset(token)
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
           torch.memory_format, slice, type(Ellipsis))
@@ -169,6 +173,7 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
     does not cut the run in two (a view of a RoPE table made inside the first layer only)."""
     claimed = list(claimed)
     io = _Proxies()
+    minimum = _min_compute_lines.get()
     while True:
         sunk = _sunk(lines, claimed, layers, io)
         order = [sunk[k] for k in _hoisted([lines[i] for i in sunk], [claimed[i] for i in sunk],
@@ -180,7 +185,7 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
                    for k in _unsafe_lines(r, observable, last_write, io)]
         if not refused:
             return ordered, [r for r in regions
-                             if sum(_allocates(b, io) for b in r.lines) >= MIN_COMPUTE_LINES]
+                             if sum(_allocates(b, io) for b in r.lines) >= minimum]
         for i in refused:
             claimed[i] = False
 
