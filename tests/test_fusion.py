@@ -585,6 +585,31 @@ def test_kernels_g_plus_plus_fails_to_build_run_the_region_lines_with_a_warning(
     assert_close(jitted(x), f(x), rtol=0, atol=0)
 
 
+def test_only_the_compiling_thread_puts_off_inductors_waits():
+    # While keraunos compiles a region on one thread, Inductor's wait for C++ kernels is
+    # recorded for later there; a torch.compile on another thread meanwhile waits as usual.
+    from concurrent.futures import Future
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    def scope():
+        built = Future()
+        built.set_result("kernel")
+        return {"cpp_fused_0": built}
+    ours, theirs = scope(), scope()
+    with config.patch(compile_threads=2), compiler._collecting_from_inductor() as (_, pending):
+        AsyncCompile().wait(ours)  # (Inductor waits for futures only with a pool of threads)
+        other = threading.Thread(target=AsyncCompile().wait, args=(theirs,))
+        other.start()
+        other.join()
+    assert theirs == {"cpp_fused_0": "kernel"}
+    assert isinstance(ours["cpp_fused_0"], Future) and len(pending) == 1
+    wait, waited_scope = pending[0]
+    with config.patch(compile_threads=2):
+        wait(waited_scope)
+    assert ours == {"cpp_fused_0": "kernel"}
+
+
 def test_dynamo_front_end_fuses_too():
     def f(x, y):
         return torch.tanh(x @ y).exp() * 2 - 1

@@ -129,8 +129,8 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Ke
     fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
     fx_graph.propagate(gm, fakes, fake_mode, outputs)
     before = _cache_counts(counters)
-    with torch.no_grad(), tracing(TracingContext(fake_mode)), _saving_output_code() as sources, \
-            _putting_off_waits() as pending:
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+            _collecting_from_inductor() as (sources, pending):
         fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
                         config_patches=dict(CONFIG_PATCHES))
     # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
@@ -150,45 +150,55 @@ def _cache_counts(counters) -> tuple[int, int]:
             counters["inductor"].get("fxgraph_cache_hit", 0))
 
 
-class _saving_output_code:
-    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code``, on a fresh
-    compile and on both cache hits; collect them (and pass them on to a hook already set)."""
+# What this thread's compile collects from Inductor's hooks (below): its generated wrappers and
+# its put-off waits. Thread-local, and the hooks are installed once: compiles in two threads at
+# once each collect their own, and neither restores a hook the other set.
+_collecting = threading.local()
+_hooks_lock = threading.Lock()
+_hooked: list[bool] = []
 
-    def __enter__(self) -> list[str]:
-        from torch._inductor.graph import GraphLowering
-        self.previous = GraphLowering.save_output_code
-        sources: list[str] = []
+
+def _install_hooks() -> None:
+    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code`` (on a fresh
+    compile and on both cache hits), and waits for a wrapper's C++ kernels in
+    ``AsyncCompile.wait`` when it loads it. Within ``_collecting_from_inductor`` on a thread, the
+    wrapper is kept (and passed on to a hook already set) and the wait is recorded instead of
+    done; elsewhere both behave as Inductor's own."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.graph import GraphLowering
+    with _hooks_lock:
+        if _hooked:
+            return
+        previous_save, original_wait = GraphLowering.save_output_code, AsyncCompile.wait
 
         def save(code: str) -> None:
-            sources.append(code)
-            if self.previous is not None:
-                self.previous(code)
-        GraphLowering.save_output_code = save
-        return sources
+            sources = getattr(_collecting, "sources", None)
+            if sources is not None:
+                sources.append(code)
+            if previous_save is not None:
+                previous_save(code)
 
-    def __exit__(self, *exc) -> None:
-        from torch._inductor.graph import GraphLowering
-        GraphLowering.save_output_code = self.previous
+        def wait(self, scope):
+            pending = getattr(_collecting, "pending", None)
+            if pending is None:
+                return original_wait(self, scope)
+            pending.append((functools.partial(original_wait, self), scope))
+        GraphLowering.save_output_code = save
+        AsyncCompile.wait = wait
+        _hooked.append(True)
 
 
 @contextlib.contextmanager
-def _putting_off_waits():
-    """Within it, Inductor's wait for the C++ kernels of the wrapper module it loads (on this
-    thread) is recorded instead of done: the kernels stay futures in the module's globals until
-    ``Kernel.ready`` waits for them, and g++ works on them meanwhile."""
-    from torch._inductor.async_compile import AsyncCompile
-    pending: list = []
-    original, thread = AsyncCompile.__dict__["wait"], threading.get_ident()
-
-    def wait(self, scope):
-        if threading.get_ident() != thread:  # another thread's compile: Inductor's own way
-            return original(self, scope)
-        pending.append((functools.partial(original, self), scope))
-    AsyncCompile.wait = wait
+def _collecting_from_inductor():
+    """Within it, this thread's compile keeps Inductor's generated wrappers and puts off its
+    waits for their C++ kernels: the kernels stay futures in the wrapper module's globals until
+    ``Kernel.ready`` waits for them, and g++ works on them meanwhile. Yields (sources, pending)."""
+    _install_hooks()
+    _collecting.sources, _collecting.pending = [], []
     try:
-        yield pending
+        yield _collecting.sources, _collecting.pending
     finally:
-        AsyncCompile.wait = original
+        _collecting.sources = _collecting.pending = None
 
 
 _warming: list[threading.Thread] = []
