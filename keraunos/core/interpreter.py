@@ -2,8 +2,10 @@
 
 ``trace.python_callable()`` runs a trace on real tensors as generated Python. Some stages need to
 walk it with other values instead: the joint forward-and-backward recording runs the computation
-on fake tensors that require grad (``autograd/joint.py``). They subclass ``Interpreter`` and say
-what a line does with ``run_line``; reading arguments and binding outputs is shared:
+on fake tensors that require grad (``autograd/joint.py``), and the fusion executor walks a
+region's lines with FX nodes as the values to build the graph it hands Inductor
+(``executors/fusion/fx_graph.py``). They subclass ``Interpreter`` and say what a line does with
+``run_line``; reading arguments and binding outputs is shared:
 
     >>> class Count(Interpreter):
     ...     def run_line(self, index, bsym, args, kwargs):
