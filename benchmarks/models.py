@@ -16,6 +16,8 @@ torch.compile with Inductor):
 Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
 ``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
 eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor);
+``min`` the fastest of those calls and its ratio to Inductor's fastest (on a shared machine the
+median moves with the load; the minimum, what a call costs uncontended, moves much less);
 ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and every
 parameter's gradient) equal eager's within rtol/atol 1e-4, else ``FAIL`` with why: the
 exception's type, or ``mismatch``. A failure never stops the script.
@@ -50,6 +52,7 @@ class Measured:
     """One system on one model and mode: first-call time, per-call median, and the verdict."""
     compile_s: float | None = None
     per_call_s: float | None = None
+    min_s: float | None = None
     error: str | None = None  # None: equals eager
 
 
@@ -119,7 +122,8 @@ def same_tensors(got: list, want: list) -> bool:
 
 
 # ------------------------------------------------------------------------------- the modes
-def median_seconds(call: Callable, iters: int) -> float:
+def per_call_seconds(call: Callable, iters: int) -> tuple[float, float]:
+    """(median, minimum) of ``iters`` calls after two warm-up calls."""
     for _ in range(2):
         call()
     samples = []
@@ -127,7 +131,7 @@ def median_seconds(call: Callable, iters: int) -> float:
         t0 = time.perf_counter()
         call()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
 
 
 def timed_first_call(call: Callable):
@@ -137,18 +141,19 @@ def timed_first_call(call: Callable):
 
 
 def inference(base, name: str, wrap: Callable, iters: int):
-    """(the outputs' tensors, first-call seconds, per-call median) in eval mode under no_grad."""
+    """(the outputs' tensors, first-call seconds, per-call (median, min)) in eval mode under
+    no_grad."""
     model = copy.deepcopy(base).eval()
     kwargs = inputs_of(name, seed=1, mask=True, labels=False)
     runner = wrap(model)
     with torch.no_grad():
         out, first = timed_first_call(lambda: runner(**kwargs))
-        per_call = median_seconds(lambda: runner(**kwargs), iters)
+        per_call = per_call_seconds(lambda: runner(**kwargs), iters)
     return tensor_leaves(out), first, per_call
 
 
 def training(base, name: str, wrap: Callable, iters: int):
-    """(the first step's loss and gradients, first-step seconds, per-step median)."""
+    """(the first step's loss and gradients, first-step seconds, per-step (median, min))."""
     model = copy.deepcopy(base).train()
     kwargs = inputs_of(name, seed=3, mask=False, labels=True)
     runner = wrap(model)
@@ -164,7 +169,7 @@ def training(base, name: str, wrap: Callable, iters: int):
     torch.manual_seed(10)  # every system draws the same dropout masks in its first step
     loss, first = timed_first_call(step)
     observed = [loss] + [p.grad for p in model.parameters()]
-    per_call = median_seconds(step, iters)
+    per_call = per_call_seconds(step, iters)
     return observed, first, per_call
 
 
@@ -185,7 +190,7 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
             verdict = "eager failed"
         else:
             verdict = None if same_tensors(observed, reference) else "mismatch"
-        results[label] = Measured(first, per_call, verdict)
+        results[label] = Measured(first, *per_call, verdict)
     return results
 
 
@@ -193,21 +198,24 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
 def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
     print(f"\n{title}")
     print(f"  {'model':<11} {'system':<34} {'compile':>10} {'per call':>11} {'vs eager':>9}"
-          f" {'vs Inductor':>11}  result")
+          f" {'vs Inductor':>11} {'min':>11} {'min vs Ind.':>11}  result")
     for model_name, results in rows.items():
         eager, inductor = results.get("eager"), results.get(INDUCTOR)
         for label, m in results.items():
             compile_s = f"{m.compile_s:8.3f} s" if m.compile_s is not None else f"{'':>10}"
             per_call = f"{m.per_call_s * 1e3:8.3f} ms" if m.per_call_s is not None else ""
+            fastest = f"{m.min_s * 1e3:8.3f} ms" if m.min_s is not None else ""
             verdict = "pass" if m.error is None else f"FAIL ({m.error})"
             print(f"  {model_name:<11} {label:<34} {compile_s:>10} {per_call:>11} "
-                  f"{ratio(m, eager):>9} {ratio(m, inductor):>11}  {verdict}")
+                  f"{ratio(m, eager):>9} {ratio(m, inductor):>11} {fastest:>11} "
+                  f"{ratio(m, inductor, 'min_s'):>11}  {verdict}")
 
 
-def ratio(m: Measured, base: Measured | None) -> str:
-    if m.per_call_s is None or base is None or not base.per_call_s:
+def ratio(m: Measured, base: Measured | None, field: str = "per_call_s") -> str:
+    mine, theirs = getattr(m, field), getattr(base, field, None)
+    if mine is None or not theirs:
         return ""
-    return f"{m.per_call_s / base.per_call_s:8.2f}x"
+    return f"{mine / theirs:8.2f}x"
 
 
 def parse_args():
