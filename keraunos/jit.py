@@ -642,9 +642,11 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         max_cache_entries: entries kept per jitted callable; past it the least recently used goes.
         profile: wrap each call step in a profiler range (default: ``KERAUNOS_PROFILE=1``).
         specialize_data: instead of raising ``CaptureError`` when the program reads a Python value
-            from tensor data (``.item()``, ``if t.any():``), compute it from the inputs, compile
-            it in as a constant and check it in the prologue on every call (a new value
-            recompiles). Right for values that rarely change, such as a position in a KV cache.
+            from tensor data (``.item()``, ``if t.any():``), compute it from the inputs in the
+            prologue on every call: compiled in as a constant and checked (a new value
+            recompiles), except an int whose value changed between compilations (or any int, in
+            ``cache="symbolic values"``), which becomes a size symbol, its decisions guards (a
+            position in a KV cache: one entry while the window fills, one once it is full).
         dynamic: in the default cache mode, ``None`` (default) compiles a size or int argument
             that changed between calls as a symbol (automatic dynamic); ``False`` never does (one
             entry per set of sizes); ``True`` makes every size and int argument a symbol from the

@@ -325,6 +325,35 @@ def test_litgpt_generate_gives_eager_tokens_with_two_prefill_and_two_decode_entr
     assert sum(compiles) <= 4 and compiles[2:] == [0, 0, 0], compiles
 
 
+def test_litgpt_sliding_window_generate_compiles_per_phase_not_per_position():
+    # The ring buffer reads `input_pos.max().item()` and slices the cache by it while the window
+    # is not full: with specialize_data=True that int is a symbol once it changed (each decode
+    # step compiled an entry of its own before: 25 per prompt).
+    from litgpt.generate.base import generate
+    litgpt = pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256, padded_vocab_size=256,
+                           block_size=128, sliding_window_size=16)
+    model = LitGPT(config).eval()
+    model_ref = copy.deepcopy(model)
+    assert all(block.attn.apply_sliding_window_attention for block in model.transformer.h)
+    jm = keraunos.jit(model, specialize_data=True)
+    compiles = []
+    for prompt in LITGPT_PROMPTS:
+        _reset_kv_caches(model, model_ref)
+        tokens = torch.randint(0, 256, (prompt,))
+        before = keraunos.cache_misses(jm)
+        out = generate(jm, tokens, prompt + 25, temperature=0.0, top_k=1)  # the window fills
+        compiles.append(keraunos.cache_misses(jm) - before)
+        assert out.tolist() == generate(model_ref, tokens, prompt + 25, temperature=0.0,
+                                        top_k=1).tolist()
+        for (name, b), (_, br) in zip(model.named_buffers(), model_ref.named_buffers()):
+            assert_close(b, br, msg=name)
+    # Prefill: exact, then symbolic; decode: the window filling, then full.
+    assert sum(compiles) <= 4 and compiles[2:] == [0, 0, 0], compiles
+
+
 def test_memory_is_flat_over_300_decode_steps():
     # tracemalloc sees Python's allocations (not tensor storage, which the fixed-size KV cache
     # buffers hold): a cache hit that keeps anything per call (a reason, a trace, a closure)

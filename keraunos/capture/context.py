@@ -35,8 +35,8 @@ from .provenance import Path, root
 from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
 from ..core.glue import SET_GLOBAL_STATE
 from .state import global_state
-from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported, has_symbols,
-                       is_backed)
+from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported,
+                       data_read_description, has_symbols, is_backed)
 from .symbolic import _from_call
 from .symbolic import hint as size_hint
 
@@ -86,6 +86,10 @@ class CaptureContext:
         self.attribute_writes: list[AttributeWrite] = []
         self.in_vmap = False
         self.specialize_data = False
+        # specialize_data: the symbols of ints read from tensor data, by what computes them, and
+        # the user's line of each (a read's place among the reads of its line names it).
+        self._data_reads: dict[tuple, Any] = {}
+        self._data_places: list = []
         self.helper_codes: set = set()  # code of the Python functions the program called
         # (globals path, globals dict, names loaded) and (path, cell) of those functions.
         self.helper_scopes: list[tuple[Path, dict, tuple]] = []
@@ -493,35 +497,81 @@ class CaptureContext:
 
     def specialize_on_data(self, symbol, func, args, kwargs):
         """``jit(..., specialize_data=True)``: a Python value read from tensor data (``.item()``,
-        ``bool(t)``) is computed now from the real inputs and compiled in as a constant; the
-        prologue recomputes it on every call and checks it is the same (else: recompile)."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        ``bool(t)``) is computed now from the real inputs; the prologue recomputes it on every
+        call. An int whose value changes between compilations (a position in a KV cache) becomes
+        a size symbol (``Symbols.data_input``): the program's decisions on it are guards, checked
+        like those on sizes, and its slices are symbolic; any other value is compiled in as a
+        constant and checked to be the same (else: recompile)."""
         tensor = args[0]
         target = self.proxy(tensor)
         lines = self._slice(target.name)
-        if any(b.tags & {MUTATION, RANDOM, OPAQUE} for b in lines):
+        if any(b.tags & {MUTATION, RANDOM, OPAQUE} for b in lines) or self._written_before(
+                target, lines):
             raise CaptureError(
                 f"keraunos cannot specialize on `{symbol.name}` at {user_source()}: the value "
                 f"depends on random or in-place ops, which the prologue cannot rerun.")
-        env = {e.proxy.name: e.real for e in self.inputs}
-        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
-            for b in lines:
-                if any(isinstance(x, Code) for x in pytree.tree_leaves((b.args, b.kwargs))):
-                    raise SymbolicUnsupported("a value read from tensor data depends on a "
-                                              "symbolic size")
-                fn_args, fn_kwargs = pytree.tree_map(
-                    lambda x: env[x.name] if isinstance(x, TensorProxy) else x, (b.args, b.kwargs))
-                out = b.symbol.fn(*fn_args, **fn_kwargs)
-                for p, v in zip(pytree.tree_leaves(b.outputs), pytree.tree_leaves(out)):
-                    if isinstance(p, TensorProxy):
-                        env[p.name] = v
-            real = env[target.name]
-            value = func(real, *args[1:], **kwargs)
         source = user_source()
+        reuse = self._data_reads.get(_read_key(lines, target, symbol.name))
+        if reuse is not None:  # the same value read again (each layer reads the position)
+            return reuse
+        value = self._data_value(target, lines, func, args, kwargs)
+        symbolic = self._data_symbol(value, target, symbol.name, lines, source)
+        if symbolic is not None:
+            self._data_reads[_read_key(lines, target, symbol.name)] = symbolic
+            return symbolic
         guard = Guard("data", None, value, expression=f"{target.name}.{symbol.name}()")
         guard.lines, guard.target, guard.method, guard.source = lines, target, symbol.name, source
         self.guards.append(guard)
         return value
+
+    def _data_value(self, target, lines, func, args, kwargs):
+        """The value the real inputs give, computed with the recorded ``lines`` (sizes at their
+        values in this call: the prologue reads the same symbols before it computes them)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        def real(x):
+            if isinstance(x, TensorProxy):
+                return env[x.name]
+            if type(x) is slice:  # pytree keeps slices whole: x[:n] with n a size symbol
+                return slice(real(x.start), real(x.stop), real(x.step))
+            if isinstance(x, Code):
+                if not isinstance(getattr(x, "value", None), SYMBOLIC_TYPES):
+                    raise SymbolicUnsupported("a value read from tensor data depends on a "
+                                              "value the prologue cannot compute")
+                return size_hint(x.value)
+            return x
+        env = {e.proxy.name: e.real for e in self.inputs}
+        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+            for b in lines:
+                fn_args, fn_kwargs = pytree.tree_map(real, (b.args, b.kwargs))
+                out = b.symbol.fn(*fn_args, **fn_kwargs)
+                for p, v in zip(pytree.tree_leaves(b.outputs), pytree.tree_leaves(out)):
+                    if isinstance(p, TensorProxy):
+                        env[p.name] = v
+            return func(env[target.name], *args[1:], **kwargs)
+
+    def _data_symbol(self, value, target, method: str, lines, source):
+        """The ``SymInt`` the program gets for an int read from tensor data, or ``None`` when the
+        value stays a constant (not an int, not asked to vary, or 0 or 1)."""
+        if self.dynamic is None or type(value) is not int:
+            return None
+        place = (source.filename, source.lineno) if source is not None else None
+        key = ("data read", place, method, self._data_places.count(place))
+        where = data_read_description(method, source)
+        if not self.dynamic.data_is_dynamic(value, key, where):
+            return None
+        symint, proxy = self.symbols.data_input(value, target, method, lines, source)
+        if proxy is None:
+            return None
+        self._data_places.append(place)
+        return symint
+
+    def _written_before(self, target, lines) -> bool:
+        """Whether the program wrote, before this read, to memory the value is computed from:
+        the prologue computes it from the inputs as they were passed (a write through another
+        view of the same memory is not among ``lines``)."""
+        read = {p.name for b in lines for p in b.input_proxies()} | {target.name}
+        return any(self.storage_of.get(name) in self.mutated_storages for name in read)
 
     def _slice(self, name: str) -> list[BoundSymbol]:
         """The recorded lines that compute ``name`` from the inputs, in order."""
@@ -651,6 +701,25 @@ class CaptureContext:
             comment = "opaque: no fake kernel; output metadata from a run on zeros"
         self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
                                               user_source(), tags, comment=comment))
+
+
+def _read_key(lines, target, method: str) -> tuple:
+    """What a read from tensor data computes, without the names of this capture: two reads
+    with one key compute the same value from the same inputs (each layer of a model reading
+    ``input_pos.max().item()``)."""
+    made: dict[str, int] = {}
+
+    def canonical(x):
+        if isinstance(x, TensorProxy):
+            return ("line", made[x.name]) if x.name in made else ("input", x.name)
+        return repr(x)
+    key = []
+    for i, b in enumerate(lines):
+        function = getattr(b.symbol, "fn", b.symbol)  # symbols are made per call site
+        key.append((id(function), repr(pytree.tree_map(canonical, (b.args, b.kwargs)))))
+        for p in b.output_proxies():
+            made[p.name] = i
+    return tuple(key), canonical(target), method
 
 
 MODULE_INTERNALS = frozenset({

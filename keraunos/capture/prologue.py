@@ -179,8 +179,27 @@ def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
         for binding in bindings:
             b.bsyms.append(glue.BIND_SYMBOL.bind(entry.proxy, outputs=binding.proxy,
                                                  read=binding.read(), where=binding.where()))
+    data = ctx.symbols.data_bindings
+    bind_data_symbols(b, data)
     if check_values:
-        b.bsyms.append(glue.CHECK_SIZES.bind(*ctx.symbols.proxies, symbols=ctx.symbols))
+        # A guard may read an int computed from tensor data: then the checks come after it.
+        b.bsyms.append(glue.CHECK_SIZES.bind(*ctx.symbols.proxies, symbols=ctx.symbols,
+                                             tags={AFTER_STRUCTURE} if data else set()))
+
+
+def bind_data_symbols(b: _Builder, data) -> None:
+    """Compute each int the program reads from tensor data (``specialize_data=True``) with the
+    lines that made it, and read it into its symbol (``s4 = t7.item()``); after the tensors are
+    extracted, as data guards are."""
+    emitted: set[int] = set()
+    for binding in data:
+        for line in binding.lines:
+            if id(line) not in emitted:
+                emitted.add(id(line))
+                b.bsyms.append(line.replace(tags=line.tags | {AFTER_STRUCTURE}))
+        b.bsyms.append(glue.BIND_SYMBOL.bind(binding.tensor, outputs=binding.proxy,
+                                             read=binding.read(), where=binding.where(),
+                                             tags={AFTER_STRUCTURE}))
 
 
 def symbolic_tensor_guards(b: _Builder, entries) -> None:

@@ -172,6 +172,21 @@ class DynamicRequest:
             self.any_dynamic = True
         return dynamic
 
+    def data_is_dynamic(self, value: int, key: tuple, where: str) -> bool:
+        """Whether an int read from tensor data (``specialize_data=True``) is a symbol: in
+        ``cache="symbolic values"`` always, otherwise once its value changed between compilations
+        (automatic dynamic, as for int arguments). ``key`` names the read across compilations:
+        its line and its place among the distinct reads on that line."""
+        before = self.seen.get(key)
+        changed = before is not None and (before[0] is None or before[0] != value)
+        if changed and before[0] is not None and value not in (0, 1):
+            self.changes.append(f"{where} changed {before[0]} → {value}")
+        dynamic = self.all_arguments or changed
+        self.updated[key] = (None if dynamic else value,)
+        if dynamic and value not in (0, 1):
+            self.any_dynamic = True
+        return dynamic
+
     def int_is_dynamic(self, value: int, path: Path) -> bool:
         if not _from_call(path) or path.kind == "root":
             return False
@@ -191,16 +206,23 @@ class DynamicRequest:
 @dataclass
 class Binding:
     """Where a symbol is read from on every call: ``x.shape[d]``, ``x.stride(d)``,
-    ``x.storage_offset()`` of a tensor input (``tensor`` its proxy), or an int input itself."""
+    ``x.storage_offset()`` of a tensor input (``tensor`` its proxy), an int input itself, or an
+    int read from tensor data (``prop`` "data": ``tensor`` is the tensor it is read from, computed
+    from the inputs by ``lines``, and ``method`` the read, ``item``)."""
 
     proxy: NumberProxy
-    path: Path
+    path: Path | None
     tensor: Any = None
-    prop: str | None = None  # "size", "stride", "storage_offset"; None for an int input
+    prop: str | None = None  # "size", "stride", "storage_offset", "data"; None for an int input
     dim: int | None = None
+    lines: tuple = ()
+    method: str | None = None
+    source: Any = None  # the user's line of a data read
 
     def read(self) -> str:
         t = self.tensor.name if self.tensor is not None else None
+        if self.prop == "data":
+            return f"{t}.{self.method}()"
         if self.prop == "size":
             return f"{t}.shape[{self.dim}]"
         if self.prop == "stride":
@@ -210,6 +232,8 @@ class Binding:
         return str(self.path)
 
     def where(self) -> str:
+        if self.prop == "data":
+            return data_read_description(self.method, self.source)
         if self.prop == "size":
             return f"{self.path}.shape[{self.dim}]"
         if self.prop == "stride":
@@ -217,6 +241,13 @@ class Binding:
         if self.prop == "storage_offset":
             return f"{self.path}.storage_offset()"
         return str(self.path)
+
+
+def data_read_description(method: str, source) -> str:
+    """A value read from tensor data, in the user's words: where the program reads it."""
+    if source is None:
+        return f"the value of .{method}()"
+    return f"the value of .{method}() at {source.filename}:{source.lineno} ({source.code})"
 
 
 class _Printer(PythonPrinter):
@@ -355,6 +386,28 @@ class Symbols:
             return value, None
         symint = self.env.create_symintnode(expr, hint=value)
         return symint, self._bind(expr, symint, path, None, None, None)
+
+    def data_input(self, value: int, target, method: str, lines, source):
+        """A symbolic int for an int the program reads from tensor data: the prologue computes
+        ``target`` from the inputs with ``lines`` and reads it (``t3.item()``) on every call,
+        then checks the guards on it like those on sizes. ``(value, None)`` for 0 and 1, which
+        are specialized as sizes are."""
+        from torch._dynamo.source import ConstantSource
+        name = f"data read {len(self.bindings)}"
+        expr = self.env.create_symbol(value, ConstantSource(name), DimDynamic.DYNAMIC,
+                                      positive=None)
+        if not isinstance(expr, sympy.Symbol):
+            return value, None
+        symint = self.env.create_symintnode(expr, hint=value)
+        proxy = self._bind(expr, symint, None, target, "data", None)
+        binding = self.bindings[expr]
+        binding.lines, binding.method, binding.source = tuple(lines), method, source
+        proxy.provenance = binding.where()
+        return symint, proxy
+
+    @property
+    def data_bindings(self) -> list[Binding]:
+        return [b for b in self.bindings.values() if b.prop == "data"]
 
     def _bind(self, expr, value, path, tensor, prop, dim) -> NumberProxy:
         proxy = NumberProxy(self.names.fresh(f"s{len(self.bindings)}"), int, value, expr)
