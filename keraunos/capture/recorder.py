@@ -173,4 +173,6 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
         f"which splits the program at such decisions (or pass `keraunos.jit(..., "
         f"fallback=\"dynamo\")` to do that automatically); or keep the decision in tensors "
         f"(torch.where, masking), pass the value in as a Python argument, or move this part "
-        f"outside the jitted function.")
+        f"outside the jitted function. When a few ops compute the value from the inputs (a "
+        f"position, `input_pos.max().item()`), `keraunos.jit(..., specialize_data=True)` "
+        f"computes it in the prologue on every call instead.")
