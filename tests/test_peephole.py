@@ -161,8 +161,7 @@ def _proxy(name, tensor):
 
 def test_a_copy_is_not_read_past_when_the_trace_writes_in_place():
     # p = x ** 1 keeps x's old values; after x.add_(1), reading x instead of p would see new ones.
-    x = _proxy("x", torch.randn(3))
-    p, x2, z = _proxy("p", torch.randn(3)), _proxy("x2", torch.randn(3)), _proxy("z", torch.randn(3))
+    x, p, x2, z = (_proxy(name, torch.randn(3)) for name in ("x", "p", "x2", "z"))
     lines = [_line(aten.pow.Tensor_Scalar, (x, 1.0), p),
              _line(aten.add_.Tensor, (x, 1), x2, tags=(MUTATION,)),
              _line(aten.mul.Tensor, (p, 2), z)]
