@@ -14,8 +14,8 @@ Every figure comes from this one run, one intra-op thread, tiny configs with ran
 Columns: ``compiles`` is the compilations of the first generate call of each prompt length
 (keraunos: cache misses; torch.compile: the graphs dynamo compiled); ``per token`` the median over
 ``--repeats`` of (time of a generate of N tokens - time of a generate of 1 token) / (N - 1),
-that is a decode step, measured after every prompt length was generated once; ratios are to eager
-and to torch.compile. ``tokens`` says whether every generated sequence equals eager's.
+that is a decode step, measured after every prompt length was generated once, the systems taking
+turns within each repeat; ratios are to eager and to torch.compile. ``tokens`` says whether every generated sequence equals eager's.
 """
 from __future__ import annotations
 
@@ -114,18 +114,24 @@ def litgpt_systems(with_compile: bool) -> dict[str, System]:
     return systems
 
 
-def per_token(system: System, prompt: torch.Tensor, tokens: int, repeats: int) -> float:
-    system.generate(prompt, 1)  # a 1-token generate (a static cache of another length) may
-    system.generate(prompt, tokens)  # compile: warm both up before timing
-    samples = []
+def per_token(systems: dict[str, System], prompt: torch.Tensor, tokens: int,
+              repeats: int) -> dict[str, float]:
+    """Each system's decode step: the median over ``repeats`` of (N-token generate - 1-token
+    generate) / (N - 1). The systems take turns within each repeat, so that a change in the
+    machine's load (other processes) falls on all of them alike, not on whichever ran then."""
+    for system in systems.values():
+        system.generate(prompt, 1)  # a 1-token generate (a static cache of another length) may
+        system.generate(prompt, tokens)  # compile: warm both up before timing
+    samples: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        system.generate(prompt, 1)
-        t1 = time.perf_counter()
-        system.generate(prompt, tokens)
-        t2 = time.perf_counter()
-        samples.append(((t2 - t1) - (t1 - t0)) / max(tokens - 1, 1))
-    return statistics.median(samples)
+        for name, system in systems.items():
+            t0 = time.perf_counter()
+            system.generate(prompt, 1)
+            t1 = time.perf_counter()
+            system.generate(prompt, tokens)
+            t2 = time.perf_counter()
+            samples[name].append(((t2 - t1) - (t1 - t0)) / max(tokens - 1, 1))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int,
@@ -136,7 +142,7 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
     print(f"\n{name}: prompts {prompts}, {tokens} new tokens, per token = one decode step")
     print(f"  {'system':<14} {'compiles per prompt':<22} {'tokens':<7} {'per token':>12} "
           f"{'vs eager':>9} {'vs torch.compile':>17}")
-    rows = {}
+    rows, working = {}, {}
     for system_name, system in systems.items():
         compiles, same = [], True
         try:
@@ -144,10 +150,12 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
                 before = system.compiles()
                 same &= system.generate(p, tokens).tolist() == ref
                 compiles.append(system.compiles() - before)
-            rows[system_name] = (compiles, same, per_token(system, prompt_ids[-1], tokens,
-                                                           repeats))
+            rows[system_name] = (compiles, same, None)
+            working[system_name] = system
         except Exception as e:  # noqa: BLE001 - one system failing never stops the run
             rows[system_name] = (compiles, f"{type(e).__name__}", None)
+    times = per_token(working, prompt_ids[-1], tokens, repeats)
+    rows = {name: (compiles, same, times.get(name)) for name, (compiles, same, _) in rows.items()}
     eager_t = rows["eager"][2]
     compile_t = rows.get("torch.compile", (None, None, None))[2]
     for system_name, (compiles, same, t) in rows.items():
