@@ -4,7 +4,8 @@ Run: python benchmarks/overhead.py [--calls N] [--skip-compile]
 
 Two programs, all figures measured in this one run, medians over many calls, one intra-op thread:
 - a tiny function, gelu(x @ y + 1).sum(-1) with x 4x8 and y 8x8: whole-call time; and its cache
-  hit on a symbolic entry (dynamic=True) against a static one, prologue alone and whole call;
+  hit on a symbolic entry (dynamic=True) against a static one, prologue alone, computation alone
+  and whole call, timed in turns;
 - a Llama-3-8B-shaped litgpt GPT (all 32 layers and every parameter tensor of the real config,
   tiny widths), input (1, 8), under torch.no_grad(): the prologue alone (the cache-hit checks) and
   the whole call; plus a reference, a plain Python loop checking shape, dtype, device and
@@ -83,27 +84,53 @@ def bench_tiny(calls: int, with_compile: bool):
     return times
 
 
+def interleaved_times(fns: dict, calls: int, batch: int = 100) -> dict[str, float]:
+    """Per-call thread CPU time of each callable: batches of ``batch`` calls, the callables
+    taking turns, and for each the 10th percentile of its batches. Taking turns puts a change
+    of the machine's load on all of them alike (timing one after the other compared one
+    stretch of load with another: 1.59x here for what is 1.06x in instructions, by callgrind);
+    a low percentile of thread time leaves out the batches other processes interrupted."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(calls // batch, 10)):
+        for name, fn in fns.items():
+            t0 = time.thread_time()
+            for _ in range(batch):
+                fn()
+            samples[name].append((time.thread_time() - t0) / batch)
+    return {name: sorted(v)[len(v) // 10] for name, v in samples.items()}
+
+
 def bench_symbolic(calls: int):
     """The tiny function's cache hit on a static entry and on a symbolic one (dynamic=True: every
-    size a symbol, its guards and bindings checked in the prologue): the prologue alone and the
-    whole call, each with its ratio to the static entry's."""
+    size a symbol, its guards and bindings checked in the prologue): the prologue alone, the
+    computation alone and the whole call, each with its ratio to the static entry's, all timed
+    in turns (``interleaved_times``)."""
     x, y = torch.randn(4, 8), torch.randn(8, 8)
     systems = {"keraunos, static entry": keraunos.jit(tiny, dynamic=False),
                "keraunos, symbolic entry": keraunos.jit(tiny, dynamic=True)}
-    prologue, whole = {}, {}
+    fns = {}
     for name, fn in systems.items():
         torch.testing.assert_close(fn(x, y), tiny(x, y))
         entry = keraunos.state_of(fn).last_entry
-        prologue[name] = median_time(lambda: entry.prologue_fn(x, y), calls)
-        whole[name] = median_time(lambda: fn(x, y), calls)
+        inputs = entry.prologue_fn(x, y)[0]
+        fns[("prologue alone", name)] = lambda entry=entry: entry.prologue_fn(x, y)
+        fns[("computation alone", name)] = lambda e=entry, i=inputs: e.computation_fn(*i)
+        fns[("whole call", name)] = lambda fn=fn: fn(x, y)
+    times = interleaved_times(fns, calls * 2)
     assert keraunos.cache_misses(systems["keraunos, symbolic entry"]) == 1
     static = "keraunos, static entry"
-    print("\ntiny function, symbolic vs static cache entry (ratio to the static entry)")
-    for label, times in (("prologue alone", prologue), ("whole call", whole)):
+    print("\ntiny function, symbolic vs static cache entry (ratio to the static entry; "
+          "thread time, timed in turns)")
+    results = {}
+    for label in ("prologue alone", "computation alone", "whole call"):
         print(f"  {label}")
-        for name, t in times.items():
-            print(row("  " + name, t, times[static]))
-    return prologue, whole
+        results[label] = {name: times[(label, name)] for name in systems}
+        for name, t in results[label].items():
+            print(row("  " + name, t, results[label][static]))
+    return results
 
 
 def llama3_shaped():
