@@ -2,6 +2,7 @@
 
 Run: python benchmarks/generate.py [--models llama,gpt2,qwen2,mistral,litgpt] [--tokens N]
      [--prompts 7,11] [--repeats R] [--cache dynamic|static] [--skip-compile]
+     [--memory-steps 1000]
 
 Every figure comes from this one run, one intra-op thread, tiny configs with random weights
 (nothing downloaded). Per model and system, greedy generation of ``--tokens`` new tokens:
@@ -169,6 +170,45 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
               f"{vs_eager:>9} {vs_compile:>17}")
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:  # Linux: resident pages are the second field
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_over_steps(steps: int) -> None:
+    """Memory over ``steps`` decode steps of a litgpt KV-cache GPT whose cache holds every
+    position (fixed-size buffers: nothing should grow), eager and keraunos in turn: Python's
+    allocated blocks (``sys.getallocatedblocks``) and the process's resident memory, after a
+    warm-up of 20 steps and at the end, per step."""
+    import gc
+    import sys
+    import litgpt
+    from litgpt.model import GPT
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, padded_vocab_size=128,
+                           block_size=steps + 32)
+    eager = GPT(config).eval()
+    jitted_module = copy.deepcopy(eager)
+    systems = {"eager": (eager, eager), "keraunos": (keraunos.jit(jitted_module), jitted_module)}
+    print(f"\nmemory over {steps} decode steps (litgpt KV cache of {steps + 32} positions)")
+    print(f"  {'system':<10} {'blocks/step':>12} {'RSS bytes/step':>15} {'compiles':>9}")
+    for name, (model, module) in systems.items():
+        module.max_seq_length = steps + 32
+        module.set_kv_cache(batch_size=1)
+        token = torch.tensor([[3]])
+        with torch.no_grad():
+            for p in range(20):
+                model(token, input_pos=torch.tensor([p]), input_pos_maxp1=p + 1)
+            gc.collect()
+            blocks, rss = sys.getallocatedblocks(), rss_bytes()
+            for p in range(20, 20 + steps):
+                model(token, input_pos=torch.tensor([p]), input_pos_maxp1=p + 1)
+            gc.collect()
+        compiles = keraunos.cache_misses(model) if name == "keraunos" else 0
+        print(f"  {name:<10} {(sys.getallocatedblocks() - blocks) / steps:12.2f} "
+              f"{(rss_bytes() - rss) / steps:15.1f} {compiles:9d}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama,gpt2,qwen2,mistral,litgpt")
@@ -177,18 +217,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
     parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--memory-steps", type=int, default=0,
+                        help="also measure memory over this many decode steps (e.g. 1000)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # transformers' generation-config notices
     prompts = [int(n) for n in args.prompts.split(",")]
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread, "
           f"{args.cache} cache (Hugging Face models)")
-    for model in args.models.split(","):
+    for model in filter(None, args.models.split(",")):  # --models "" runs none
         if model == "litgpt":
             systems = litgpt_systems(not args.skip_compile)
         else:
             systems = hf_systems(model, args.cache, not args.skip_compile)
         bench(model, systems, prompts, args.tokens, args.repeats)
+    if args.memory_steps:
+        memory_over_steps(args.memory_steps)
 
 
 if __name__ == "__main__":
