@@ -263,6 +263,8 @@ def chart(rows: list, path: str) -> bool:
         return False
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))
+    # Per call relative to eager; to torch.compile when eager was not run (--systems).
+    reference = "eager" if "eager" in systems else "torch.compile"
     fig, (speed, compile_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(systems)
     for k, system in enumerate(systems):
@@ -270,10 +272,10 @@ def chart(rows: list, path: str) -> bool:
         for workload in workloads:
             row = next((r for r in rows if r["workload"] == workload and r["system"] == system),
                        None)
-            eager = next((_steady(r) for r in rows if r["workload"] == workload
-                          and r["system"] == "eager"), None)
+            base = next((_steady(r) for r in rows if r["workload"] == workload
+                         and r["system"] == reference), None)
             steady = _steady(row) if row else None
-            ratios.append(steady["median"] / eager["median"] if steady and eager else 0.0)
+            ratios.append(steady["median"] / base["median"] if steady and base else 0.0)
             cold.append(row["cold"].get("compile", 0.0) if row else 0.0)
             warm.append((row["warm"] or {}).get("compile", 0.0) if row else 0.0)
         xs = [i + k * width for i in range(len(workloads))]
@@ -281,7 +283,7 @@ def chart(rows: list, path: str) -> bool:
         if system in COMPILING:
             compile_ax.bar(xs, cold, width, label=f"{system} (cold)")
             compile_ax.bar(xs, warm, width * 0.5, color="black", alpha=0.4)
-    for ax, title in ((speed, "per call or step, relative to eager (lower is faster)"),
+    for ax, title in ((speed, f"per call or step, relative to {reference} (lower is faster)"),
                       (compile_ax, "compile + warm-up, s (dark: warm disk cache)")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
         ax.set_xticklabels([f"({w})" for w in workloads])
