@@ -95,10 +95,24 @@ class Recorder(TorchFunctionMode):
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
+        if _returns_its_argument(symbol, out, tensors, versions, mutated, kwargs):
+            return out
         produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
         if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+def _returns_its_argument(symbol, out, tensors, versions, mutated, kwargs) -> bool:
+    """Whether the call handed back one of its tensor arguments, unchanged (``x.float()`` of a
+    float tensor, ``.contiguous()`` of a contiguous one, ``.to(x.device)``): such a call is no
+    line of the program. Its result is the argument's proxy either way, and what made it return
+    its argument (dtype, device, layout) is what the prologue checks, or a guard on sizes; a line
+    kept would only cost a Python call and a dispatch per run."""
+    if not isinstance(out, torch.Tensor) or not any(out is t for t in tensors):
+        return False
+    return not (mutated or None in versions or "out" in kwargs or is_inplace_by_name(symbol)
+                or is_random(symbol))
 
 
 _SUBTRACTIONS = {"sub", "sub_", "rsub", "subtract", "isub", "neg", "neg_", "negative"}
