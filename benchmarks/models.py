@@ -196,7 +196,7 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
 
 # ----------------------------------------------------------------------------------- output
 def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
-    print(f"\n{title}")
+    print(f"\n{title}", flush=True)
     print(f"  {'model':<11} {'system':<34} {'compile':>10} {'per call':>11} {'vs eager':>9}"
           f" {'vs Inductor':>11} {'min':>11} {'min vs Ind.':>11}  result")
     for model_name, results in rows.items():
@@ -208,7 +208,7 @@ def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
             verdict = "pass" if m.error is None else f"FAIL ({m.error})"
             print(f"  {model_name:<11} {label:<34} {compile_s:>10} {per_call:>11} "
                   f"{ratio(m, eager):>9} {ratio(m, inductor):>11} {fastest:>11} "
-                  f"{ratio(m, inductor, 'min_s'):>11}  {verdict}")
+                  f"{ratio(m, inductor, 'min_s'):>11}  {verdict}", flush=True)
 
 
 def ratio(m: Measured, base: Measured | None, field: str = "per_call_s") -> str:
@@ -253,6 +253,11 @@ def main():
         inference_rows[name] = measure(inference, base, name, systems, args.iters)
         if args.train and ZOO[name].trains:
             training_rows[name] = measure(training, base, name, systems, args.iters)
+        # Each model's rows as soon as it is done (a run stopped early keeps what it measured);
+        # the tables below gather them.
+        print_table(f"done: {name}, inference", {name: inference_rows[name]})
+        if name in training_rows:
+            print_table(f"done: {name}, training step", {name: training_rows[name]})
     print_table("inference (eval, no_grad, padding mask where taken)", inference_rows)
     if args.train:
         print_table("training step (zero_grad, forward, loss.backward(), AdamW.step(); train mode, "
