@@ -376,3 +376,33 @@ def test_random_ops_are_known_by_object_and_attention_only_with_dropout():
     assert not is_random(torch_symbol(torch.exp))
     # seeded, but draws only when dropout_p != 0: the call decides
     assert not is_random(torch_symbol(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default))
+
+
+def test_dropout_in_eval_mode_or_with_p_zero_is_no_line_and_draws_nothing():
+    """Eval-mode dropout returns its input and leaves the generator alone (eager's ATen returns
+    early): it is no random line, so DCE, CSE and fusion treat it as the identity it is."""
+    from keraunos.core.effects import draws_random
+    from keraunos.capture.naming import torch_symbol
+    F = torch.nn.functional
+    x = torch.randn(3)
+    assert not draws_random(torch_symbol(F.dropout), (x, 0.1), {"training": False})
+    assert not draws_random(torch_symbol(F.dropout), (x, 0.0), {})
+    assert not draws_random(torch_symbol(F.alpha_dropout), (x, 0.2), {})  # training=False default
+    assert not draws_random(torch_symbol(torch.dropout), (x, 0.2, False), {})
+    assert draws_random(torch_symbol(F.dropout), (x, 0.1), {})
+    assert draws_random(torch_symbol(torch.dropout), (x, 0.2, True), {})
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.GELU())
+    jm = keraunos.jit(model.eval())
+    with torch.no_grad():
+        state = torch.get_rng_state()
+        out = jm(torch.ones(2, 4))
+        assert torch.equal(torch.get_rng_state(), state)
+        torch.testing.assert_close(out, model(torch.ones(2, 4)))
+    assert "dropout" not in str(keraunos.last_traces(jm)[-1])
+    model.train()  # now it draws: eager's values under the same seed
+    torch.manual_seed(3)
+    mine = jm(torch.ones(2, 4))
+    torch.manual_seed(3)
+    torch.testing.assert_close(mine, model(torch.ones(2, 4)))
+    assert "bernoulli" in str(keraunos.last_traces(jm)[-1])

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..core.effects import is_inplace_by_name, is_random
+from ..core.effects import draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, user_source
 from .interceptors import paused_watch
@@ -95,15 +95,16 @@ class Recorder(TorchFunctionMode):
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
-        if _returns_its_argument(symbol, out, tensors, versions, mutated, kwargs):
+        if _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs):
             return out
         produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
-        if produces_tensor or mutated or is_inplace_by_name(symbol) or is_random(symbol):
+        if produces_tensor or mutated or is_inplace_by_name(symbol) or \
+                draws_random(symbol, args, kwargs):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
 
 
-def _returns_its_argument(symbol, out, tensors, versions, mutated, kwargs) -> bool:
+def _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs) -> bool:
     """Whether the call handed back one of its tensor arguments, unchanged (``x.float()`` of a
     float tensor, ``.contiguous()`` of a contiguous one, ``.to(x.device)``): such a call is no
     line of the program. Its result is the argument's proxy either way, and what made it return
@@ -112,7 +113,7 @@ def _returns_its_argument(symbol, out, tensors, versions, mutated, kwargs) -> bo
     if not isinstance(out, torch.Tensor) or not any(out is t for t in tensors):
         return False
     return not (mutated or None in versions or "out" in kwargs or is_inplace_by_name(symbol)
-                or is_random(symbol))
+                or draws_random(symbol, args, kwargs))
 
 
 _SUBTRACTIONS = {"sub", "sub_", "rsub", "subtract", "isub", "neg", "neg_", "negative"}

@@ -60,12 +60,36 @@ def is_random(symbol: TorchSymbol) -> bool:
     return id(fn) in _random_ids()
 
 
+@functools.lru_cache(maxsize=None)
+def _dropouts() -> dict[int, tuple[str, bool | None]]:
+    """The dropout functions by id -> the name and default of their ``training`` argument (the
+    third; ``p`` is the second). In eval mode, or with ``p == 0``, they return their input and
+    draw nothing (ATen's ``dropout`` returns early before touching the generator)."""
+    F = torch.nn.functional
+    table = {F.dropout: ("training", True), F.dropout1d: ("training", True),
+             F.dropout2d: ("training", True), F.dropout3d: ("training", True),
+             F.alpha_dropout: ("training", False), F.feature_alpha_dropout: ("training", False),
+             torch.dropout: ("train", None), torch.alpha_dropout: ("train", None),
+             torch.feature_alpha_dropout: ("train", None)}
+    return {id(fn): spec for fn, spec in table.items()}
+
+
+def _dropout_is_identity(fn, args: tuple, kwargs: dict) -> bool:
+    name, default = _dropouts()[id(fn)]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get(name, default)
+    return training is False or (type(p) in (int, float) and p == 0)
+
+
 def draws_random(symbol: TorchSymbol, args: tuple, kwargs: dict) -> bool:
-    """Whether this call draws from the global generator: a random op, or attention (the ATen
-    overloads with a ``dropout_p`` argument, ``F.scaled_dot_product_attention``) with dropout."""
+    """Whether this call draws from the global generator: a random op (but not a dropout in eval
+    mode or with ``p=0``), or attention (the ATen overloads with a ``dropout_p`` argument,
+    ``F.scaled_dot_product_attention``) with dropout."""
+    fn = symbol.fn
+    if id(fn) in _dropouts():
+        return not _dropout_is_identity(fn, args, kwargs)
     if is_random(symbol):
         return True
-    fn = symbol.fn
     if isinstance(fn, torch._ops.OpOverload):
         names = [a.name for a in fn._schema.arguments]
         if "dropout_p" not in names or torch.Tag.nondeterministic_seeded not in fn.tags:

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...capture.symbolic import SymbolicValue
-from ...core.effects import draws_random, is_inplace_by_name, is_random
+from ...core.effects import draws_random, is_inplace_by_name
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
 from ...core.tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM
@@ -68,7 +68,7 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}:
         return False
-    if is_inplace_by_name(symbol) or is_random(symbol) or _draws_random(bsym):
+    if is_inplace_by_name(symbol) or _draws_random(bsym):
         return False
     short = symbol.name.rsplit(".", 1)[-1]
     if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
@@ -242,7 +242,7 @@ def _movable(bsym: BoundSymbol) -> bool:
     """A line whose only effect is its outputs: it may run earlier than written."""
     return (isinstance(bsym.symbol, TorchSymbol)
             and not bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}
-            and not is_inplace_by_name(bsym.symbol) and not is_random(bsym.symbol))
+            and not is_inplace_by_name(bsym.symbol) and not _draws_random(bsym))
 
 
 def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
