@@ -586,6 +586,28 @@ def test_list_argument_mutated_by_program_like_eager():
     assert_close(xs[1], out)
 
 
+def test_plain_list_and_dict_arguments_the_program_changes_are_changed_as_in_eager():
+    """An empty list (or one of plain values) is a container too: the program appends to a
+    stand-in and the epilogue replays it; capture never touches the caller's list (it used to
+    append a fake tensor to it, and the prologue then compared real with fake)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def f(x, xs, d):
+        xs.append(x)
+        xs.append(len(xs))
+        d["y"] = x * 2
+        return x.sin()
+    jf = keraunos.jit(f)
+    for start in ([], [1, 2], []):  # the third call is a cache hit on the first's entry
+        x = torch.randn(3)
+        mine, theirs, mine_d, theirs_d = list(start), list(start), {}, {}
+        assert_close(jf(x, mine, mine_d), f(x, theirs, theirs_d))
+        assert mine[:-2] == theirs[:-2] and mine[-2] is x and mine[-1] == theirs[-1]
+        assert list(mine_d) == ["y"] and not isinstance(mine_d["y"], FakeTensor)
+        assert_close(mine_d["y"], theirs_d["y"])
+    assert keraunos.cache_hits(jf) == 1
+
+
 def test_jitted_function_called_inside_jitted_function():
     inner = keraunos.jit(lambda x: x.sin())
     outer = keraunos.jit(lambda x: inner(x) + 1)

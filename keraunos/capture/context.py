@@ -186,9 +186,10 @@ class CaptureContext:
             if proxy is not None:
                 self.guard("symbolic int", path, proxy)
                 return symint
-        # A list or dict held by an object passed in is a container the program may change (a
-        # cache's list of layers), even while it holds only plain values.
-        held = type(value) in (list, dict) and path.kind == "attr" and _from_call(path)
+        # A list or dict that came with the call (an argument, or held by an object passed in: a
+        # cache's list of layers) is a container the program may change, even while it holds only
+        # plain values: the program gets a stand-in, and the epilogue replays its changes.
+        held = type(value) in (list, dict) and _from_call(path)
         if is_plain(value) and path.kind != "root" and not held:
             self.guard("value", path, value)
             return value
