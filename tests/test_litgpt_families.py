@@ -22,8 +22,8 @@ For every family, against an identical deep copy run eagerly:
 
 litgpt's sliding-window KV cache (a ring buffer) calls ``input_pos.max().item()`` to decide how much
 of the cache to return: control flow on tensor data. By default keraunos refuses it with a
-``CaptureError`` (tested); with ``keraunos.jit(model, specialize_data=True)`` the value is compiled
-in and checked by the prologue on every call, and generation matches eager (tested). The same
+``CaptureError`` (tested); with ``keraunos.jit(model, specialize_data=True)`` the prologue computes
+the value and checks it (as a size symbol once it changes), and generation matches eager (tested). The same
 families also run generation with the window switched off.
 """
 from __future__ import annotations
@@ -266,8 +266,9 @@ def test_kv_cache_generation(family):
 
 @pytest.mark.parametrize("family", SLIDING)
 def test_kv_cache_generation_with_sliding_window_specialized_on_data(family):
-    """With specialize_data=True the ring buffer's `input_pos.max().item()` is a guarded
-    constant: each decode step recompiles (a new position), and every step matches eager."""
+    """With specialize_data=True the ring buffer's `input_pos.max().item()` is computed by the
+    prologue (a guarded constant, then a size symbol once it changes), and every step matches
+    eager. (Compile counts: tests/test_symbolic.py's sliding-window generate test.)"""
     model, ref = make_models(family)
     _generate_and_compare(model, ref, specialize_data=True)
 
