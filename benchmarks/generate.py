@@ -1,4 +1,5 @@
-"""Text generation: per-token time and compilations of eager, keraunos and torch.compile.
+"""Text generation: per-token time and compilations of eager, keraunos (with --fusion also
+keraunos with the Inductor executor) and torch.compile.
 
 Run: python benchmarks/generate.py [--models llama,gpt2,qwen2,mistral,litgpt] [--tokens N]
      [--prompts 7,11] [--repeats R] [--cache dynamic|static] [--skip-compile]
@@ -71,7 +72,10 @@ class System:
         self.compiles = compiles
 
 
-def hf_systems(kind: str, cache: str, with_compile: bool) -> dict[str, System]:
+FUSED = ["inductor", "torch"]  # --fusion: keraunos with the Inductor executor too
+
+
+def hf_systems(kind: str, cache: str, with_compile: bool, fusion: bool = False) -> dict[str, System]:
     options = dict(do_sample=False, pad_token_id=0)
     if cache == "static":
         options["cache_implementation"] = "static"
@@ -86,6 +90,10 @@ def hf_systems(kind: str, cache: str, with_compile: bool) -> dict[str, System]:
     jitted = keraunos.jit(copy.deepcopy(eager))
     systems = {"eager": System(runner(eager.generate), lambda: 0),
                "keraunos": System(runner(jitted.generate), lambda: keraunos.cache_misses(jitted))}
+    if fusion:
+        fused = keraunos.jit(copy.deepcopy(eager), executors=FUSED)
+        systems["keraunos+inductor"] = System(runner(fused.generate),
+                                              lambda: keraunos.cache_misses(fused))
     if with_compile:
         compiled = copy.deepcopy(eager)
         compiled.forward = torch.compile(compiled.forward)
@@ -93,7 +101,7 @@ def hf_systems(kind: str, cache: str, with_compile: bool) -> dict[str, System]:
     return systems
 
 
-def litgpt_systems(with_compile: bool) -> dict[str, System]:
+def litgpt_systems(with_compile: bool, fusion: bool = False) -> dict[str, System]:
     from litgpt.generate.base import generate
 
     def runner(model, module):
@@ -108,6 +116,11 @@ def litgpt_systems(with_compile: bool) -> dict[str, System]:
     systems = {"eager": System(runner(eager, eager), lambda: 0),
                "keraunos": System(runner(jitted, jitted_module),
                                   lambda: keraunos.cache_misses(jitted))}
+    if fusion:
+        fused_module = copy.deepcopy(eager)
+        fused = keraunos.jit(fused_module, executors=FUSED)
+        systems["keraunos+inductor"] = System(runner(fused, fused_module),
+                                              lambda: keraunos.cache_misses(fused))
     if with_compile:
         compiled_module = copy.deepcopy(eager)
         systems["torch.compile"] = System(runner(torch.compile(compiled_module), compiled_module),
@@ -141,7 +154,7 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
     prompt_ids = [torch.randint(1, 128, (n,)) for n in prompts]
     reference = [systems["eager"].generate(p, tokens).tolist() for p in prompt_ids]
     print(f"\n{name}: prompts {prompts}, {tokens} new tokens, per token = one decode step")
-    print(f"  {'system':<14} {'compiles per prompt':<22} {'tokens':<7} {'per token':>12} "
+    print(f"  {'system':<17} {'compiles per prompt':<22} {'tokens':<7} {'per token':>12} "
           f"{'vs eager':>9} {'vs torch.compile':>17}")
     rows, working = {}, {}
     for system_name, system in systems.items():
@@ -162,11 +175,11 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
     for system_name, (compiles, same, t) in rows.items():
         verdict = same if isinstance(same, str) else ("equal" if same else "DIFFER")
         if t is None:
-            print(f"  {system_name:<14} {str(compiles):<22} {verdict:<7}")
+            print(f"  {system_name:<17} {str(compiles):<22} {verdict:<7}")
             continue
         vs_eager = f"{t / eager_t:8.2f}x" if eager_t else ""
         vs_compile = f"{t / compile_t:16.2f}x" if compile_t else ""
-        print(f"  {system_name:<14} {str(compiles):<22} {verdict:<7} {t * 1e3:9.3f} ms "
+        print(f"  {system_name:<17} {str(compiles):<22} {verdict:<7} {t * 1e3:9.3f} ms "
               f"{vs_eager:>9} {vs_compile:>17}")
 
 
@@ -217,6 +230,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic")
     parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--fusion", action="store_true",
+                        help="also keraunos with the Inductor executor (keraunos+inductor)")
     parser.add_argument("--memory-steps", type=int, default=0,
                         help="also measure memory over this many decode steps (e.g. 1000)")
     args = parser.parse_args()
@@ -227,9 +242,9 @@ def main() -> None:
           f"{args.cache} cache (Hugging Face models)")
     for model in filter(None, args.models.split(",")):  # --models "" runs none
         if model == "litgpt":
-            systems = litgpt_systems(not args.skip_compile)
+            systems = litgpt_systems(not args.skip_compile, args.fusion)
         else:
-            systems = hf_systems(model, args.cache, not args.skip_compile)
+            systems = hf_systems(model, args.cache, not args.skip_compile, args.fusion)
         bench(model, systems, prompts, args.tokens, args.repeats)
     if args.memory_steps:
         memory_over_steps(args.memory_steps)
