@@ -579,6 +579,18 @@ def test_hf_generate_with_a_static_cache(kind):
     assert compiles[0] <= 3 and compiles[1] == 0, compiles
 
 
+def test_hf_generate_with_fusion_compiles_as_few_entries_as_without():
+    """The fused symbolic entries serve every decode step. An input's size symbol that the
+    ShapeEnv found equal to another (cache_position's length and input_ids': s98 -> s27) gave a
+    KeyError in the region's graph, so every step fell back to exact sizes and recompiled."""
+    model, model_ref = _hf_model("llama")
+    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    compiles = _generate_compiles(model, model_ref, jitted, jitted.generate, (7, 11))
+    assert compiles[0] <= 3 and compiles[1] == 0, compiles
+    assert keraunos.last_fusions(jitted), "the decode entry has fused regions"
+    assert not jitted._keraunos.symbolic_fallbacks
+
+
 def test_hf_generate_mistral_sliding_window_does_not_compile_per_position():
     # A window of 6 fills during the prompt; every decode step slides it (the cache keeps a view
     # of the last 5 positions, whose offset and strides are symbols).

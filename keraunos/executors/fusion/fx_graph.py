@@ -47,7 +47,14 @@ class _GraphBuilder(Interpreter):
 
     def constant(self, x):
         if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
-            return symbolic.expression_node(self.graph, x.value.node.expr, self.symbols)
+            node, symbols = x.value.node, self.symbols
+            if node.shape_env is not None:
+                # An input's symbol may have been found equal to another since (HF generate's
+                # cache_position and input_ids lengths: s98 -> s27): expressions use the one
+                # the ShapeEnv keeps, and the input gives its value too.
+                replace = node.shape_env.replace
+                symbols = {**{replace(s): n for s, n in symbols.items()}, **symbols}
+            return symbolic.expression_node(self.graph, node.expr, symbols)
         return x
 
     def run_line(self, index, bsym, args, kwargs):
