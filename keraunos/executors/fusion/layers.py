@@ -101,17 +101,9 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
 
 def _fill_runs(tags: list[str | None]) -> None:
     """An untagged run between two lines of the same layer belongs to that layer."""
-    i = 0
-    while i < len(tags):
-        if tags[i] is not None:
-            i += 1
-            continue
-        j = i
-        while j < len(tags) and tags[j] is None:
-            j += 1
+    for i, j in _untagged_runs(tags):
         if 0 < i and j < len(tags) and tags[i - 1] == tags[j]:
             tags[i:j] = [tags[j]] * (j - i)
-        i = j
 
 
 def _gradient_lines(lines, tags: list[str | None]) -> None:
