@@ -427,15 +427,20 @@ _WANTED = os.environ.get("KERAUNOS_FUSION_FAMILIES", "llama2")
 FAMILIES_RUN = sorted(LITGPT_FAMILIES) if _WANTED == "all" else _WANTED.split(",")
 
 
-@pytest.mark.parametrize("family", FAMILIES_RUN)
-def test_litgpt_adamw_losses_and_gradients_match_eager(family):
+def _litgpt_model(family: str, n_layer: int):
+    """A tiny litgpt model of ``family`` (random weights, seed 0)."""
     litgpt = pytest.importorskip("litgpt")
     from litgpt.model import GPT as LitGPT
     name, overrides = LITGPT_FAMILIES[family]
-    config = litgpt.Config.from_name(name, n_layer=2, n_embd=64, vocab_size=256,
+    config = litgpt.Config.from_name(name, n_layer=n_layer, n_embd=64, vocab_size=256,
                                      padded_vocab_size=256, block_size=64, **overrides)
     torch.manual_seed(0)
-    model = LitGPT(config)
+    return LitGPT(config)
+
+
+@pytest.mark.parametrize("family", FAMILIES_RUN)
+def test_litgpt_adamw_losses_and_gradients_match_eager(family):
+    model = _litgpt_model(family, n_layer=2)
     reference = copy.deepcopy(model)
     jitted = keraunos.jit(model, executors=FUSED)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
@@ -471,14 +476,8 @@ def test_litgpt_backward_layers_make_identical_regions_with_none_between(family,
     # below reads views of it: those lines join the layers, so every layer's backward region
     # is the same graph (one kernel) and no few-line region between layers needs one of its own.
     # The regions are formed and recorded here, not compiled.
-    litgpt = pytest.importorskip("litgpt")
-    from litgpt.model import GPT as LitGPT
     from keraunos.executors.fusion import fx_graph
-    name, overrides = LITGPT_FAMILIES[family]
-    config = litgpt.Config.from_name(name, n_layer=4, n_embd=64, vocab_size=256,
-                                     padded_vocab_size=256, block_size=64, **overrides)
-    torch.manual_seed(0)
-    model = LitGPT(config)
+    model = _litgpt_model(family, n_layer=4)
     formed = []
 
     def record(region, trace_name, *args):
@@ -516,13 +515,7 @@ def saved_for_backward(fn, parameters):
 
 def test_litgpt_fused_training_saves_no_more_than_eager():
     # The llama2 config of the AdamW test above: its kernels are already in this process.
-    litgpt = pytest.importorskip("litgpt")
-    from litgpt.model import GPT as LitGPT
-    name, overrides = LITGPT_FAMILIES["llama2"]
-    config = litgpt.Config.from_name(name, n_layer=2, n_embd=64, vocab_size=256,
-                                     padded_vocab_size=256, block_size=64, **overrides)
-    torch.manual_seed(0)
-    model = LitGPT(config)
+    model = _litgpt_model("llama2", n_layer=2)
     reference = copy.deepcopy(model)
     jitted = keraunos.jit(model, executors=FUSED)
     idx = torch.randint(0, 256, (2, 16))
@@ -892,13 +885,7 @@ def test_grad_mode_switched_inside_the_program_fuses_around_what_autograd_record
 
 
 def test_litgpt_over_prompt_lengths_fuses_the_dynamic_entry_with_one_kernel_per_layer():
-    litgpt = pytest.importorskip("litgpt")
-    from litgpt.model import GPT as LitGPT
-    name, overrides = LITGPT_FAMILIES["llama2"]
-    config = litgpt.Config.from_name(name, n_layer=2, n_embd=64, vocab_size=256,
-                                     padded_vocab_size=256, block_size=64, **overrides)
-    torch.manual_seed(0)
-    model = LitGPT(config).eval()
+    model = _litgpt_model("llama2", n_layer=2).eval()
     jitted = keraunos.jit(model, executors=FUSED)
     with torch.no_grad():
         for length in (8, 12, 16, 23, 5):
