@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 import os
 import threading
 import time
@@ -194,17 +195,31 @@ def _alias_check_for(entry: CacheEntry) -> Callable:
         return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
     if entry.alias_pattern is None and written is not None:
         # The storage's use count counts tensor objects: one tensor passed in two places is
-        # "alone" by it, so those places are compared by identity too (fuzzer 30:1326).
+        # "alone" by it, so those places are compared by identity too (fuzzer 30:1326): when
+        # the tensors at ``positions`` are distinct objects (one set of their ids, built in C),
+        # no written one is passed twice; otherwise the full comparison decides.
+        tensors_at, written_at = _items_at(positions), _items_at(written)
         others = {i: tuple(j for j in positions if j != i) for i in written}
 
         def check(inputs):
-            for i in written:
-                t = inputs[i]
-                if not _alone(t) or any(inputs[j] is t for j in others[i]):
+            for t in written_at(inputs):
+                if not _alone(t):
                     return _alias_pattern(entry, inputs) is None
-            return True
+            if len(set(map(id, tensors_at(inputs)))) == len(positions):
+                return True
+            if any(inputs[j] is inputs[i] for i in written for j in others[i]):
+                return _alias_pattern(entry, inputs) is None
+            return True  # only inputs the program reads are passed twice
         return check
     return lambda inputs: _alias_pattern(entry, inputs) == entry.alias_pattern
+
+
+def _items_at(positions: tuple) -> Callable:
+    """``inputs -> tuple(inputs[i] for i in positions)``, in C."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda inputs: (inputs[i],)
+    return operator.itemgetter(*positions)
 
 
 def _alias_pattern(entry: CacheEntry, inputs: Sequence):

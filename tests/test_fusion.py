@@ -313,6 +313,30 @@ def test_batchnorm_training_statistics_and_gradients_match_eager():
     assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
 
 
+def test_regions_are_called_past_inductors_wrappers_unless_they_write_an_input():
+    """After its first call a pure region calls Inductor's graph directly (the wrappers cost as
+    much as a small kernel); BatchNorm's region writes the running statistics (the graph does,
+    so it must not run twice to be compared) and keeps the wrappers; grad mode on takes the
+    wrappers too. Every call gives eager's values and statistics."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                          nn.Tanh())
+    jit_model = copy.deepcopy(eager)
+    jitted = keraunos.jit(jit_model, executors=FUSED)
+    for grad in (False, False, True, False):
+        x = torch.randn(6, 8)
+        with torch.set_grad_enabled(grad):
+            assert_close(jitted(x), eager(x), **TOL)
+        for a, b in zip(jit_model.buffers(), eager.buffers()):
+            assert_close(a, b, **TOL)
+    calls = {tuple(b.symbol.name for b in fl.subsymbols): fl.symbol.call
+             for fl in fusion_lines(keraunos.last_traces(jitted)[-1])}
+    direct = [lines for lines, call in calls.items() if call.kernel_fn is not call.kernel.compiled]
+    wrapped = [lines for lines, call in calls.items() if call.kernel_fn is call.kernel.compiled]
+    assert direct and all("batch_norm" not in " ".join(lines) for lines in direct)
+    assert wrapped and all("batch_norm" in " ".join(lines) for lines in wrapped)
+
+
 def test_returned_views_share_memory_as_in_eager():
     def f(x):
         y = torch.tanh(x * 2) + 1
