@@ -346,8 +346,9 @@ class FusionCall(Symbol):
         r = self.region
         where = f"layer {r.layer}, " if r.layer else ""
         reuse = f"the kernel of {r.shared_with}" if r.shared_with else "compiled for this region"
-        lines = [f"# {self.name}: {where}{len(r.lines)} lines, kernel k{r.kernel.number} "
-                 f"({reuse})"]
+        writes = f", writes {', '.join(r.written)} in place" if r.written else ""
+        lines = [f"# {self.name}: {where}{len(r.lines)} lines{writes}, kernel "
+                 f"k{r.kernel.number} ({reuse})"]
         if self.call.guard_source:  # sizes Inductor assumed: other sizes run the lines below
             lines.append(f"#   kernel where {self.call.guard_source}; else these lines:")
         sub = CodeWriter({})  # comments only: nothing may enter the trace's namespace

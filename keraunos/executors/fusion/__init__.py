@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core import glue
+from ...core.proxies import TensorProxy
 from ...core.symbols import BoundSymbol
+from ...core.tags import MUTATION
 from ...core.trace import Trace
 from .. import Executor
-from . import compiler, fx_graph, layers, symbolic
+from . import compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers"]
@@ -67,6 +69,7 @@ class FusionRegion:
     kernel: compiler.Kernel
     shared_with: str | None = None  # the region the kernel was compiled for, when not this one
     lines: list[BoundSymbol] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # inputs it writes in place (a KV cache)
 
     @property
     def kernel_code(self) -> str:
@@ -166,7 +169,8 @@ def _why_not(lines, claimed) -> str | None:
         return "autocast is on"  # the trace's ops would run under autocast; a region not
     if any(i != 0 for b in lines if b.symbol is glue.SET_GLOBAL_STATE for i, _ in b.args[0]):
         return "the program switches autocast"  # (grad mode alone cuts regions, see fuse)
-    devices = {b.output_proxies()[0].device.type for b, c in zip(lines, claimed) if c}
+    devices = {(b.output_proxies() or b.input_proxies())[0].device.type
+               for b, c in zip(lines, claimed) if c}  # (a claimed write may bind no output)
     for device in sorted(devices):
         problem = compiler.toolchain_problem(device)
         if problem is not None:
@@ -192,6 +196,12 @@ def _next_executor(bsym, executors, fusion) -> str:
 
 
 def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
+    checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
+    written_storages = {w.storage for w in map(regions.writes, r.lines) if w is not None}
+    written = tuple(k for k, p in enumerate(r.inputs)
+                    if isinstance(p, TensorProxy) and p.storage in written_storages)
+    if set(written) & set(checked):  # an incoming gradient of any strides, written in place:
+        return None                  # a call that relaid it would write the copy
     name = f"inductor_region{counter[0]}"
     layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
     graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
@@ -207,11 +217,10 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
         return None
     region_trace = Trace(name, list(r.inputs), list(r.lines) + [
         glue.RETURN_REGION.bind(*r.outputs)])
-    checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
             region_trace.python_callable() if kernel.guards else None),
-            make_fallback=region_trace.python_callable, layout=layout)
+            make_fallback=region_trace.python_callable, layout=layout, written=written)
     except compiler.SymbolicUnguardable as e:
         compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
                            f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "
@@ -222,6 +231,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     done.setdefault(kernel.number, name)
     region = FusionRegion(name, trace_name, r.layer, [p.name for p in r.inputs],
                           [p.name for p in r.outputs], region_trace, kernel.graph, kernel, shared,
-                          list(r.lines))
+                          list(r.lines), [r.inputs[k].name for k in written])
     return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
-                       subsymbols=list(r.lines), executor=InductorExecutor.name)
+                       subsymbols=list(r.lines), executor=InductorExecutor.name,
+                       tags={MUTATION} if written_storages else set())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import shutil
 import subprocess
 import threading
@@ -96,6 +97,17 @@ class Kernel:
         graph, compiled = self._unwrapped, self.compiled
         if graph is False:
             return compiled
+        written = tuple(sorted(graph.mutated_input_idxs))
+        if written:  # a KV cache the graph writes: its version counter moves, as in eager
+            at = operator.itemgetter(*written)
+
+            def call(*args):
+                if _eval_frame_callback() is None and not _grad_enabled():
+                    outs = graph.current_callable(list(args))
+                    _increment_version(at(args))
+                    return outs
+                return compiled(*args)
+            return call
 
         def call(*args):
             if _eval_frame_callback() is None and not _grad_enabled():
@@ -106,22 +118,24 @@ class Kernel:
 
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _grad_enabled = torch.is_grad_enabled
+_increment_version = torch.autograd.graph.increment_version
 
 
 def _unwrapped(compiled, args, outs):
     """Inductor's ``CompiledFxGraph`` inside ``compiled`` (found through the wrappers' closures),
-    when it writes none of its inputs and calling it on ``args`` gives outputs like ``outs``
-    (a graph whose input mutations the wrappers apply returns the new values as more outputs);
-    else None."""
+    when calling it on ``args`` gives outputs like ``outs`` (a graph whose input writes the
+    wrappers make returns the new values as more outputs); else None."""
     from torch._inductor.output_code import CompiledFxGraph
     graph = _find_in_closures(compiled, CompiledFxGraph)
     if graph is None or getattr(graph, "current_callable", None) is None:
         return None
-    if getattr(graph, "mutated_inputs", True) or getattr(graph, "mutated_input_idxs", True):
-        return None  # BatchNorm's running statistics, written by the graph: not called twice
     if any(isinstance(t, torch.Tensor) and (t.requires_grad or any(t is a for a in args))
            for t in outs):
         return None
+    if graph.mutated_input_idxs:  # a KV cache or BatchNorm's statistics, which the graph writes
+        # (not called twice to compare): it returns no more than the region's outputs, so no
+        # write is left for the wrappers to make
+        return graph if len(graph.output_strides or ()) == len(outs) else None
     with torch.no_grad():
         again = graph.current_callable(list(args))
     if len(again) != len(outs):
@@ -339,8 +353,9 @@ class RegionCall:
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
                  always_checked: tuple[int, ...], fallback=None, make_fallback=None,
-                 layout: symbolic.Layout | None = None):
+                 layout: symbolic.Layout | None = None, written: tuple[int, ...] = ()):
         self.kernel = kernel
+        self.written = written  # inputs whose memory the region writes: never copied
         self.make_fallback = make_fallback  # the region's own lines, should g++ have failed
         self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
                        for p in inputs]  # None: a size symbol, passed as an int
@@ -403,6 +418,10 @@ class RegionCall:
         inputs = inputs + [None] * (len(args) - len(inputs))
         fix_inputs = tuple(i for i, m in enumerate(inputs)
                            if m is not None and args[i].stride() != m[1])
+        if set(fix_inputs) & set(self.written):  # a copy would take the write: the lines run
+            lines, count = self.make_fallback(), len(self.inputs)
+            self.run = lambda *a: lines(*a[:count])
+            return self.run(*args)
         checked = tuple(sorted(set(self.always_checked) | set(fix_inputs)))
         self.always_checked = checked
         given = _restrided(args, checked, inputs)

@@ -1,10 +1,16 @@
 """Regions: maximal runs of lines a fusion executor claimed, made safe to hand over as one graph.
 
-A region is compiled as a pure function of its inputs, so only lines whose effect is their
-outputs' values may enter one: no writes (in-place ops, the copies made for written inputs), no
-draws from the random number generator (Inductor's generator is not eager's), no op of unknown
-effect, nothing whose shape the metadata of the trace does not fix. Two more rules keep what
-the rest of the program can observe exact:
+A region is compiled as a function of its inputs, so only lines whose effect Inductor's graph
+reproduces may enter one: no draws from the random number generator (Inductor's generator is not
+eager's), no op of unknown effect, no copies made for written inputs, nothing whose shape the
+metadata of the trace does not fix. In-place methods that write values (a KV cache's
+``k.index_copy_(2, pos, new)``, ``count.add_(1)``) may enter: the graph writes the same memory
+(AOTAutograd functionalizes the write, Inductor writes the input back), so a decode step's layer
+is one region, not two around the cache writes. A written memory must then reach the region
+through one input only and no output may share it (``_unsafe_writes``: Inductor's fake inputs
+each have memory of their own), a write never moves, and no line moves above a write of what it
+reads. A slice may have symbolic bounds (``k[..., :input_pos_maxp1, :]``): the graph computes
+them from the size symbols. Two more rules keep what the rest of the program can observe exact:
 
 - an output may not share memory with what the region reads: a view of an input computed
   inside a compiled graph comes back as a new tensor (or as a view rebuilt by a wrapper), so the
@@ -66,9 +72,9 @@ def fusible(bsym: BoundSymbol) -> bool:
     symbol = bsym.symbol
     if not isinstance(symbol, TorchSymbol) or symbol.style not in _STYLES:
         return False
-    if bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}:
+    if bsym.tags & {RANDOM, OPAQUE, COPY_OF_WRITTEN_INPUT} or _draws_random(bsym):
         return False
-    if is_inplace_by_name(symbol) or _draws_random(bsym):
+    if (MUTATION in bsym.tags or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
         return False
     short = symbol.name.rsplit(".", 1)[-1]
     if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
@@ -82,10 +88,50 @@ def fusible(bsym: BoundSymbol) -> bool:
     if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) for x in leaves):
         return False
     outputs = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
+    if not outputs and writes(bsym) is not None:  # ``cache.index_copy_(...)``, result unused
+        outputs = [bsym.args[0]]
     if not outputs or not all(isinstance(x, TensorProxy) for x in outputs):
         return False
     tensors = [x for x in leaves if isinstance(x, TensorProxy)] + outputs
     return all(_supported(t) for t in tensors) and len({t.device for t in tensors}) == 1
+
+
+# In-place methods that change a tensor's metadata or storage, not only its values: a compiled
+# graph cannot replay them on its input.
+_METADATA_WRITES = frozenset({
+    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
+    "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "share_memory_", "retain_grad_",
+    "fix_", "record_stream_", "storage_", "untyped_storage_", "map_", "apply_", "map2_"})
+
+
+def _fusible_write(bsym: BoundSymbol) -> bool:
+    """An in-place method that a region may run: it writes the values of its first argument
+    (``k_cache.index_copy_(2, pos, k)``, ``count.add_(1)``) and hands it back; Inductor's graph
+    writes the same memory. Its other tensors must not share that memory (an overlapping write
+    reads what it writes), and autograd must not be recording it. Which other inputs of a region
+    may share the written memory is the region's rule (``_unsafe_writes``)."""
+    symbol = bsym.symbol
+    short = symbol.name.rsplit(".", 1)[-1]
+    if symbol.style != "method" or not short.endswith("_") or short.endswith("__") \
+            or short in _METADATA_WRITES:
+        return False
+    target = bsym.args[0] if bsym.args else None
+    if not isinstance(target, TensorProxy) or target.storage is None or target.requires_grad:
+        return False
+    made = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
+    if len(made) > 1 or made and not (isinstance(made[0], TensorProxy)
+                                      and made[0].storage == target.storage):
+        return False  # (its result: the tensor written, or a name the input had before)
+    others = pytree.tree_leaves((bsym.args[1:], bsym.kwargs))
+    return not any(isinstance(x, TensorProxy) and x.storage == target.storage for x in others)
+
+
+def writes(bsym: BoundSymbol) -> TensorProxy | None:
+    """The tensor an in-place torch line writes (its first argument), if it writes one."""
+    if not isinstance(bsym.symbol, TorchSymbol) or not bsym.args or not isinstance(
+            bsym.args[0], TensorProxy):
+        return None
+    return bsym.args[0] if MUTATION in bsym.tags or is_inplace_by_name(bsym.symbol) else None
 
 
 def _size_argument(x) -> bool:
@@ -98,10 +144,17 @@ def _size_argument(x) -> bool:
 
 
 def _plain(x) -> bool:
-    """A constant the FX graph can hold as is (a slice's bounds are not flattened: no proxies)."""
+    """A constant the FX graph can hold as is, or a slice whose bounds are ints or sizes the
+    graph computes (``k[..., :input_pos_maxp1, :]``: ``s0``)."""
     if type(x) is slice:
-        return all(v is None or type(v) is int for v in (x.start, x.stop, x.step))
+        return all(v is None or type(v) is int or _size_argument(v)
+                   for v in (x.start, x.stop, x.step))
     return isinstance(x, _PLAIN) and not isinstance(x, Code)
+
+
+def _slice_bounds(leaves) -> list:
+    """The bounds of the slices among ``leaves`` (pytree keeps a slice as one leaf)."""
+    return [v for x in leaves if type(x) is slice for v in (x.start, x.stop, x.step)]
 
 
 def _supported(t: TensorProxy) -> bool:
@@ -126,12 +179,19 @@ class _Proxies:
     def _of(self, bsym: BoundSymbol) -> tuple:
         found = self._memo.get(id(bsym))
         if found is None:
-            ins = bsym.input_proxies()  # and the size symbols of expressions (``2*s0``)
-            for x in pytree.tree_leaves((bsym.args, bsym.kwargs)):
-                if isinstance(x, SymbolicValue):
-                    ins += [p for p in x.proxies if p.name not in {q.name for q in ins}]
-            found = self._memo[id(bsym)] = (bsym, ins, bsym.output_proxies(),
-                                            _all_proxies(bsym) + ins)
+            ins = bsym.input_proxies()  # and the size symbols of expressions (``2*s0``),
+            leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))  # slices' bounds included
+            bounds = _slice_bounds(leaves)
+            for x in leaves + bounds:
+                found = x.proxies if isinstance(x, SymbolicValue) else (
+                    (x,) if isinstance(x, Proxy) and any(x is b for b in bounds) else ())
+                ins += [p for p in found if p.name not in {q.name for q in ins}]
+            outs = bsym.output_proxies()
+            written = writes(bsym)
+            if written is not None and [p.name for p in outs] != [written.name] \
+                    and _fusible_write(bsym):
+                outs = []  # ``cache.index_copy_(...)`` bound to the name the input had before
+            found = self._memo[id(bsym)] = (bsym, ins, outs, _all_proxies(bsym) + ins)
         return found
 
     def ins(self, bsym):
@@ -182,7 +242,7 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
         regions = _runs(ordered, [claimed[i] for i in order], [layers[i] for i in order], io)
         last_write = _last_writes(ordered, io)
         refused = [order[k] for r in regions
-                   for k in _unsafe_lines(r, observable, last_write, io)]
+                   for k in _unsafe_lines(r, observable, last_write, io) + _unsafe_writes(r)]
         if not refused:
             return ordered, [r for r in regions
                              if sum(_allocates(b, io) for b in r.lines) >= minimum]
@@ -208,8 +268,8 @@ def _sunk(lines, claimed, layers, io: _Proxies) -> list[int]:
     for i in range(len(lines) - 1, -1, -1):
         keys[i] = (i, 0, i)
         later = [j for p in io.outs(lines[i]) for j in readers.get(p.name, ()) if j > i]
-        if not claimed[i] or not later:
-            continue
+        if not claimed[i] or not later or not _movable(lines[i]):
+            continue  # (a write stays where it is: other names may read the memory it writes)
         first = min(later, key=lambda j: keys[j])
         if claimed[first] and layers[first] == layers[i] and keys[first][0] <= barrier_after[i + 1]:
             keys[i] = (keys[first][0], keys[first][1] - 1, i)
@@ -220,17 +280,21 @@ def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
     """The line order with each movable line that is not claimed moved before the claimed run
     it interrupts, when it reads nothing that run defines."""
     order: list[int] = []
-    run_start, run_key, run_defined = None, None, set()
+    run_start, run_key, run_defined, run_written = None, None, set(), set()
     for i, b in enumerate(lines):
         if claimed[i]:
             key = (layers[i], _device(b, io))
             if run_start is None or key != run_key:
-                run_start, run_key, run_defined = len(order), key, set()
+                run_start, run_key, run_defined, run_written = len(order), key, set(), set()
             order.append(i)
             run_defined.update(p.name for p in io.outs(b))
+            written = writes(b)
+            if written is not None:
+                run_written.add(written.storage)
         elif run_start is not None and _movable(b) and not (
-                {p.name for p in io.ins(b)} & run_defined):
-            order.insert(run_start, i)
+                {p.name for p in io.ins(b)} & run_defined) and not (
+                {p.storage for p in io.ins(b) if isinstance(p, TensorProxy)} & run_written):
+            order.insert(run_start, i)  # (not above a write of the memory it reads)
             run_start += 1
         else:
             order.append(i)
@@ -273,7 +337,8 @@ def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
 
 
 def _device(bsym: BoundSymbol, io: _Proxies):
-    return io.outs(bsym)[0].device
+    made = io.outs(bsym)
+    return made[0].device if made else writes(bsym).device  # a write whose result is unused
 
 
 def _connect(region: Region, last_use: dict[str, int], io: _Proxies) -> None:
@@ -310,6 +375,21 @@ def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
 def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
     """Storage -> the last line that may write it."""
     return {p.storage: i for i, b in enumerate(lines) for p in _written(b, io)}
+
+
+def _unsafe_writes(region: Region) -> list[int]:
+    """In-place lines of ``region`` whose memory the region's graph could not write exactly:
+    Inductor is given one fake tensor per input, each with memory of its own, so a written
+    memory must reach the region through one input only (or be made inside it), and no output
+    may share it (an output comes back as a tensor of its own)."""
+    inputs_of: dict[int, int] = {}
+    for p in region.inputs:
+        if isinstance(p, TensorProxy) and p.storage is not None:
+            inputs_of[p.storage] = inputs_of.get(p.storage, 0) + 1
+    outputs = {p.storage for p in region.outputs}
+    return [region.start + k for k, b in enumerate(region.lines)
+            if (w := writes(b)) is not None and (
+                w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs)]
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],

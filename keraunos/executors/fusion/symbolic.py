@@ -222,7 +222,8 @@ class Layout:
             return None
         items = [print_expression(e, names) if is_symbolic(v) else repr(v)
                  for e, v in zip(exprs, values)]
-        source = f"lambda {', '.join(names.values())}: ({', '.join(items)},)"
+        body = f"({', '.join(items)},)" if items else "()"  # a 0-dim tensor: no sizes at all
+        source = f"lambda {', '.join(names.values())}: {body}"
         return eval(source, {"max": max, "min": min, "math": math})  # noqa: S307
 
     def values(self, args) -> list[int]:

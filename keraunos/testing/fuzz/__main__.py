@@ -23,11 +23,13 @@ def main(argv=None) -> int:
     parser.add_argument("--per-kind", type=int, default=2,
                         help="programs shrunk per distinct failure (one check can hide several causes)")
     parser.add_argument("--no-shrink", action="store_true", help="print failures as generated")
+    parser.add_argument("--executors", default=None,
+                        help="jit with these, comma-separated (inductor,torch: with fusion)")
     args = parser.parse_args(argv)
     names = args.only or [f"{args.seed}:{i}" for i in range(args.programs)]
     report = run_campaign(names, jobs=args.jobs, shrink_budget=0 if args.no_shrink else args.shrink_budget,
-                          per_kind=args.per_kind,
-                          progress=sys.stderr)
+                          per_kind=args.per_kind, progress=sys.stderr,
+                          executors=args.executors.split(",") if args.executors else None)
     print(report.summary())
     print(report.reproducers_text())
     return 1 if report.failures else 0

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import keraunos
+
+from ..opinfo import FUSED
+from . import compare
 from .drive import Outcome, run_program
 from .generate import generate
 from .shrink import shrink
@@ -54,13 +58,23 @@ class Report:
                              for script in dict.fromkeys(scripts))
 
 
+# ``--executors``: what the programs are jitted with (the worker processes are forked after
+# ``run_campaign`` sets it, so they see it too).
+_executors: list[str] | None = None
+
+
+def _jit(fn):
+    return keraunos.jit(fn) if _executors is None else keraunos.jit(fn, executors=_executors)
+
+
 def _run_one(name: str) -> tuple[str, Outcome]:
-    return name, run_program(generate(name))
+    return name, run_program(generate(name), _jit)
 
 
 def _shrink_one(job) -> tuple[tuple, str]:
     name, outcome, budget = job
-    program, result = shrink(generate(name), outcome, budget_s=budget)
+    program, result = shrink(generate(name), outcome, budget_s=budget,
+                             run=lambda p: run_program(p, _jit))
     return outcome.signature, program.reproducer(str(result))
 
 
@@ -69,9 +83,15 @@ def _init_worker() -> None:
 
 
 def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
-                 per_kind: int = 2, progress=None) -> Report:
+                 per_kind: int = 2, progress=None, executors: list[str] | None = None) -> Report:
     """Run the programs ``names``; shrink up to ``per_kind`` programs of each distinct failure
-    (one kind of check can hide several causes)."""
+    (one kind of check can hide several causes). ``executors``: jit them with these (with
+    ``inductor``, floats are compared at ``opinfo.FUSED``'s tolerance, as the OpInfo sweep with
+    fusion is: Inductor's kernels round differently from eager's)."""
+    global _executors
+    _executors = list(executors) if executors else None
+    if _executors and "inductor" in _executors:
+        compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
     start = time.monotonic()
     report = Report()
     pool = multiprocessing.get_context("fork").Pool(jobs, _init_worker) if jobs > 1 else None
