@@ -927,6 +927,33 @@ def test_litgpt_over_prompt_lengths_fuses_the_dynamic_entry_with_one_kernel_per_
     assert layers[0].kernel is layers[1].kernel
 
 
+def test_litgpt_generate_fuses_each_decode_layer_with_its_cache_writes():
+    """litgpt's ``generate()`` with a KV cache: a decode step's layer, with the cache writes
+    (``index_copy_``) and the symbolic slices of the cache (``k[..., :input_pos_maxp1, :]``),
+    is one region, and both layers share its kernel; the tokens and caches are eager's."""
+    from litgpt.generate.base import generate
+    model = _litgpt_model("llama2", n_layer=2).eval()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED)
+    for length in (7, 11):
+        prompt = torch.randint(0, 256, (length,))
+        runs = []
+        for m, run in ((model, jitted), (reference, reference)):
+            m.max_seq_length = 64
+            m.set_kv_cache(batch_size=1)
+            runs.append(generate(run, prompt, length + 8, temperature=0.0, top_k=1))
+        assert torch.equal(runs[0], runs[1])
+        for a, b in zip(model.buffers(), reference.buffers()):
+            assert_close(a, b, **TOL)
+    layers = [r for r in keraunos.last_fusions(jitted) if r.layer is not None]
+    assert [r.layer for r in layers] == ["transformer.h.0", "transformer.h.1"]
+    assert layers[0].kernel is layers[1].kernel
+    for r in layers:
+        names = [b.symbol.name for b in r.lines]
+        assert names.count("index_copy_") == 2 and len(r.written) == 2
+    assert keraunos.cache_misses(jitted) <= 4  # prefill and decode, exact then symbolic
+
+
 class _Residual(nn.Module):
     def __init__(self, n=3, width=8):
         super().__init__()

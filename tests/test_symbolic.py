@@ -591,6 +591,19 @@ def test_hf_generate_with_fusion_compiles_as_few_entries_as_without():
     assert not jitted._keraunos.symbolic_fallbacks
 
 
+def test_hf_generate_with_static_cache_and_fusion_writes_the_cache_inside_regions():
+    """StaticCache writes each layer's keys and values with ``index_copy_``: with fusion the
+    writes run inside the layer's region; tokens are eager's (``_generate_compiles`` compares
+    them), and no more entries compile than without fusion."""
+    model, model_ref = _hf_model("llama")
+    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    compiles = _generate_compiles(model, model_ref, jitted, jitted.generate, (7, 11),
+                                  cache_implementation="static")
+    assert compiles[0] <= 3 and compiles[1] == 0, compiles
+    regions = keraunos.last_fusions(jitted)
+    assert any("index_copy_" in [b.symbol.name for b in r.lines] and r.written for r in regions)
+
+
 def test_hf_generate_mistral_sliding_window_does_not_compile_per_position():
     # A window of 6 fills during the prompt; every decode step slides it (the cache keeps a view
     # of the last 5 positions, whose offset and strides are symbols).
