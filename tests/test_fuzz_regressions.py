@@ -305,3 +305,22 @@ def test_fuzzer_72_380_is_eagers_cancellation_and_keraunos_gives_the_float64_gra
     assert grad(f, torch.float32).abs().max() == 0  # eager, float32: the term is lost
     torch.testing.assert_close(grad(keraunos.jit(f), torch.float32), exact.float(),
                                rtol=1e-4, atol=1e-2)
+
+
+def test_fused_equal_outputs_come_back_as_tensors_of_their_own():
+    # Fuzzer with fusion, 91:144: `return t.clone(), t.clone()` in one region; Inductor found the
+    # two outputs equal and handed back one buffer twice, so writing one changed the other.
+    def f(a, b):
+        t = b * 0.5 + a
+        return t.clone(), t.clone()
+
+    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    for _ in range(2):  # the first call finds the sharing, the later ones keep copying
+        a, b = torch.randn(3, 4), torch.randn(3, 4)
+        x, y = jitted(a, b)
+        ex, ey = f(a, b)
+        assert x is not y and x.untyped_storage()._cdata != y.untyped_storage()._cdata
+        x.add_(1)
+        assert torch.allclose(x, ex + 1, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(y, ey, rtol=1e-4, atol=1e-4)
+    assert keraunos.last_fusions(jitted)

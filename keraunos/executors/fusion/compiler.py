@@ -349,7 +349,12 @@ class RegionCall:
     Inputs the caller passes in (gradients, in the backward) can come with any strides on any
     call; ``always_checked`` names their positions. Other inputs and the outputs are checked once:
     layouts follow from the input metadata, which the prologue checks. With symbolic sizes the
-    traced layouts are expressions, evaluated with the sizes of the call (``symbolic.Layout``)."""
+    traced layouts are expressions, evaluated with the sizes of the call (``symbolic.Layout``).
+
+    Inductor hands back one buffer for outputs it found equal (``return t.clone(), t.clone()``:
+    the same tensor twice); an output whose memory the trace says is its own, but which came
+    back sharing another output's or an input's, is copied on every call (``copied_outputs``,
+    found on the first call: the graph's buffers are planned once)."""
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
                  always_checked: tuple[int, ...], fallback=None, make_fallback=None,
@@ -360,6 +365,9 @@ class RegionCall:
         self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
                        for p in inputs]  # None: a size symbol, passed as an int
         self.outputs = [(p.shape, p.stride) for p in outputs]
+        self.storages = ([p.storage if isinstance(p, TensorProxy) else None for p in inputs],
+                         [p.storage for p in outputs])  # the memory sharing the trace says
+        self.copied_outputs: tuple[int, ...] = ()
         metas = [m for m in self.inputs + self.outputs if m is not None]
         self.layout = ((layout or symbolic.Layout(inputs)) if any(map(symbolic.is_symbolic, (
             v for shape, stride in metas for v in (*shape, *stride)))) else None)
@@ -428,15 +436,44 @@ class RegionCall:
         outs = self.kernel.fn(*given)
         self.fixed_outputs = tuple(i for i, t in enumerate(outs)
                                    if outputs[i] is not None and t.stride() != outputs[i][1])
+        self.copied_outputs = _shared_unlike_the_trace(given, outs, *self.storages)
         self.kernel_fn = self.kernel.direct(given, outs)
-        self.run = self.kernel_fn if not (checked or self.fixed_outputs) else self._fixing_call
-        return _restrided(outs, self.fixed_outputs, outputs)
+        self.run = self.kernel_fn if not (checked or self.fixed_outputs or self.copied_outputs) \
+            else self._fixing_call
+        return self._finished(outs, outputs)
 
     def _fixing_call(self, *args):
         inputs, outputs = self._metas(args)
         inputs = inputs + [None] * (len(args) - len(inputs))
         outs = self.kernel_fn(*_restrided(args, self.always_checked, inputs))
-        return _restrided(outs, self.fixed_outputs, outputs)
+        return self._finished(outs, outputs)
+
+    def _finished(self, outs, outputs):
+        outs = _restrided(outs, self.fixed_outputs, outputs)
+        if self.copied_outputs:
+            outs = list(outs)
+            for i in self.copied_outputs:
+                outs[i] = outs[i].clone()
+        return outs
+
+
+def _shared_unlike_the_trace(args, outs, input_storages, output_storages) -> tuple[int, ...]:
+    """Positions of outputs that share memory with an input or an earlier output where the
+    trace's storages (``TensorProxy.storage``; None: unknown, its own) say they do not."""
+    owner: dict[int, object] = {}  # the call's memory -> the trace's storage first seen in it
+    for a, storage in zip(args, input_storages):
+        if isinstance(a, torch.Tensor):
+            owner.setdefault(a.untyped_storage()._cdata, storage)
+    copied = []
+    for i, (t, storage) in enumerate(zip(outs, output_storages)):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = t.untyped_storage()._cdata
+        if key in owner and (storage is None or owner[key] != storage):
+            copied.append(i)
+        else:
+            owner.setdefault(key, storage)
+    return tuple(copied)
 
 
 class SymbolicUnguardable(Exception):
