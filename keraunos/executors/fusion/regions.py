@@ -118,6 +118,9 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     target = bsym.args[0] if bsym.args else None
     if not isinstance(target, TensorProxy) or target.storage is None or target.requires_grad:
         return False
+    if any(type(st) is int and st == 0 and not (type(n) is int and n == 1)
+           for n, st in zip(target.shape, target.stride)):
+        return False  # an expanded tensor: eager's kernel refuses to write it, Inductor's would
     made = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
     if len(made) > 1 or made and not (isinstance(made[0], TensorProxy)
                                       and made[0].storage == target.storage):
@@ -183,9 +186,13 @@ class _Proxies:
             leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))  # slices' bounds included
             bounds = _slice_bounds(leaves)
             for x in leaves + bounds:
-                found = x.proxies if isinstance(x, SymbolicValue) else (
-                    (x,) if isinstance(x, Proxy) and any(x is b for b in bounds) else ())
-                ins += [p for p in found if p.name not in {q.name for q in ins}]
+                if isinstance(x, SymbolicValue):
+                    read = x.proxies
+                elif isinstance(x, Proxy) and any(x is b for b in bounds):
+                    read = (x,)  # a size symbol as a slice's bound (a leaf is an input already)
+                else:
+                    continue
+                ins += [p for p in read if p.name not in {q.name for q in ins}]
             outs = bsym.output_proxies()
             written = writes(bsym)
             if written is not None and [p.name for p in outs] != [written.name] \
