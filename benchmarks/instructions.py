@@ -1,0 +1,209 @@
+"""Instructions per call, counted by callgrind: a figure this shared machine's load cannot move.
+
+Run: python benchmarks/instructions.py [--case litgpt-decode | --case MODEL:infer | MODEL:train]
+     [--systems fused,inductor] [--calls N]
+
+Wall time on a shared two-core machine moves by 2x between runs, which cannot settle a 1.1x
+target; the number of instructions a call executes moves by well under 1 %. This script runs
+itself under ``valgrind --tool=callgrind --instr-atstart=no``: the child compiles and warms up each
+system uninstrumented, then the parent switches instrumentation on (``callgrind_control -i on``)
+for exactly ``--calls`` calls and dumps the counts (``-d``). C++ kernels, the Python interpreter
+and the framework around them are all counted, so what a row says is the whole cost of a warm call.
+
+Cases: ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
+cache position moving each call), ``MODEL:infer`` and ``MODEL:train`` for a zoo model
+(``keraunos.testing.zoo``: eval and no_grad with the padding mask; a train-mode AdamW step).
+Systems: ``eager``, ``jit`` (keraunos.jit), ``fused`` (the inductor executor: keraunos.jit for
+litgpt-decode, the backend with fusion for zoo models), ``backend`` (torch.compile with
+backend="keraunos"), ``inductor`` (torch.compile). Ratios are to the last system listed.
+Needs valgrind (``apt-get install valgrind``); a run of two systems takes minutes (valgrind runs
+the compilations too, uninstrumented, at about a tenth of their speed).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
+
+FUSED = ["inductor", "torch"]
+
+
+def _wait(path: str, child: subprocess.Popen | None = None) -> None:
+    while not os.path.exists(path):
+        if child is not None and child.poll() is not None:
+            raise SystemExit(f"the instrumented child exited ({child.returncode}) before {path}")
+        time.sleep(0.1)
+
+
+def _touch(path: str) -> None:
+    open(path, "w").close()
+
+
+def _litgpt_step(label: str):
+    """A decode step of litgpt's KV-cache GPT: (step function, label)."""
+    import torch
+    from litgpt.generate.base import generate
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from generate import litgpt_model
+
+    import keraunos
+    makers = {"eager": lambda m: m, "jit": keraunos.jit,
+              "fused": lambda m: keraunos.jit(m, executors=FUSED), "inductor": torch.compile}
+    if label not in makers:
+        raise SystemExit(f"litgpt-decode has no system {label!r}: {sorted(makers)}")
+    module = litgpt_model()
+    model = makers[label](module)
+    module.max_seq_length = 256
+    module.set_kv_cache(batch_size=1)
+    prompt = torch.randint(0, 128, (7,))
+    generate(model, prompt, 7 + 16, temperature=0.0, top_k=1)
+    module.set_kv_cache(batch_size=1)
+    with torch.inference_mode():
+        generate(model, prompt, 8, temperature=0.0, top_k=1)
+    token, position = torch.tensor([[5]]), [9]
+
+    @torch.inference_mode()
+    def step():
+        pos = position[0] % 200 + 9
+        model(token, input_pos=torch.tensor([pos]), input_pos_maxp1=pos + 1)
+        position[0] += 1
+    return step
+
+
+def _zoo_step(name: str, mode: str, label: str):
+    import torch
+
+    import keraunos
+    import keraunos.dynamo
+    from keraunos.testing.zoo import inputs_of, make_models
+    torch._dynamo.reset()
+    base, _ = make_models(name)
+    model = copy.deepcopy(base)
+    make = {"eager": lambda m: m, "jit": keraunos.jit,
+            "backend": lambda m: torch.compile(m, backend="keraunos"),
+            "fused": lambda m: torch.compile(m, backend=keraunos.dynamo.backend(executors=FUSED)),
+            "inductor": torch.compile}[label]
+    if mode == "train":
+        model.train()
+        kwargs = inputs_of(name, seed=3, mask=False, labels=True)
+        run = make(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            run(**kwargs).loss.backward()
+            optimizer.step()
+        return step
+    model.eval()
+    kwargs = inputs_of(name, seed=1, mask=True, labels=False)
+    run = make(model)
+
+    def step():
+        with torch.no_grad():
+            run(**kwargs)
+    return step
+
+
+def child(case: str, systems: list[str], calls: int, directory: str) -> None:
+    """Under valgrind: per system, build and warm up, then run ``calls`` calls between the
+    parent's switches."""
+    import torch
+    import torch._inductor.config
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    torch._inductor.config.fallback_random = True  # a train step's dropout: eager's draws
+    for label in systems:
+        if case == "litgpt-decode":
+            step = _litgpt_step(label)
+        else:
+            name, mode = case.split(":")
+            step = _zoo_step(name, mode, label)
+        for _ in range(3):
+            step()
+        _touch(f"{directory}/ready-{label}")
+        _wait(f"{directory}/go-{label}")
+        for _ in range(calls):
+            step()
+        _touch(f"{directory}/done-{label}")
+        _wait(f"{directory}/next-{label}")
+
+
+def parent(case: str, systems: list[str], calls: int) -> None:
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"benchmarks/instructions.py needs {tool} (apt-get install valgrind)")
+    directory = tempfile.mkdtemp(prefix="keraunos-instructions-")
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               f"--callgrind-out-file={directory}/cg.out", sys.executable,
+               os.path.abspath(__file__), "--child", "--case", case, "--systems",
+               ",".join(systems), "--calls", str(calls), "--dir", directory]
+    with open(f"{directory}/log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        pid = str(process.pid)
+
+        def control(*args):
+            subprocess.run(["callgrind_control", *args, pid], check=True, capture_output=True)
+        for label in systems:
+            _wait(f"{directory}/ready-{label}", process)
+            control("-i", "on")
+            control("-z")
+            _touch(f"{directory}/go-{label}")
+            _wait(f"{directory}/done-{label}", process)
+            control("-d", label)
+            control("-i", "off")
+            _touch(f"{directory}/next-{label}")
+        if process.wait() != 0:
+            raise SystemExit(f"the instrumented child failed; its output is in {directory}/log")
+    counts = {}
+    for file in os.listdir(directory):
+        if not file.startswith("cg.out."):
+            continue
+        text = open(f"{directory}/{file}").read()
+        trigger = re.search(r"^desc: Trigger: (.*)$", text, re.M)  # "dump fused"
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if trigger and total:
+            counts[trigger.group(1).split()[-1]] = int(total.group(1)) / calls
+    reference = counts.get(systems[-1])
+    print(f"{case}: instructions per call, {calls} warm calls, one thread (callgrind)")
+    for label in systems:
+        if label not in counts:
+            print(f"  {label:10s} (no count: see {directory}/log)")
+            continue
+        ratio = f"{counts[label] / reference:.3f}x {systems[-1]}" if reference else ""
+        print(f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}")
+    if len(counts) == len(systems):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="litgpt-decode",
+                        help="litgpt-decode, or MODEL:infer / MODEL:train for a zoo model")
+    parser.add_argument("--systems", default="fused,inductor",
+                        help="comma-separated: eager, jit, fused, backend, inductor")
+    parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    systems = args.systems.split(",")
+    if args.case != "litgpt-decode" and (":" not in args.case or
+                                         args.case.split(":")[1] not in ("infer", "train")):
+        parser.error("--case is litgpt-decode or MODEL:infer or MODEL:train")
+    if args.child:
+        child(args.case, systems, args.calls, args.dir)
+    else:
+        parent(args.case, systems, args.calls)
+
+
+if __name__ == "__main__":
+    main()
