@@ -324,3 +324,23 @@ def test_fused_equal_outputs_come_back_as_tensors_of_their_own():
         assert torch.allclose(x, ex + 1, rtol=1e-4, atol=1e-4)
         assert torch.allclose(y, ey, rtol=1e-4, atol=1e-4)
     assert keraunos.last_fusions(jitted)
+
+
+def test_fused_output_that_views_a_written_copy_of_an_input_keeps_the_write():
+    # Fuzzer with fusion, 94:11: under autograd the written input is cloned and a region hands
+    # back a view of the clone (AOTAutograd's wrapper remakes it as a view); copying that output
+    # (taken for Inductor's equal-outputs buffer) or calling the graph past the wrapper lost the
+    # write `b.mul_(...)` made through it, so `b` came back unchanged.
+    def f(a, b):
+        b.mul_(torch.nn.functional.relu(a.mean(-1, keepdim=True)))
+        return b
+
+    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    for _ in range(2):  # the first call decides the call path, the second takes it
+        a = torch.randn(5, 4, requires_grad=True)
+        b0 = torch.randn(4, 5)
+        b, b_ref = b0.clone().t(), b0.clone().t()
+        out, ref = jitted(a, b), f(a, b_ref)
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(b, b_ref, rtol=1e-4, atol=1e-4)
+    assert keraunos.last_fusions(jitted)

@@ -132,10 +132,17 @@ def _unwrapped(compiled, args, outs):
     if any(isinstance(t, torch.Tensor) and (t.requires_grad or any(t is a for a in args))
            for t in outs):
         return None
+    # An output that is a view of an input (or of another output) is a view the wrappers make
+    # again on every call (AOTAutograd replays aliases); the graph alone would give a copy, and
+    # a later write through it would miss the input (fuzzer with fusion, 94:11).
+    sharing = _sharing(args, outs)
+    if sharing is None:
+        return None
     if graph.mutated_input_idxs:  # a KV cache or BatchNorm's statistics, which the graph writes
         # (not called twice to compare): it returns no more than the region's outputs, so no
         # write is left for the wrappers to make
-        return graph if len(graph.output_strides or ()) == len(outs) else None
+        return graph if len(graph.output_strides or ()) == len(outs) and not any(sharing) \
+            else None
     with torch.no_grad():
         again = graph.current_callable(list(args))
     if len(again) != len(outs):
@@ -146,7 +153,25 @@ def _unwrapped(compiled, args, outs):
         if isinstance(a, torch.Tensor) and (a.shape, a.stride(), a.dtype, a.device) != (
                 b.shape, b.stride(), b.dtype, b.device):
             return None
-    return graph
+    return graph if _sharing(args, again) == sharing else None
+
+
+def _sharing(args, outs) -> tuple | None:
+    """For each output, the position of an earlier output whose memory it shares (None: its
+    own); None when an output shares an input's memory."""
+    inputs = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+    first: dict[int, int] = {}
+    pattern = []
+    for i, t in enumerate(outs):
+        if not isinstance(t, torch.Tensor):
+            pattern.append(None)
+            continue
+        key = t.untyped_storage()._cdata
+        if key in inputs:
+            return None
+        pattern.append(first.setdefault(key, i) if key in first else None)
+        first.setdefault(key, i)
+    return tuple(pattern)
 
 
 def _find_in_closures(fn, kind, depth: int = 12):
@@ -353,7 +378,7 @@ class RegionCall:
 
     Inductor hands back one buffer for outputs it found equal (``return t.clone(), t.clone()``:
     the same tensor twice); an output whose memory the trace says is its own, but which came
-    back sharing another output's or an input's, is copied on every call (``copied_outputs``,
+    back sharing another output's, is copied on every call (``copied_outputs``,
     found on the first call: the graph's buffers are planned once)."""
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
@@ -458,12 +483,11 @@ class RegionCall:
 
 
 def _shared_unlike_the_trace(args, outs, input_storages, output_storages) -> tuple[int, ...]:
-    """Positions of outputs that share memory with an input or an earlier output where the
-    trace's storages (``TensorProxy.storage``; None: unknown, its own) say they do not."""
+    """Positions of outputs that share memory with an earlier output where the trace's storages
+    (``TensorProxy.storage``; None: unknown, its own) say they do not. (An output that shares an
+    input's memory is a view AOTAutograd's wrapper made of it on purpose: copying it would lose
+    a later write through it, fuzzer with fusion 94:11.)"""
     owner: dict[int, object] = {}  # the call's memory -> the trace's storage first seen in it
-    for a, storage in zip(args, input_storages):
-        if isinstance(a, torch.Tensor):
-            owner.setdefault(a.untyped_storage()._cdata, storage)
     copied = []
     for i, (t, storage) in enumerate(zip(outs, output_storages)):
         if not isinstance(t, torch.Tensor):
