@@ -344,3 +344,23 @@ def test_fused_output_that_views_a_written_copy_of_an_input_keeps_the_write():
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
         assert torch.allclose(b, b_ref, rtol=1e-4, atol=1e-4)
     assert keraunos.last_fusions(jitted)
+
+
+def test_fused_clone_of_an_input_written_in_the_region_has_memory_of_its_own():
+    # Fuzzer with fusion, 94:81: writes to `a` inside a region, then `a.clone()` returned:
+    # for a transposed `a`, Inductor handed back the written input's own buffer as the clone.
+    def f(a):
+        a.abs_()
+        a[0].mul_(-1.0)
+        a.masked_fill_(a > 0.5, 0.0)
+        return a.clone(), a
+
+    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    for shape, transpose in (((3, 4), False), ((3, 4), False), ((4, 3), True), ((4, 3), True)):
+        base = torch.randn(shape)
+        a, a_ref = (base.clone().t(), base.clone().t()) if transpose else (base.clone(),
+                                                                           base.clone())
+        (c, out_a), (c_ref, _) = jitted(a), f(a_ref)
+        assert out_a is a
+        assert c.untyped_storage()._cdata != a.untyped_storage()._cdata
+        assert torch.allclose(c, c_ref) and torch.allclose(a, a_ref)

@@ -220,7 +220,8 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
             region_trace.python_callable() if kernel.guards else None),
-            make_fallback=region_trace.python_callable, layout=layout, written=written)
+            make_fallback=region_trace.python_callable, layout=layout, written=written,
+            writes=bool(written_storages))
     except compiler.SymbolicUnguardable as e:
         compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
                            f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "

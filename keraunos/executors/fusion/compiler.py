@@ -139,10 +139,10 @@ def _unwrapped(compiled, args, outs):
     if sharing is None:
         return None
     if graph.mutated_input_idxs:  # a KV cache or BatchNorm's statistics, which the graph writes
-        # (not called twice to compare): it returns no more than the region's outputs, so no
-        # write is left for the wrappers to make
-        return graph if len(graph.output_strides or ()) == len(outs) and not any(sharing) \
-            else None
+        # and must not write twice to compare: past the wrappers, an output cloned from the
+        # written input came back as the input's own buffer (fuzzer with fusion, 94:81), so
+        # such graphs keep their wrappers
+        return None
     with torch.no_grad():
         again = graph.current_callable(list(args))
     if len(again) != len(outs):
@@ -383,9 +383,11 @@ class RegionCall:
 
     def __init__(self, kernel: Kernel, inputs: list[TensorProxy], outputs: list[TensorProxy],
                  always_checked: tuple[int, ...], fallback=None, make_fallback=None,
-                 layout: symbolic.Layout | None = None, written: tuple[int, ...] = ()):
+                 layout: symbolic.Layout | None = None, written: tuple[int, ...] = (),
+                 writes: bool = False):
         self.kernel = kernel
         self.written = written  # inputs whose memory the region writes: never copied
+        self.writes = writes or bool(written)  # the region writes in place (through any view)
         self.make_fallback = make_fallback  # the region's own lines, should g++ have failed
         self.inputs = [(p.shape, p.stride) if isinstance(p, TensorProxy) else None
                        for p in inputs]  # None: a size symbol, passed as an int
@@ -461,7 +463,8 @@ class RegionCall:
         outs = self.kernel.fn(*given)
         self.fixed_outputs = tuple(i for i, t in enumerate(outs)
                                    if outputs[i] is not None and t.stride() != outputs[i][1])
-        self.copied_outputs = _shared_unlike_the_trace(given, outs, *self.storages)
+        self.copied_outputs = _shared_unlike_the_trace(
+            given, outs, *self.storages, range(len(given)) if self.writes else ())
         self.kernel_fn = self.kernel.direct(given, outs)
         self.run = self.kernel_fn if not (checked or self.fixed_outputs or self.copied_outputs) \
             else self._fixing_call
@@ -482,12 +485,18 @@ class RegionCall:
         return outs
 
 
-def _shared_unlike_the_trace(args, outs, input_storages, output_storages) -> tuple[int, ...]:
-    """Positions of outputs that share memory with an earlier output where the trace's storages
-    (``TensorProxy.storage``; None: unknown, its own) say they do not. (An output that shares an
-    input's memory is a view AOTAutograd's wrapper made of it on purpose: copying it would lose
-    a later write through it, fuzzer with fusion 94:11.)"""
+def _shared_unlike_the_trace(args, outs, input_storages, output_storages,
+                             written=()) -> tuple[int, ...]:
+    """Positions of outputs that share memory with an earlier output or with an input the region
+    writes, where the trace's storages (``TensorProxy.storage``; None: unknown, its own) say
+    they do not: Inductor returns one buffer for equal outputs, and may return a written input's
+    buffer for its clone (fuzzer with fusion, 91:144 and 94:81). An output sharing the memory of
+    an input the region does not write is a view AOTAutograd's wrapper remade on purpose:
+    copying it would lose a later write through it (94:11)."""
     owner: dict[int, object] = {}  # the call's memory -> the trace's storage first seen in it
+    for k in written:
+        if k < len(args) and isinstance(args[k], torch.Tensor):
+            owner.setdefault(args[k].untyped_storage()._cdata, input_storages[k])
     copied = []
     for i, (t, storage) in enumerate(zip(outs, output_storages)):
         if not isinstance(t, torch.Tensor):
