@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import operator
 import shutil
 import subprocess
 import threading
@@ -97,17 +96,6 @@ class Kernel:
         graph, compiled = self._unwrapped, self.compiled
         if graph is False:
             return compiled
-        written = tuple(sorted(graph.mutated_input_idxs))
-        if written:  # a KV cache the graph writes: its version counter moves, as in eager
-            at = operator.itemgetter(*written)
-
-            def call(*args):
-                if _eval_frame_callback() is None and not _grad_enabled():
-                    outs = graph.current_callable(list(args))
-                    _increment_version(at(args))
-                    return outs
-                return compiled(*args)
-            return call
 
         def call(*args):
             if _eval_frame_callback() is None and not _grad_enabled():
@@ -118,7 +106,6 @@ class Kernel:
 
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _grad_enabled = torch.is_grad_enabled
-_increment_version = torch.autograd.graph.increment_version
 
 
 def _unwrapped(compiled, args, outs):
