@@ -1,7 +1,7 @@
 """Op coverage on PyTorch's OpInfo database: the whole sweep, with counts and docs/coverage.md.
 
 Run: python benchmarks/coverage.py [--max-samples N] [--output docs/coverage.md]
-         [--executors inductor,torch] [--ops NAME,...]
+         [--executors inductor,torch] [--ops NAME,...] [--jobs N]
 
 For every OpInfo with float32 CPU samples, forward, backward (ops that support autograd) and
 in-place (ops with an inplace variant) are compared with eager (keraunos/testing/opinfo.py).
@@ -12,14 +12,17 @@ the first line of their error.
 is a region compiled by Inductor, and values are compared at PyTorch's own tolerance for compiled
 models (``opinfo.FUSED``; docs/coverage.md says why). It writes docs/coverage_fusion.md unless
 ``--output`` says otherwise. Each sample is an Inductor compile (about a second of C++ each here),
-so the whole sweep with fusion takes hours; ``--ops`` and ``--max-samples`` make it shorter.
+so the whole sweep with fusion takes hours; ``--ops`` and ``--max-samples`` make it shorter, and
+``--jobs N`` splits the ops over N processes (op i goes to process i mod N).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import datetime
+import multiprocessing
 import pathlib
 import time
 import warnings
@@ -51,6 +54,22 @@ first sample of each, forward (and 4 of them backward too):
 `tests/test_fusion.py::test_opinfo_subset_with_fusion_matches_eager`."""
 
 
+def _sweep(shard: int, shards: int, wanted, max_samples: int, executors):
+    """Checks every op whose index in the database is ``shard`` mod ``shards``: a list of
+    (index, kind, result)."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    fusing = executors is not None and "inductor" in executors
+    checked = []
+    with fusing_single_ops() if fusing else contextlib.nullcontext():
+        for index, op in enumerate(op_database()):
+            if index % shards != shard or (wanted and op_name(op) not in wanted):
+                continue
+            for kind in KINDS:
+                checked.append((index, kind, check_op(op, kind, max_samples or None, executors)))
+    return checked
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-samples", type=int, default=0, help="0: every sample")
@@ -59,21 +78,27 @@ def main():
     parser.add_argument("--executors", default="", help="comma-separated, for keraunos.jit "
                         "(default: keraunos's default list)")
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes to split the ops over")
     args = parser.parse_args()
     executors = [e for e in args.executors.split(",") if e] or None
     fusing = executors is not None and "inductor" in executors
     output = args.output or str(DOCS / ("coverage_fusion.md" if fusing else "coverage.md"))
-    wanted = {n for n in args.ops.split(",") if n}
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
+    wanted = frozenset(n for n in args.ops.split(",") if n)
     start = time.time()
     results = collections.defaultdict(list)
-    with fusing_single_ops() if fusing else contextlib.nullcontext():
-        for op in op_database():
-            if wanted and op_name(op) not in wanted:
-                continue
-            for kind in KINDS:
-                results[kind].append(check_op(op, kind, args.max_samples or None, executors))
+    if args.jobs <= 1:
+        shards = [_sweep(0, 1, wanted, args.max_samples, executors)]
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a fresh torch in each, no forked threads
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+            shards = list(pool.map(_sweep, range(args.jobs), [args.jobs] * args.jobs,
+                                   [wanted] * args.jobs, [args.max_samples] * args.jobs,
+                                   [executors] * args.jobs))
+    for shard in shards:  # back in the database's order
+        for index, kind, result in shard:
+            results[kind].append((index, result))
+    results = collections.defaultdict(list, {
+        kind: [r for _, r in sorted(rs, key=lambda ir: ir[0])] for kind, rs in results.items()})
     elapsed = time.time() - start
     command = "python benchmarks/coverage.py" + "".join(
         f" --{flag} {value}" for flag, value in (("max-samples", args.max_samples),
