@@ -15,7 +15,10 @@ torch.compile with Inductor):
 
 Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
 ``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
-eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor);
+eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor). The
+systems of one model and mode are all built first and then timed **in turns**, one call of each
+per round (the order rotating each round), so that a change in the machine's load falls on every
+system alike instead of on whichever was timed during it;
 ``min`` the fastest of those calls and its ratio to Inductor's fastest (on a shared machine the
 median moves with the load; the minimum, what a call costs uncontended, moves much less);
 ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and every
@@ -65,22 +68,18 @@ def wrap_jit(model):
 
 
 def wrap_backend(model):
-    torch._dynamo.reset()  # each system starts with dynamo's caches and recompile limits empty
     return torch.compile(model, backend="keraunos")
 
 
 def wrap_backend_fused(model):
-    torch._dynamo.reset()
     return torch.compile(model, backend=keraunos.dynamo.backend(executors=["inductor", "torch"]))
 
 
 def wrap_dynamo_floor(model):
-    torch._dynamo.reset()
     return torch.compile(model, backend="eager")
 
 
 def wrap_inductor(model):
-    torch._dynamo.reset()
     return torch.compile(model)
 
 
@@ -122,38 +121,28 @@ def same_tensors(got: list, want: list) -> bool:
 
 
 # ------------------------------------------------------------------------------- the modes
-def per_call_seconds(call: Callable, iters: int) -> tuple[float, float]:
-    """(median, minimum) of ``iters`` calls after two warm-up calls."""
-    for _ in range(2):
-        call()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), min(samples)
-
-
 def timed_first_call(call: Callable):
     t0 = time.perf_counter()
     result = call()
     return result, time.perf_counter() - t0
 
 
-def inference(base, name: str, wrap: Callable, iters: int):
-    """(the outputs' tensors, first-call seconds, per-call (median, min)) in eval mode under
-    no_grad."""
+def inference(base, name: str, wrap: Callable):
+    """(the outputs' tensors, first-call seconds, a warm call) in eval mode under no_grad."""
     model = copy.deepcopy(base).eval()
     kwargs = inputs_of(name, seed=1, mask=True, labels=False)
     runner = wrap(model)
-    with torch.no_grad():
-        out, first = timed_first_call(lambda: runner(**kwargs))
-        per_call = per_call_seconds(lambda: runner(**kwargs), iters)
-    return tensor_leaves(out), first, per_call
+
+    def call():
+        with torch.no_grad():
+            return runner(**kwargs)
+
+    out, first = timed_first_call(call)
+    return tensor_leaves(out), first, call
 
 
-def training(base, name: str, wrap: Callable, iters: int):
-    """(the first step's loss and gradients, first-step seconds, per-step (median, min))."""
+def training(base, name: str, wrap: Callable):
+    """(the first step's loss and gradients, first-step seconds, a warm step)."""
     model = copy.deepcopy(base).train()
     kwargs = inputs_of(name, seed=3, mask=False, labels=True)
     runner = wrap(model)
@@ -169,18 +158,49 @@ def training(base, name: str, wrap: Callable, iters: int):
     torch.manual_seed(10)  # every system draws the same dropout masks in its first step
     loss, first = timed_first_call(step)
     observed = [loss] + [p.grad for p in model.parameters()]
-    per_call = per_call_seconds(step, iters)
-    return observed, first, per_call
+    return observed, first, step
+
+
+def in_turns(calls: dict[str, Callable], iters: int) -> dict[str, tuple[float, float] | str]:
+    """Per system, (median, minimum) seconds, or the name of the exception a call raised: two
+    warm-up calls each, then ``iters`` rounds of one call of every system, the first system of a
+    round moving one place each round."""
+    samples: dict[str, list[float]] = {label: [] for label in calls}
+    failed: dict[str, str] = {}
+
+    def timed(label: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            calls[label]()
+        except Exception as error:  # noqa: BLE001 - a failure is a row, never a crash
+            failed[label] = f"timing: {type(error).__name__}"
+        samples[label].append(time.perf_counter() - t0)
+
+    for label in calls:
+        for _ in range(2):
+            timed(label)
+    labels = list(calls)
+    for round_ in range(iters):
+        for k in range(len(labels)):
+            label = labels[(round_ + k) % len(labels)]
+            if label not in failed:
+                timed(label)
+    return {label: failed.get(label) or (statistics.median(s[2:]), min(s[2:]))
+            for label, s in samples.items()}
 
 
 def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[str, Measured]:
+    # One dynamo reset per model and mode: the systems built below stay alive together (dynamo
+    # keeps one cache entry per backend, told apart by its backend-match check).
+    torch._dynamo.reset()
     results: dict[str, Measured] = {}
+    calls: dict[str, Callable] = {}
     reference = None
     for label, wrap in systems.items():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # fallback notes; the verdict says what counts
-                observed, first, per_call = mode(base, name, wrap, iters)
+                observed, first, call = mode(base, name, wrap)
         except Exception as error:  # noqa: BLE001 - a failure is a row, never a crash
             results[label] = Measured(error=type(error).__name__)
             continue
@@ -190,7 +210,16 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
             verdict = "eager failed"
         else:
             verdict = None if same_tensors(observed, reference) else "mismatch"
-        results[label] = Measured(first, *per_call, verdict)
+        results[label] = Measured(first, error=verdict)
+        calls[label] = call
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timings = in_turns(calls, iters)
+    for label, timing in timings.items():
+        if isinstance(timing, str):
+            results[label].error = results[label].error or timing
+        else:
+            results[label].per_call_s, results[label].min_s = timing
     return results
 
 
@@ -239,6 +268,9 @@ def parse_args():
 def main():
     args = parse_args()
     torch.set_num_threads(1)
+    # Four dynamo systems of one model live together, each with cache entries of its own for the
+    # same frames: room for them all under dynamo's per-frame recompile limit.
+    torch._dynamo.config.recompile_limit = 64
     systems = dict(SYSTEMS)
     if args.no_inductor:
         del systems[INDUCTOR], systems["backend=keraunos, inductor fusion"]
