@@ -16,9 +16,10 @@ torch.compile with Inductor):
 Columns: ``compile`` is the wall time of the first call (capture and compilation, plus one run);
 ``per call`` the median of ``--iters`` calls after it and two warm-up calls, and its ratio to
 eager's and to Inductor's (the target for the backend with fusion: within 1.1x of Inductor). The
-systems of one model and mode are all built first and then timed **in turns**, one call of each
-per round (the order rotating each round), so that a change in the machine's load falls on every
-system alike instead of on whichever was timed during it;
+systems of one model and mode are all built first and then timed **in turns**, a few calls of
+each per round (the order rotating each round; the first call of each turn, on the caches another
+system left, is not counted), so that a change in the machine's load falls on every system alike
+instead of on whichever was timed during it;
 ``min`` the fastest of those calls and its ratio to Inductor's fastest (on a shared machine the
 median moves with the load; the minimum, what a call costs uncontended, moves much less);
 ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and every
@@ -161,31 +162,40 @@ def training(base, name: str, wrap: Callable):
     return observed, first, step
 
 
+BATCH = 5  # calls of one system in a row, in turns with the others
+
+
 def in_turns(calls: dict[str, Callable], iters: int) -> dict[str, tuple[float, float] | str]:
-    """Per system, (median, minimum) seconds, or the name of the exception a call raised: two
-    warm-up calls each, then ``iters`` rounds of one call of every system, the first system of a
-    round moving one place each round."""
+    """Per system, (median, minimum) seconds a call, or the name of the exception a call raised.
+
+    Two warm-up calls each, then rounds in which every system makes ``BATCH`` calls in a row,
+    the first system of a round moving one place each round, until each has ``iters`` timed
+    calls. The first call of each batch is not counted: it runs on the caches the previous
+    system left (what one call in a loop of calls of the same model does not see), and that
+    costs a system with more Python objects on its path more than one with fewer."""
     samples: dict[str, list[float]] = {label: [] for label in calls}
     failed: dict[str, str] = {}
 
-    def timed(label: str) -> None:
+    def timed(label: str) -> float:
         t0 = time.perf_counter()
         try:
             calls[label]()
         except Exception as error:  # noqa: BLE001 - a failure is a row, never a crash
             failed[label] = f"timing: {type(error).__name__}"
-        samples[label].append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
     for label in calls:
         for _ in range(2):
             timed(label)
     labels = list(calls)
-    for round_ in range(iters):
+    for round_ in range(-(-iters // (BATCH - 1))):
         for k in range(len(labels)):
             label = labels[(round_ + k) % len(labels)]
-            if label not in failed:
-                timed(label)
-    return {label: failed.get(label) or (statistics.median(s[2:]), min(s[2:]))
+            if label in failed:
+                continue
+            times = [timed(label) for _ in range(BATCH)]
+            samples[label].extend(times[1:])
+    return {label: failed.get(label) or (statistics.median(s[:iters]), min(s[:iters]))
             for label, s in samples.items()}
 
 

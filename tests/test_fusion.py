@@ -349,6 +349,41 @@ def test_regions_are_called_past_inductors_wrappers():
     assert line.symbol.call.kernel_fn is not line.symbol.call.kernel.compiled
 
 
+def test_transposing_attributes_join_regions_and_tensor_attributes_stay_out():
+    """``w.T`` and ``v.mT`` (Falcon's ``input @ self.weight.T``) are views a region computes;
+    outside a region each is a Python call per layer and per weight. ``x.grad`` reads the tensor
+    object, which a compiled graph cannot: it stays a line of its own."""
+    def f(x, w, v):
+        return (x @ w.T).relu() @ v.mT + 1
+
+    torch.manual_seed(0)
+    x, w, v = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.randn(8, 16)
+    jitted = keraunos.jit(f, executors=FUSED)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(jitted(x, w, v), f(x, w, v), **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    (line,) = fusion_lines(trace)
+    assert {b.symbol.name for b in line.subsymbols} >= {"T", "mT"}
+    assert not [b for b in trace.bound_symbols if b.symbol.name in ("T", "mT")]
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w2 = w.detach().clone().requires_grad_()
+    jitted(x1, w, v).sum().backward()
+    f(x2, w2, v).sum().backward()
+    assert_close(x1.grad, x2.grad, **TOL)
+    assert_close(w.grad, w2.grad, **TOL)
+
+    def g(x):
+        return x.grad * 2 + 1
+
+    y = torch.randn(4, requires_grad=True)
+    y.grad = torch.randn(4)
+    grad_of = keraunos.jit(g, executors=FUSED)
+    with torch.no_grad():
+        assert_close(grad_of(y), g(y), **TOL)
+    assert [b for b in keraunos.last_traces(grad_of)[-1].bound_symbols if b.symbol.name == "grad"]
+
+
 def test_returned_views_share_memory_as_in_eager():
     def f(x):
         y = torch.tanh(x * 2) + 1

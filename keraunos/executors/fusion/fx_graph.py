@@ -79,6 +79,8 @@ def _node(graph: fx.Graph, symbol, args: tuple, kwargs: dict) -> fx.Node:
         return graph.call_function(symbol.fn, args, kwargs)
     if symbol.style == "getitem":
         return graph.call_function(operator.getitem, args, kwargs)
+    if symbol.style == "getter":  # ``w.T``
+        return graph.call_function(getattr, (args[0], symbol.name))
     # Methods and operators (``x.view(...)``, ``x.__radd__(2)``) as method calls, which
     # Inductor's caches accept for tensors.
     return graph.call_method(symbol.name, args, kwargs)

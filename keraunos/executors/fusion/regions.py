@@ -64,13 +64,19 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.la
 # Outputs whose shape depends on data; capture refuses most, these are kept out regardless.
 _DATA_DEPENDENT = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select",
                              "argwhere", "bincount", "histc", "nonzero_static"})
-_STYLES = frozenset({"function", "method", "operator", "getitem"})
+_STYLES = frozenset({"function", "method", "operator", "getitem", "getter"})
+# The attributes that are views (``x @ w.T``); ``x.grad``, ``x.data`` and the like read the
+# tensor object itself, which a compiled graph cannot. (``H`` and ``mH`` are ``T`` and ``mT`` here:
+# complex tensors stay outside regions.)
+_VIEW_GETTERS = frozenset({"T", "mT", "H", "mH"})
 
 
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether a line may enter a region (the fusion executor's per-line claim)."""
     symbol = bsym.symbol
     if not isinstance(symbol, TorchSymbol) or symbol.style not in _STYLES:
+        return False
+    if symbol.style == "getter" and symbol.name not in _VIEW_GETTERS:
         return False
     if bsym.tags & {RANDOM, OPAQUE, COPY_OF_WRITTEN_INPUT} or _draws_random(bsym):
         return False
