@@ -364,3 +364,24 @@ def test_fused_clone_of_an_input_written_in_the_region_has_memory_of_its_own():
         assert out_a is a
         assert c.untyped_storage()._cdata != a.untyped_storage()._cdata
         assert torch.allclose(c, c_ref) and torch.allclose(a, a_ref)
+
+
+def test_fused_writes_through_views_rebuilt_with_as_strided_stay_outside_regions():
+    # Fuzzer with fusion, 95:704: `a` and its first row passed as two arguments are rebuilt from
+    # one storage with as_strided; a region writing through those views and reading `a` again
+    # gave values off by 1e33 (Inductor reads an as_strided view of a written input wrongly,
+    # torch.compile alike). The writes now run outside the region.
+    def f(a, d):
+        d.sub_((a.sum()) + ((a.sum()) > 0))
+        a.addcmul_((a) * (a).sum(0), (a) * (a).sum(0), value=0.5)
+        return a
+
+    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    for seed in (747095, 1):
+        torch.manual_seed(seed)
+        base = torch.randn(5, 4)
+        a, a_ref = base.clone(), base.clone()
+        with torch.no_grad():
+            out, ref = jitted(a, a[0]), f(a_ref, a_ref[0])
+        assert out is a and ref is a_ref
+        torch.testing.assert_close(a, a_ref, rtol=1e-4, atol=1e-4)

@@ -394,15 +394,22 @@ def _unsafe_writes(region: Region) -> list[int]:
     """In-place lines of ``region`` whose memory the region's graph could not write exactly:
     Inductor is given one fake tensor per input, each with memory of its own, so a written
     memory must reach the region through one input only (or be made inside it), and no output
-    may share it (an output comes back as a tensor of its own)."""
+    may share it (an output comes back as a tensor of its own). Nor may the region view the
+    written memory with ``as_strided`` (as the views of arguments that share memory are
+    rebuilt from one storage): Inductor (torch 2.13, ``torch.compile`` too) reads such a view
+    wrongly after a write, values off by 1e33 (fuzzer with fusion, 95:704)."""
     inputs_of: dict[int, int] = {}
     for p in region.inputs:
         if isinstance(p, TensorProxy) and p.storage is not None:
             inputs_of[p.storage] = inputs_of.get(p.storage, 0) + 1
     outputs = {p.storage for p in region.outputs}
+    strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
+               and b.symbol.name.rsplit(".", 1)[-1] == "as_strided"
+               for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
     return [region.start + k for k, b in enumerate(region.lines)
             if (w := writes(b)) is not None and (
-                w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs)]
+                w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs
+                or w.storage in strided)]
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
