@@ -385,3 +385,29 @@ def test_fused_writes_through_views_rebuilt_with_as_strided_stay_outside_regions
             out, ref = jitted(a, a[0]), f(a_ref, a_ref[0])
         assert out is a and ref is a_ref
         torch.testing.assert_close(a, a_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_memory_written_twice_in_a_region_keeps_the_second_write_outside():
+    # Fuzzer with fusion, 95:704 unshrunk: `a.index_put_(...)`, then `a.addcmul_(t, t)` with
+    # `t = a * a.sum(0)`, in one region: Inductor's kernel read values of `a` it was writing
+    # (torch.compile gives the same wrong values). A region now writes a memory once.
+    idx = torch.tensor([0, 1])
+
+    def f(a, d):
+        a.index_put_((idx,), d * 1.5 + 0.25)
+        t = a * a.sum(0)
+        a.addcmul_(t, t, value=0.5)
+        return a
+
+    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    for _ in range(2):
+        a0, d0 = torch.randn(3, 4), torch.randn(4)
+        a, a_ref = a0.clone(), a0.clone()
+        with torch.no_grad():
+            assert jitted(a, d0) is a
+            f(a_ref, d0)
+        torch.testing.assert_close(a, a_ref, rtol=1e-4, atol=1e-4)
+    regions = [b for b in keraunos.last_traces(jitted)[-1].bound_symbols
+               if b.symbol.name.startswith("inductor_region")]
+    assert regions and all(len([s for s in b.subsymbols if s.symbol.name.endswith("_")]) <= 1
+                           for b in regions)

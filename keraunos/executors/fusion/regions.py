@@ -394,10 +394,12 @@ def _unsafe_writes(region: Region) -> list[int]:
     """In-place lines of ``region`` whose memory the region's graph could not write exactly:
     Inductor is given one fake tensor per input, each with memory of its own, so a written
     memory must reach the region through one input only (or be made inside it), and no output
-    may share it (an output comes back as a tensor of its own). Nor may the region view the
-    written memory with ``as_strided`` (as the views of arguments that share memory are
-    rebuilt from one storage): Inductor (torch 2.13, ``torch.compile`` too) reads such a view
-    wrongly after a write, values off by 1e33 (fuzzer with fusion, 95:704)."""
+    may share it (an output comes back as a tensor of its own). Two more rules keep out what
+    Inductor (torch 2.13, ``torch.compile`` alike) compiles wrongly, found by the fuzzer with
+    fusion (95:704): a memory is written once in a region (after ``a.index_put_(...)``,
+    ``a.add_(a * a.sum(0))`` read values the kernel was writing), and the region does not
+    view a written memory with ``as_strided`` (as the views of arguments that share memory are
+    rebuilt from one storage; a read after a write was off by 1e33)."""
     inputs_of: dict[int, int] = {}
     for p in region.inputs:
         if isinstance(p, TensorProxy) and p.storage is not None:
@@ -406,10 +408,16 @@ def _unsafe_writes(region: Region) -> list[int]:
     strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
                and b.symbol.name.rsplit(".", 1)[-1] == "as_strided"
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
-    return [region.start + k for k, b in enumerate(region.lines)
-            if (w := writes(b)) is not None and (
-                w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs
-                or w.storage in strided)]
+    unsafe, written = [], set()
+    for k, b in enumerate(region.lines):
+        w = writes(b)
+        if w is None:
+            continue
+        if (w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs
+                or w.storage in strided or w.storage in written):
+            unsafe.append(region.start + k)
+        written.add(w.storage)
+    return unsafe
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
