@@ -156,7 +156,7 @@ def _sharing(args, outs) -> tuple | None:
         key = t.untyped_storage()._cdata
         if key in inputs:
             return None
-        pattern.append(first.setdefault(key, i) if key in first else None)
+        pattern.append(first.get(key))
         first.setdefault(key, i)
     return tuple(pattern)
 
