@@ -19,7 +19,8 @@ eager's and to Inductor's (the target for the backend with fusion: within 1.1x o
 systems of one model and mode are all built first and then timed **in turns**, a few calls of
 each per round (the order rotating each round; the first call of each turn, on the caches another
 system left, is not counted), so that a change in the machine's load falls on every system alike
-instead of on whichever was timed during it;
+instead of on whichever was timed during it; ``paired`` the median over rounds of each round's
+turn against Inductor's turn of the same round (a load change between rounds cancels out);
 ``min`` the fastest of those calls and its ratio to Inductor's fastest (on a shared machine the
 median moves with the load; the minimum, what a call costs uncontended, moves much less);
 ``result`` is ``pass`` when the first call's outputs (and, for training, the loss and every
@@ -57,6 +58,7 @@ class Measured:
     compile_s: float | None = None
     per_call_s: float | None = None
     min_s: float | None = None
+    paired: float | None = None  # median over rounds of (this turn / Inductor's turn)
     error: str | None = None  # None: equals eager
 
 
@@ -165,15 +167,21 @@ def training(base, name: str, wrap: Callable):
 BATCH = 5  # calls of one system in a row, in turns with the others
 
 
-def in_turns(calls: dict[str, Callable], iters: int) -> dict[str, tuple[float, float] | str]:
-    """Per system, (median, minimum) seconds a call, or the name of the exception a call raised.
+def in_turns(calls: dict[str, Callable], iters: int,
+             reference: str | None = None) -> dict[str, tuple[float, float, float | None] | str]:
+    """Per system, (median, minimum, paired ratio) of the seconds a call takes, or the name of
+    the exception a call raised.
 
     Two warm-up calls each, then rounds in which every system makes ``BATCH`` calls in a row,
     the first system of a round moving one place each round, until each has ``iters`` timed
     calls. The first call of each batch is not counted: it runs on the caches the previous
     system left (what one call in a loop of calls of the same model does not see), and that
-    costs a system with more Python objects on its path more than one with fewer."""
+    costs a system with more Python objects on its path more than one with fewer. The paired
+    ratio compares each round's turn with ``reference``'s turn of the same round (the median
+    call of each) and takes the median over rounds: a change of the machine's load between
+    rounds, which moves both turns of a round alike, leaves it alone."""
     samples: dict[str, list[float]] = {label: [] for label in calls}
+    turns: dict[str, list[float]] = {label: [] for label in calls}
     failed: dict[str, str] = {}
 
     def timed(label: str) -> float:
@@ -195,8 +203,17 @@ def in_turns(calls: dict[str, Callable], iters: int) -> dict[str, tuple[float, f
                 continue
             times = [timed(label) for _ in range(BATCH)]
             samples[label].extend(times[1:])
-    return {label: failed.get(label) or (statistics.median(s[:iters]), min(s[:iters]))
-            for label, s in samples.items()}
+            turns[label].append(statistics.median(times[1:]))
+    result: dict[str, tuple[float, float, float | None] | str] = {}
+    for label, s in samples.items():
+        if label in failed:
+            result[label] = failed[label]
+            continue
+        paired = None
+        if reference in turns and reference not in failed and turns[reference]:
+            paired = statistics.median(a / b for a, b in zip(turns[label], turns[reference]))
+        result[label] = (statistics.median(s[:iters]), min(s[:iters]), paired)
+    return result
 
 
 def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[str, Measured]:
@@ -224,12 +241,12 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
         calls[label] = call
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        timings = in_turns(calls, iters)
+        timings = in_turns(calls, iters, INDUCTOR)
     for label, timing in timings.items():
         if isinstance(timing, str):
             results[label].error = results[label].error or timing
         else:
-            results[label].per_call_s, results[label].min_s = timing
+            results[label].per_call_s, results[label].min_s, results[label].paired = timing
     return results
 
 
@@ -237,7 +254,7 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
 def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
     print(f"\n{title}", flush=True)
     print(f"  {'model':<11} {'system':<34} {'compile':>10} {'per call':>11} {'vs eager':>9}"
-          f" {'vs Inductor':>11} {'min':>11} {'min vs Ind.':>11}  result")
+          f" {'vs Inductor':>11} {'paired':>8} {'min':>11} {'min vs Ind.':>11}  result")
     for model_name, results in rows.items():
         eager, inductor = results.get("eager"), results.get(INDUCTOR)
         for label, m in results.items():
@@ -245,8 +262,9 @@ def print_table(title: str, rows: dict[str, dict[str, Measured]]) -> None:
             per_call = f"{m.per_call_s * 1e3:8.3f} ms" if m.per_call_s is not None else ""
             fastest = f"{m.min_s * 1e3:8.3f} ms" if m.min_s is not None else ""
             verdict = "pass" if m.error is None else f"FAIL ({m.error})"
+            paired = f"{m.paired:7.2f}x" if m.paired is not None else ""
             print(f"  {model_name:<11} {label:<34} {compile_s:>10} {per_call:>11} "
-                  f"{ratio(m, eager):>9} {ratio(m, inductor):>11} {fastest:>11} "
+                  f"{ratio(m, eager):>9} {ratio(m, inductor):>11} {paired:>8} {fastest:>11} "
                   f"{ratio(m, inductor, 'min_s'):>11}  {verdict}", flush=True)
 
 
