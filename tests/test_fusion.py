@@ -349,6 +349,20 @@ def test_regions_are_called_past_inductors_wrappers():
     assert line.symbol.call.kernel_fn is not line.symbol.call.kernel.compiled
 
 
+def test_region_kernels_leave_layout_checks_to_the_prologue():
+    """Inductor's code checks no input's sizes and strides on each call (``size_asserts`` off:
+    40 us of a 300 us call of a two-layer model); the prologue does. An input of another layout
+    is a cache miss and a new entry, never a kernel reading memory laid out otherwise."""
+    fn = keraunos.jit(lambda x, w: torch.tanh(x @ w).exp() + x, executors=FUSED)
+    w = torch.randn(8, 8)
+    for x in (torch.randn(8, 8), torch.randn(8, 8).t(), torch.randn(8, 16)[:, ::2]):
+        with torch.no_grad():
+            assert_close(fn(x, w), torch.tanh(x @ w).exp() + x, **TOL)
+    assert keraunos.cache_misses(fn) == 3
+    codes = [r.kernel_code for r in keraunos.last_fusions(fn)]
+    assert codes and all("def call(" in c and "assert_size_stride(arg" not in c for c in codes)
+
+
 def test_transposing_attributes_join_regions_and_tensor_attributes_stay_out():
     """``w.T`` and ``v.mT`` (Falcon's ``input @ self.weight.T``) are views a region computes;
     outside a region each is a Python call per layer and per weight. ``x.grad`` reads the tensor
@@ -1073,3 +1087,33 @@ def test_writes_in_regions_keep_eagers_order_and_sharing():
             assert [a._version - v for a, v in zip(args, before[0])] == \
                 [t._version - v for t, v in zip(twins, before[1])]
         assert fusion_lines(keraunos.last_traces(jitted)[-1])
+
+
+def test_a_tensor_made_written_and_handed_out_by_a_region_stays_inside():
+    """Mixtral's router: ``v, i = topk(logits)``, then ``v /= v.sum(-1)``, and the experts read
+    ``v`` after the region. The region makes ``v``, writes it and hands it out with the written
+    values: the write joins the region (it used to cut the layer in three). Two outputs of the
+    written memory (``v`` and a view of it made before the write, both read after the region)
+    would come back as tensors of their own, so that write stays out."""
+    def router(x, w):
+        v, i = torch.topk((x @ w).softmax(-1), 2, dim=-1)
+        v.div_(v.sum(-1, keepdim=True))
+        return v, i
+
+    def with_view(x, w):
+        v, _ = torch.topk((x @ w).softmax(-1), 2, dim=-1)
+        first = v[:, 0]
+        v.div_(v.sum(-1, keepdim=True))
+        # complex: not fused, so that ``v`` and ``first`` both leave the region
+        return v.to(torch.complex64).real * 2, first.to(torch.complex64).real + 1
+
+    w = torch.randn(8, 4)
+    for fn, inside in ((router, True), (with_view, False)):
+        jitted = keraunos.jit(fn, executors=FUSED)
+        for _ in range(2):
+            x = torch.randn(6, 8)
+            with torch.no_grad():
+                assert_close(jitted(x, w), fn(x, w), **TOL)
+        fused = [b.symbol.name for line in fusion_lines(keraunos.last_traces(jitted)[-1])
+                 for b in line.subsymbols]
+        assert ("div_" in " ".join(fused)) is inside, fn.__name__

@@ -7,9 +7,9 @@ metadata of the trace does not fix. In-place methods that write values (a KV cac
 ``k.index_copy_(2, pos, new)``, ``count.add_(1)``) may enter: the graph writes the same memory
 (AOTAutograd functionalizes the write, Inductor writes the input back), so a decode step's layer
 is one region, not two around the cache writes. A written memory must then reach the region
-through one input only and no output may share it (``_unsafe_writes``: Inductor's fake inputs
-each have memory of their own), a write never moves, and no line moves above a write of what it
-reads. A slice may have symbolic bounds (``k[..., :input_pos_maxp1, :]``): the graph computes
+through one input only and no output may share it, unless the region made it and hands it out
+once (``_unsafe_writes``: Inductor's fake inputs each have memory of their own), a write never
+moves, and no line moves above a write of what it reads. A slice may have symbolic bounds (``k[..., :input_pos_maxp1, :]``): the graph computes
 them from the size symbols. Two more rules keep what the rest of the program can observe exact:
 
 - an output may not share memory with what the region reads: a view of an input computed
@@ -394,7 +394,8 @@ def _unsafe_writes(region: Region) -> list[int]:
     """In-place lines of ``region`` whose memory the region's graph could not write exactly:
     Inductor is given one fake tensor per input, each with memory of its own, so a written
     memory must reach the region through one input only (or be made inside it), and no output
-    may share it (an output comes back as a tensor of its own). Two more rules keep out what
+    may share a written input's memory (an output comes back as a tensor of its own); a memory
+    made inside may leave as one output, which then holds the written values. Two more rules keep out what
     Inductor (torch 2.13, ``torch.compile`` alike) compiles wrongly, found by the fuzzer with
     fusion (95:704): a memory is written once in a region (after ``a.index_put_(...)``,
     ``a.add_(a * a.sum(0))`` read values the kernel was writing), and the region does not
@@ -404,7 +405,9 @@ def _unsafe_writes(region: Region) -> list[int]:
     for p in region.inputs:
         if isinstance(p, TensorProxy) and p.storage is not None:
             inputs_of[p.storage] = inputs_of.get(p.storage, 0) + 1
-    outputs = {p.storage for p in region.outputs}
+    outputs: dict[int, int] = {}
+    for p in region.outputs:
+        outputs[p.storage] = outputs.get(p.storage, 0) + 1
     strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
                and b.symbol.name.rsplit(".", 1)[-1] == "as_strided"
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
@@ -413,7 +416,11 @@ def _unsafe_writes(region: Region) -> list[int]:
         w = writes(b)
         if w is None:
             continue
-        if (w.storage is None or inputs_of.get(w.storage, 0) > 1 or w.storage in outputs
+        # An output may be memory the region makes and writes (``topk``'s values, then
+        # ``div_``): it comes back with the written values, as the one tensor of that memory.
+        handed_out = outputs.get(w.storage, 0)
+        if (w.storage is None or inputs_of.get(w.storage, 0) > 1
+                or (handed_out and (w.storage in inputs_of or handed_out > 1))
                 or w.storage in strided or w.storage in written):
             unsafe.append(region.start + k)
         written.add(w.storage)
