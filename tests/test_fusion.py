@@ -449,6 +449,48 @@ def test_random_ops_give_eager_values_and_leave_the_stream_where_eager_does():
     assert random_lines and all(b.executor == "torch" for b in random_lines)
 
 
+def test_attention_with_dropout_fuses_all_but_the_draws():
+    """Training-mode attention with ``dropout_p`` runs as its ATen ops (the backward needs its
+    mask): only ``bernoulli_`` draws, so only it stays out of regions; the scaling, softmax and
+    matmuls around it fuse (they used to inherit the random tag and ran op by op on torch). The
+    loss, every gradient and the generator's state afterwards are eager's."""
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.out = nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+            return F.dropout(self.out(a.transpose(1, 2).reshape(2, 6, 16)), 0.2).sum()
+
+    torch.manual_seed(0)
+    model = Attention()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED)
+    for seed in (0, 1):
+        x = torch.randn(2, 6, 16)
+        model.zero_grad(), reference.zero_grad()
+        torch.manual_seed(seed)
+        loss = jitted(x)
+        loss.backward()
+        after = torch.rand(3)
+        torch.manual_seed(seed)
+        expected = reference(x)
+        expected.backward()
+        assert_close(loss, expected, **TOL)
+        assert_close(after, torch.rand(3))
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, q.grad, **TOL, msg=name)
+    trace = keraunos.last_traces(jitted)[-1]
+    outside = [b.symbol.name for b in trace.bound_symbols if b.executor == "torch"]
+    inside = " ".join(b.symbol.name for line in fusion_lines(trace) for b in line.subsymbols)
+    assert any("bernoulli_" in name for name in outside)
+    assert not any(op in name for name in outside for op in ("softmax", "bmm", "matmul"))
+    assert "softmax" in inside and "bernoulli" not in inside
+
+
 def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
     monkeypatch.setattr(compiler, "toolchain_problem", lambda device: "no C++ compiler found")
     monkeypatch.setattr(compiler, "_warned", set())

@@ -23,7 +23,7 @@ from ..core.aten import constant_line, is_lifted_constant
 from ..core import glue
 from ..core.proxies import NumberProxy, ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
-from ..core.tags import MUTATION
+from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
 from ..passes import common_subexpression_elimination, dead_code_elimination
 from .joint import record_joint
@@ -222,7 +222,9 @@ def split_forward_backward(computation: Trace) -> Split:
         if index not in lowered:
             forward_lines.append(bsym)
             continue
-        for call in (c for c in joint.forward_calls if c.parent == index):
+        calls = [c for c in joint.forward_calls if c.parent == index]
+        draws = _drawing_calls(calls) if RANDOM in bsym.tags else set()
+        for call in calls:
             if is_lifted_constant(call):  # a list index inside __getitem__, say
                 forward_lines.append(constant_line(
                     call.args[0], namer.proxies[namer.name_of[id(call.out)]], bsym.source))
@@ -236,6 +238,8 @@ def split_forward_backward(computation: Trace) -> Split:
                 lambda t: namer.proxies[namer.name_of[id(t)]] if isinstance(t, torch.Tensor)
                 else t, call.out)
             tags = set(bsym.tags)
+            if draws and id(call) not in draws:
+                tags.discard(RANDOM)  # the softmax and matmuls around dropout's draw
             if call.func._schema.is_mutable:
                 tags.add(MUTATION)
             forward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
@@ -372,3 +376,13 @@ def _size_expression(x, namer: _Namer, available: set[int], numbers: dict):
         return as_code(x, numbers)
     name, d = _tensor_with_size(x, namer, available)
     return Code(f"{name}.size({d})")
+
+
+def _drawing_calls(calls) -> set[int]:
+    """Of the ATen calls a random torch-level line runs as (``dropout``, or
+    ``scaled_dot_product_attention`` with ``dropout_p``), those that draw from the generator
+    (``bernoulli_``: PyTorch tags them ``nondeterministic_seeded``): only they keep the line's
+    ``RANDOM`` tag, so that the rest may be fused and merged like any line. Empty when no call
+    says it draws: then every call keeps the tag, as before."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return {id(c) for c in calls if seeded in getattr(c.func, "tags", ())}
