@@ -491,6 +491,37 @@ def test_attention_with_dropout_fuses_all_but_the_draws():
     assert "softmax" in inside and "bernoulli" not in inside
 
 
+def test_in_place_add_to_scores_requiring_grad_fuses_in_the_forward():
+    """T5's ``scores += position_bias`` on a tensor that requires grad: in the forward trace of
+    keraunos's autograd split nothing records autograd, so the write joins the region with the
+    softmax after it (it used to run on torch, with the softmax); gradients are eager's."""
+    class Scores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.bias = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            q = self.q(x)
+            scores = q @ x.transpose(-1, -2)
+            scores += self.bias
+            return (scores.softmax(-1) @ q).square().sum()
+
+    torch.manual_seed(0)
+    model = Scores()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED)
+    x = torch.randn(2, 4, 8)
+    jitted(x).backward()
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, **TOL, msg=name)
+    trace = keraunos.last_traces(jitted)[-1]
+    inside = " ".join(b.symbol.name for line in fusion_lines(trace) for b in line.subsymbols)
+    assert "add_" in inside and "softmax" in inside
+    assert not any("add_" in b.symbol.name for b in trace.bound_symbols if b.executor == "torch")
+
+
 def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
     monkeypatch.setattr(compiler, "toolchain_problem", lambda device: "no C++ compiler found")
     monkeypatch.setattr(compiler, "_warned", set())

@@ -114,7 +114,9 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     """An in-place method that a region may run: it writes the values of its first argument
     (``k_cache.index_copy_(2, pos, k)``, ``count.add_(1)``) and hands it back; Inductor's graph
     writes the same memory. Its other tensors must not share that memory (an overlapping write
-    reads what it writes), and autograd must not be recording it. Which other inputs of a region
+    reads what it writes). A tensor that requires grad may be written in the forward trace of
+    keraunos's autograd split (T5's ``scores += position_bias``): autograd records nothing there;
+    where it does record (no backward trace of ours), ``fuse`` keeps such lines out. Which other inputs of a region
     may share the written memory is the region's rule (``_unsafe_writes``)."""
     symbol = bsym.symbol
     short = symbol.name.rsplit(".", 1)[-1]
@@ -122,8 +124,8 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
             or short in _METADATA_WRITES:
         return False
     target = bsym.args[0] if bsym.args else None
-    if not isinstance(target, TensorProxy) or target.storage is None or target.requires_grad:
-        return False
+    if not isinstance(target, TensorProxy) or target.storage is None:
+        return False  # (a trace that autograd records keeps tensors requiring grad out: ``fuse``)
     if any(type(st) is int and st == 0 and not (type(n) is int and n == 1)
            for n, st in zip(target.shape, target.stride)):
         return False  # an expanded tensor: eager's kernel refuses to write it, Inductor's would
