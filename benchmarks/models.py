@@ -1,6 +1,7 @@
 """The model zoo: compile and per-call time of inference and a training step, per system.
 
 Run: python benchmarks/models.py [--models llama,bert] [--iters N] [--no-inductor] [--no-train]
+     [--systems fused,inductor]
 
 Every figure comes from this one run, one intra-op thread. Per zoo model (tiny configs, random
 weights, nothing downloaded) and per system (eager, keraunos.jit, torch.compile with
@@ -95,6 +96,8 @@ SYSTEMS: dict[str, Callable] = {
     "torch.compile (Inductor)": wrap_inductor,
 }
 INDUCTOR = "torch.compile (Inductor)"
+# --systems: short names of the systems above, in order
+SHORT = dict(zip(("eager", "jit", "backend", "fused", "dynamo-eager", "inductor"), SYSTEMS))
 
 
 # ------------------------------------------------------------------------------ comparison
@@ -216,7 +219,8 @@ def in_turns(calls: dict[str, Callable], iters: int,
     return result
 
 
-def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[str, Measured]:
+def measure(mode: Callable, base, name: str, systems: dict, iters: int,
+            timed: set[str] | None = None) -> dict[str, Measured]:
     # One dynamo reset per model and mode: the systems built below stay alive together (dynamo
     # keeps one cache entry per backend, told apart by its backend-match check).
     torch._dynamo.reset()
@@ -238,7 +242,8 @@ def measure(mode: Callable, base, name: str, systems: dict, iters: int) -> dict[
         else:
             verdict = None if same_tensors(observed, reference) else "mismatch"
         results[label] = Measured(first, error=verdict)
-        calls[label] = call
+        if timed is None or label in timed:
+            calls[label] = call
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         timings = in_turns(calls, iters, INDUCTOR)
@@ -285,7 +290,15 @@ def parse_args():
                              "executor): their compiles are slow")
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a training step (default: on)")
+    parser.add_argument("--systems", default=",".join(SHORT),
+                        help=f"comma-separated, of {list(SHORT)} (default: all); results are "
+                             f"compared with eager's outputs, so eager always runs, untimed "
+                             f"unless listed")
     args = parser.parse_args()
+    args.systems = [x for x in args.systems.split(",") if x]
+    unknown = [x for x in args.systems if x not in SHORT]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {list(SHORT)}")
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in ZOO]
     if unknown:
@@ -299,9 +312,10 @@ def main():
     # Four dynamo systems of one model live together, each with cache entries of its own for the
     # same frames: room for them all under dynamo's per-frame recompile limit.
     torch._dynamo.config.recompile_limit = 64
-    systems = dict(SYSTEMS)
+    systems = {label: wrap for label, wrap in SYSTEMS.items()
+               if label == "eager" or label in {SHORT[x] for x in args.systems}}
     if args.no_inductor:
-        del systems[INDUCTOR], systems["backend=keraunos, inductor fusion"]
+        systems.pop(INDUCTOR, None), systems.pop("backend=keraunos, inductor fusion", None)
     else:
         importlib.import_module("torch._inductor.config").fallback_random = True
     import transformers
@@ -310,9 +324,10 @@ def main():
     inference_rows, training_rows = {}, {}
     for name in args.models:
         base, _ = make_models(name)
-        inference_rows[name] = measure(inference, base, name, systems, args.iters)
+        timed = {SHORT[x] for x in args.systems}
+        inference_rows[name] = measure(inference, base, name, systems, args.iters, timed)
         if args.train and ZOO[name].trains:
-            training_rows[name] = measure(training, base, name, systems, args.iters)
+            training_rows[name] = measure(training, base, name, systems, args.iters, timed)
         # Each model's rows as soon as it is done (a run stopped early keeps what it measured);
         # the tables below gather them.
         print_table(f"done: {name}, inference", {name: inference_rows[name]})
