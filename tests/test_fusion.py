@@ -773,6 +773,28 @@ def test_dynamo_front_end_fuses_too():
     assert fusion_lines(keraunos.last_traces(subgraph.jitted)[-1])
 
 
+def test_dynamo_route_recompiles_for_a_parameter_whose_layout_changed():
+    """Region kernels bake their inputs' strides in and no longer check them (``size_asserts``
+    off); on the backend route dynamo's guards cover the parameters (inlined modules' tensors
+    are graph inputs with tensor guards): ``w.data = w.data.t().contiguous().t()`` makes dynamo
+    compile again, and the values stay eager's, never a kernel reading the new layout as the
+    old."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    backend = keraunos.dynamo.backend(executors=FUSED)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x), **TOL)
+        weight = model[0].weight
+        weight.data = weight.data.t().contiguous().t()  # same values, other strides
+        assert weight.stride() == (1, 8)
+        assert_close(compiled(x), model(x), **TOL)
+    assert len(backend.subgraphs) == 2
+    torch._dynamo.reset()
+
+
 def test_a_tensor_made_to_require_grad_inside_stays_a_leaf_of_autograd():
     def f(x):
         w = torch.ones(4, requires_grad=True)

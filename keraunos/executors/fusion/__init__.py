@@ -126,6 +126,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     if problem is None:
         lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
                                       observable)
+    always_checked = _varying_with(always_checked, lines, regions)
     counter = counter if counter is not None else [0]
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
@@ -139,6 +140,22 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     label = f"{len(kept)} regions" if problem is None else f"no regions, {problem}"
     return trace.derive(result, f"Fusion [{names}]: {label}", time.perf_counter() - start), kept
+
+
+def _varying_with(always_checked, lines, regions) -> set[str]:
+    """The names whose layout can change from call to call: ``always_checked`` (the backward's
+    incoming gradients), and what lines outside regions make from them (``view(grad0, ...)``:
+    a gradient's strides carry over). A region's outputs have the layouts its kernel gives,
+    whatever its inputs' were. Regions check these inputs on every call; Inductor's code checks
+    none (``compiler.CONFIG_PATCHES``)."""
+    varying = set(always_checked)
+    if not varying:
+        return varying
+    inside = {i for r in regions for i in range(r.start, r.stop)}
+    for i, b in enumerate(lines):
+        if i not in inside and any(p.name in varying for p in b.input_proxies()):
+            varying.update(p.name for p in b.output_proxies())
+    return varying
 
 
 def _assemble(lines, fused, executors, fusion) -> list[BoundSymbol]:

@@ -42,12 +42,15 @@ from . import fx_graph, symbolic
 # value rounded to bfloat16 or float16 (``x.to(torch.bfloat16).float()``) is rounded as in
 # eager, instead of staying float32 inside the fused kernel (the fuzzer found the difference).
 # ``size_asserts`` off: Inductor's code would check every input's sizes and strides on every
-# call (``assert_size_stride``, about 1 us each: 40 us of a 300 us call of a two-layer model,
+# call (``assert_size_stride``, 0.5 to 1 us each: 40 us of a 300 us call of a two-layer model,
 # with a region per layer). Here they are known: a region's inputs are the program's inputs,
-# whose sizes and strides the prologue (or dynamo's guards) checked, or values made from them by
-# the trace's own lines, whose layouts follow from those; ``RegionCall`` checks them all on the
-# first call, and on every call lays out again the inputs whose strides may vary (incoming
-# gradients).
+# whose sizes and strides the prologue (or dynamo's guards, which cover an inlined module's
+# parameters) checked, or values made from them by the trace's own lines, whose layouts follow
+# from those; ``RegionCall`` checks them all on the first call, and on every call lays out again
+# the inputs whose strides may vary (incoming gradients, and what lines outside regions make
+# from them: ``fusion._varying_with``). The option also drops Inductor's checks of the strides
+# its fallback kernels return inside a region (``torch.compile`` keeps them): a fallback whose
+# real strides differ from its meta function's would give wrong values instead of an error.
 CONFIG_PATCHES = {"fallback_random": True, "emulate_precision_casts": True,
                   "size_asserts": False}
 
