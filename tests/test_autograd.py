@@ -1081,3 +1081,43 @@ def test_backward_trace_when_indexing_with_a_list():
     f(x_ref).backward()
     assert_close(x.grad, x_ref.grad)
     assert keraunos.last_backward_traces(jf)
+
+
+@pytest.mark.parametrize("executors", [["torch"], ["inductor", "torch"]], ids=["torch", "fused"])
+def test_incoming_gradients_of_any_strides_give_eagers_gradients(executors):
+    """A tied head (``F.linear(h, emb.weight)``): the backward trace views the incoming gradient
+    (``view(grad0, [10, 16])``), which fails on a permuted gradient that eager's autograd takes
+    (``out.backward(g.permute(...))``). Gradients are laid out as recorded before the backward
+    runs; every call gives eager's gradients."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(self.norm(x))) * 0.5
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            for layer in self.layers:
+                h = layer(h)
+            return F.linear(h, self.emb.weight)
+
+    torch.manual_seed(0)
+    model = Tied()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=executors)
+    idx = torch.randint(0, 16, (2, 5))
+    for grad in (torch.randn(2, 5, 16), torch.randn(16, 5, 2).permute(2, 1, 0),
+                 torch.randn(2, 16, 5).transpose(1, 2), torch.randn(1, 1, 16).expand(2, 5, 16)):
+        model.zero_grad(), reference.zero_grad()
+        jitted(idx).backward(grad)
+        reference(idx).backward(grad)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

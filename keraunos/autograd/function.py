@@ -48,11 +48,25 @@ class KeraunosFunction(torch.autograd.Function):
         if not present:
             return (None,) * (1 + len(compiled.grad_dependencies))
         grads = [g if g is not None else _zeros(ctx, i) for i, g in enumerate(grads)]
+        grads = [_laid_out(g, s) for g, s in zip(grads, compiled.grad_strides)]
         results = compiled.backward_fn(*saved, *ctx.saved_sizes, *grads)
         # An input reached only through outputs that got no gradient gets None, as in eager
         # (an optimizer skips it rather than stepping it with zeros).
         return (None, *(r if deps & present or not deps else None
                         for r, deps in zip(results, compiled.grad_dependencies)))
+
+
+def _laid_out(grad: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``grad`` with the strides the backward trace was recorded for (those of its output):
+    the trace's ``view(grad0, ...)`` fails on a gradient of other strides that eager's
+    autograd accepts (``out.backward(g.permute(...))``), and fused regions read memory by the
+    recorded strides. A copy only when the element order differs."""
+    if stride is None or grad.stride() == stride:
+        return grad
+    if all(a == b or n <= 1 for a, b, n in zip(grad.stride(), stride, grad.shape)):
+        return grad
+    return torch.empty_strided(grad.shape, stride, dtype=grad.dtype,
+                               device=grad.device).copy_(grad)
 
 
 def _zeros(ctx, i: int) -> torch.Tensor:
@@ -72,6 +86,11 @@ class _Compiled:
                                    if i not in split.differentiable]
         self.grad_dependencies = split.grad_dependencies
         self.grad_metadata = split.grad_metadata
+        # The recorded strides of each incoming gradient (None where symbolic): the joint trace
+        # made them ``empty_like`` the output, so never overlapping memory.
+        grads = split.backward.params[len(split.backward.params) - len(split.grad_metadata):]
+        self.grad_strides = [tuple(p.stride) if all(type(v) is int for v in p.stride) else None
+                             for p in grads]
         self.n_saved_tensors = split.n_saved_tensors
         self.data_dependent_shapes = [i for i, (shape, _, _) in enumerate(split.grad_metadata)
                                       if not all(type(d) is int for d in shape)]
