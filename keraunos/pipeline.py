@@ -141,8 +141,12 @@ def fuse_regions(c: Compilation) -> None:
         c.time("fusion", fused.seconds)
     backward = c.backward
     if backward is not None:
+        # The backward's Function lays each incoming gradient out as recorded before the trace
+        # runs (autograd/function.py); only gradients of symbolic strides can still come with
+        # others, and regions check those (and what is made from them) on every call.
         grads = {p.name for p in
-                 backward.params[len(backward.params) - len(c.split.grad_metadata):]}
+                 backward.params[len(backward.params) - len(c.split.grad_metadata):]
+                 if not all(type(v) is int for v in p.stride)}
         names = fusion.layers.layers_of_names(
             forward, fusion.layers.layer_of_lines(forward.bound_symbols))
         fused, backward_regions = fusion.fuse(
