@@ -294,7 +294,9 @@ def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure to unpack is a reason
         return f"the prologue could not unpack the call: {type(e).__name__}: {e}"
     if type(r) is int:
-        return f"check failed: {entry.check_descriptions[r]}"
+        description = entry.check_descriptions[r]
+        live = getattr(description, "explain_miss", None)  # ambient.AmbientDifference
+        return f"check failed: {live() if live is not None else description}"
     if type(r) is str:
         return f"check failed: {r}"
     if not check_storage_aliases(entry, r[0]):

@@ -47,6 +47,8 @@ class Guard:
         if self.kind == "data":
             return (f"{where} == {self.expected!r}, a value read from tensor data at "
                     f"{self.source} (specialize_data=True)")
+        if self.kind == "ambient":
+            return "the ambient state (grad mode, autocast, ...) is as when compiled"
         if self.kind == "value" or self.kind == "global":
             return f"{where} == {self.expected!r} ({type(self.expected).__name__})"
         if self.kind == "identity":

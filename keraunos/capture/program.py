@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ..errors import CaptureError
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .recorder import _data_dependent_error
+from .ambient import AmbientSnapshot
 from .state import global_state, restore_global_state
 from .context import CaptureContext
 from .interceptors import intercepting_torch
@@ -133,12 +134,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()
-    ctx.guard("global", None, torch.is_grad_enabled(), "torch.is_grad_enabled()")
-    ctx.guard("global", None, torch.get_default_dtype(), "torch.get_default_dtype()")
-    ctx.guard("global", None, torch.is_autocast_enabled("cpu"), "torch.is_autocast_enabled('cpu')")
-    if torch.cuda.is_available():
-        ctx.guard("global", None, torch.is_autocast_enabled("cuda"),
-                  "torch.is_autocast_enabled('cuda')")
+    ctx.guard("ambient", None, AmbientSnapshot.now())  # grad mode, autocast, ...: ambient.py
     state_before = global_state()
     if module is not None:
         ctx.swap_module_classes(module)

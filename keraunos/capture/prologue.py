@@ -89,9 +89,25 @@ class _Builder:
         self.bsyms.append(glue.CHECK.bind(*uses, tags=tags, condition=condition, index=index,
                                           description=description, guard=guard, subject=subject))
 
+    def ambient_checks(self, snapshot) -> None:
+        """Grad mode, autocast and the rest of ``capture/ambient.py``'s list, as at capture: the
+        settings dynamo's C++ guard covers in one call of it, the others one line each."""
+        if snapshot.cxx_guard is not None:
+            name = f"_global_state{len(self.namespace)}"
+            self.namespace[name] = snapshot.cxx_guard
+            self.check(snapshot.cxx_description(), lambda w: f"not {name}.check()", False)
+        for ambient, value in snapshot.python_checked():
+            self.check(snapshot.description(ambient, value),
+                       lambda w, a=ambient, v=value: f"{a.expression} is not {w.value(v)}"
+                       if isinstance(v, (bool, torch.dtype)) or v is None
+                       else f"{a.expression} != {w.value(v)}", False)
+
     def guard(self, g: Guard) -> None:
         if g.kind == "data":
             return  # after the tensors are extracted: see data_guard
+        if g.kind == "ambient":
+            self.ambient_checks(g.expected)
+            return
         if g.kind == "global":
             expected = g.expected
             self.check(g.description, lambda w: f"{g.expression} is not {w.value(expected)}"

@@ -1,0 +1,158 @@
+"""Ambient state: what a call's result depends on besides its inputs, checked by every prologue.
+
+Grad mode, inference mode, the default dtype, autocast (per device type: on or off, its dtype,
+and whether it caches casts), deterministic algorithms, matmul precision, intra-op threads: a
+program captured under one setting may compute something else under another (autocast to
+bfloat16 or float16 rounds differently), so the prologue compares each with what it was at
+capture, and a difference is a cache miss that names the setting.
+
+``AMBIENT_STATE`` is the one list. A new kind of ambient state is one more ``Ambient`` in it:
+the prologue checks it, the miss explanation names it. Entries that dynamo's C++
+``GlobalStateGuard`` also compares are checked by one call of it (a fifth of a microsecond for
+all of them); the rest are one Python comparison each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+try:
+    from torch._C._dynamo.guards import GlobalStateGuard
+except ImportError:  # a build without dynamo's guards: every entry is checked in Python
+    GlobalStateGuard = None
+
+
+@dataclass(frozen=True)
+class Ambient:
+    """One piece of ambient state: ``label`` names it in a miss explanation, ``expression`` is
+    the prologue's source that reads it (``torch`` is in every prologue's namespace), ``read``
+    reads it now; ``in_global_state_guard``: ``GlobalStateGuard`` compares it too."""
+
+    label: str
+    expression: str
+    read: Callable[[], Any]
+    in_global_state_guard: bool
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    """The CPU and the accelerators this process can use: autocast on any other device type
+    disables itself (with a warning), so its settings cannot change what a program computes."""
+    found = ["cpu"]
+    for device in ("cuda", "xpu", "mps"):
+        module = getattr(torch, device, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            found.append(device)
+    return tuple(found)
+
+
+def _autocast_entries(device: str) -> tuple[Ambient, ...]:
+    return (
+        Ambient(f"autocast on {device}", f"torch.is_autocast_enabled({device!r})",
+                lambda: torch.is_autocast_enabled(device), True),
+        # Compared even while autocast is off (`with torch.autocast(device):` inside the
+        # program takes this dtype), which GlobalStateGuard does not do: so in Python.
+        Ambient(f"autocast dtype on {device}", f"torch.get_autocast_dtype({device!r})",
+                lambda: torch.get_autocast_dtype(device), False),
+    )
+
+
+def _matmul_fp32_precision() -> str:
+    return torch.get_float32_matmul_precision()
+
+
+AMBIENT_STATE: tuple[Ambient, ...] = (
+    Ambient("grad mode", "torch.is_grad_enabled()", torch.is_grad_enabled, True),
+    # Under no_grad and inference_mode grad mode reads the same; their outputs do not
+    # (inference tensors), so inference mode is a setting of its own.
+    Ambient("inference mode", "torch.is_inference_mode_enabled()",
+            torch.is_inference_mode_enabled, False),
+    Ambient("default dtype", "torch.get_default_dtype()", torch.get_default_dtype, True),
+    *(entry for device in _autocast_device_types() for entry in _autocast_entries(device)),
+    Ambient("autocast's cast cache", "torch.is_autocast_cache_enabled()",
+            torch.is_autocast_cache_enabled, True),
+    Ambient("deterministic algorithms", "torch.are_deterministic_algorithms_enabled()",
+            torch.are_deterministic_algorithms_enabled, True),
+    Ambient("deterministic algorithms, warn only",
+            "torch.is_deterministic_algorithms_warn_only_enabled()",
+            torch.is_deterministic_algorithms_warn_only_enabled, True),
+    Ambient("float32 matmul precision", "torch.get_float32_matmul_precision()",
+            _matmul_fp32_precision, False),
+    Ambient("TF32 matmuls (cuBLAS)", "torch.backends.cuda.matmul.allow_tf32",
+            lambda: torch.backends.cuda.matmul.allow_tf32, True),
+    Ambient("float16 reduced-precision reductions (cuBLAS)",
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+            lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction, True),
+    Ambient("bfloat16 reduced-precision reductions (cuBLAS)",
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+            lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, True),
+    # Only where CUDA runs: reading it costs a third of a microsecond.
+    *((Ambient("TF32 convolutions (cuDNN)", "torch.backends.cudnn.allow_tf32",
+               lambda: torch.backends.cudnn.allow_tf32, False),)
+      if torch.cuda.is_available() else ()),
+    # Fused CPU kernels bake the thread count in; GlobalStateGuard compares it anyway.
+    Ambient("intra-op threads", "torch.get_num_threads()", torch.get_num_threads, True),
+)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return repr(value)
+
+
+@dataclass
+class AmbientSnapshot:
+    """The ambient state at capture: the values of ``AMBIENT_STATE``, and dynamo's C++ guard
+    over the entries it covers (``None`` where this build has none)."""
+
+    values: tuple
+    cxx_guard: Any
+
+    @classmethod
+    def now(cls) -> "AmbientSnapshot":
+        return cls(tuple(a.read() for a in AMBIENT_STATE),
+                   GlobalStateGuard() if GlobalStateGuard is not None else None)
+
+    def python_checked(self) -> list[tuple[Ambient, Any]]:
+        """The entries the prologue compares in Python, with their values at capture."""
+        in_cxx = self.cxx_guard is not None
+        return [(a, v) for a, v in zip(AMBIENT_STATE, self.values)
+                if not (in_cxx and a.in_global_state_guard)]
+
+    def cxx_description(self) -> "AmbientDifference":
+        """What the C++ check compares, in a line: autocast is named only where it is on."""
+        covered = [(a, v) for a, v in zip(AMBIENT_STATE, self.values) if a.in_global_state_guard]
+        labels = [f"{a.label} {_show(v)}" for a, v in covered]
+        return AmbientDifference(self, "as compiled: " + ", ".join(labels))
+
+    def description(self, ambient: Ambient, value: Any) -> "AmbientDifference":
+        return AmbientDifference(self, f"as compiled: {ambient.label} {_show(value)}")
+
+    def differences(self) -> list[str]:
+        return [f"{a.label} is {_show(now)}, compiled with {_show(then)}"
+                for a, then in zip(AMBIENT_STATE, self.values)
+                if (now := a.read()) != then or type(now) is not type(then)]
+
+
+class AmbientDifference(str):
+    """A check's description: as a string, what the prologue's comment says; ``explain_miss()``
+    names what differs now (the C++ check compares many settings at once)."""
+
+    def __new__(cls, snapshot: AmbientSnapshot, text: str):
+        self = super().__new__(cls, text)
+        self.snapshot = snapshot
+        return self
+
+    def explain_miss(self) -> str:
+        differences = self.snapshot.differences()
+        if not differences:  # a setting outside the list (GlobalStateGuard compares more)
+            reason = self.snapshot.cxx_guard.reason().strip()
+            differences = [f"{reason} differs from when compiled"]
+        return "; ".join(differences)
+
+    def __reduce__(self):  # a copy is the plain text
+        return str, (str(self),)
