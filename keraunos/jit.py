@@ -34,6 +34,7 @@ import torch
 from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
+from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import CaptureError, DataDependentError, user_source
@@ -252,6 +253,22 @@ def call(state: _JitState, args: tuple, kwargs: dict):
     entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
     result = entry.computation_fn(*inputs)
     return maybe_call_epilogue(entry, result, pro_to_epi)
+
+
+def _call_checking_results(state: _JitState, args: tuple, kwargs: dict):
+    """``call``, then a search of the result for capture's FakeTensors, which must never reach
+    the user (on with ``KERAUNOS_CHECK_RESULTS=1``; the test suite runs with it)."""
+    result = _call_unchecked(state, args, kwargs)
+    found = capture_values_in(result)
+    if found is not None:
+        raise AssertionError(f"keraunos internal error: {found} is a FakeTensor made during "
+                             f"capture, handed back by a call of {state.fn!r}")
+    return result
+
+
+_call_unchecked = call
+if os.environ.get("KERAUNOS_CHECK_RESULTS", "0") not in ("", "0"):
+    call = _call_checking_results
 
 
 def call_profiled(state: _JitState, args: tuple, kwargs: dict):
@@ -677,6 +694,13 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
     if not callable(fn_or_module):
         raise TypeError(f"keraunos.jit: expected a function or an nn.Module, got "
                         f"{type(fn_or_module).__qualname__}")
+    if isinstance(fn_or_module, type):
+        # Calling a class builds an object during capture, from capture's fake tensors.
+        what = "an nn.Module class" if issubclass(fn_or_module, torch.nn.Module) else "a class"
+        raise TypeError(
+            f"keraunos.jit: got {what}, {fn_or_module.__qualname__}, not an instance; its "
+            f"objects would be built from capture's fake tensors. Build the object first and "
+            f"jit that: keraunos.jit({fn_or_module.__name__}(...)).")
     options = JitOptions.validated(
         executors=executors, transforms=transforms, cache=cache,
         max_cache_entries=max_cache_entries, profile=profile, specialize_data=specialize_data,

@@ -4,8 +4,14 @@ Every test compares a jitted program against eager PyTorch. The autouse fixture 
 generator and restores the global state tests may change (grad mode, default dtype), so that
 tests stay independent of their order.
 """
-import pytest
-import torch
+import os
+
+# Every call's result is searched for capture's FakeTensors (keraunos/capture/leaks.py): set
+# before keraunos is imported, which reads it once.
+os.environ.setdefault("KERAUNOS_CHECK_RESULTS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,7 @@ from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
+from .leaks import is_tensor_subclass_with_dispatch
 from .provenance import Path, root
 
 from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
@@ -137,6 +138,15 @@ class CaptureContext:
         self.guards.append(Guard(kind, path, expected, expression, from_module))
 
     def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        if is_tensor_subclass_with_dispatch(real):
+            raise UnsupportedInputError(
+                f"keraunos.jit: {path} is a {type(real).__qualname__}, a tensor subclass that "
+                f"runs its own __torch_dispatch__ (DTensor, a quantized or nested tensor, ...); "
+                f"keraunos does not capture through such subclasses yet, and taking it for a "
+                f"plain tensor would compute something else.\n  What to do: pass its local or "
+                f"plain tensor (DTensor.to_local(), .to_dense(), .dequantize()), or call this "
+                f"part outside the jitted function (torch.compile(..., backend=\"keraunos\") "
+                f"does not take them either yet).")
         if real.layout != torch.strided:
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {real.layout} tensor; keraunos captures strided "

@@ -18,6 +18,8 @@ from .provenance import Path
 # Values compared by equality (after an exact type check).
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size,
                slice, type(Ellipsis), torch.memory_format, torch.layout)
+if torch.distributed.is_available():  # dist.ReduceOp.SUM, an argument of the collectives
+    PLAIN_TYPES += (torch.distributed.ReduceOp.RedOpType,)
 
 
 def is_plain(value: Any) -> bool:

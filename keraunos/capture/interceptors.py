@@ -110,9 +110,61 @@ def _not_user_code(frame) -> bool:
     return top in ("torch", "keraunos", "sympy", "mpmath") or top in sys.stdlib_module_names
 
 
+# The C++ methods of torch.distributed's objects (ProcessGroup, Backend, Work, Reducer, Store,
+# Logger), by id: a call of one during capture talks to other processes or changes DDP's state,
+# which the trace cannot replay on later calls (the collective would run once, at capture, on
+# fake tensors). Only these read-only ones may run.
+_DISTRIBUTED_READS = frozenset({
+    "rank", "size", "name", "group_name", "group_desc", "options", "bound_device_id",
+    "_get_backend_name", "_get_backend", "_device_types", "__eq__", "__hash__", "__repr__",
+})
+
+
+def _distributed_methods() -> dict[int, str]:
+    if not torch.distributed.is_available():
+        return {}
+    c10d = torch._C._distributed_c10d
+    methods = {}
+    for cls in vars(c10d).values():
+        if not isinstance(cls, type):
+            continue
+        for name, value in vars(cls).items():
+            function = getattr(value, "__func__", value)  # pybind11 wraps methods once more
+            if type(function).__name__ == "builtin_function_or_method" and (
+                    name not in _DISTRIBUTED_READS):
+                methods[id(function)] = f"{cls.__name__}.{name}"
+    return methods
+
+
+_distributed_calls = _distributed_methods()
+
+
+def _refuse_distributed_call(method: str):
+    where = user_source(skip_frames=3)
+    owner = method.partition(".")[0]
+    if owner in ("Reducer", "Logger"):
+        advice = ("jit the module inside DistributedDataParallel instead: "
+                  "DistributedDataParallel(keraunos.jit(model)). That order compiles the model "
+                  "and leaves DDP's gradient all-reduce to DDP.")
+    else:
+        advice = ("use the functional collectives of torch.distributed._functional_collectives "
+                  "(all_reduce, all_gather_tensor, reduce_scatter_tensor, ...), whose results "
+                  "are values the trace holds, or call the collective outside the jitted "
+                  "function.")
+    raise CaptureError(
+        f"keraunos cannot capture {where}\n  it calls torch.distributed's {method}, which "
+        f"communicates with other processes or changes distributed state; the trace could not "
+        f"replay it on later calls, so it would silently not happen.\n  What to do: {advice}")
+
+
 def _on_python_call(frame, event, arg):
-    """Every Python function the program calls has its globals and closure guarded (once)."""
+    """Every Python function the program calls has its globals and closure guarded (once);
+    a C++ method of torch.distributed's objects is refused (see ``_distributed_calls``)."""
     if event != "call":
+        if event == "c_call" and _distributed_calls:
+            method = _distributed_calls.get(id(arg))
+            if method is not None and active_context() is not None:
+                _refuse_distributed_call(method)
         return
     ctx = active_context()
     code = frame.f_code

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..core import glue
-from ..core.proxies import NameGenerator, TensorProxy
-from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.proxies import NameGenerator, Proxy, TensorProxy
+from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -39,8 +39,9 @@ from .symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
                        refuse_raw_symbols)
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.templates import FromInput, ObjectRef, ViewGrad, ViewOf
+from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
+from .leaks import capture_values_in
 from .prologue import MutableGroup, build_prologue
 from .provenance import root
 
@@ -123,6 +124,28 @@ def _view_grad(view, source) -> ViewGrad:
         # written in place since (eager's own returned view raises the same).
         return ViewGrad.NO_GRAD_THEN_WRITTEN
     return ViewGrad.NO_GRAD if grad_fn is None else ViewGrad.TRACKED
+
+
+def _template_constants(node):
+    """The values a return-value template keeps as they were at capture."""
+    if isinstance(node, Build):
+        children = node.children.values() if isinstance(node.children, dict) else node.children
+        for child in children:
+            yield from _template_constants(child)
+    elif not isinstance(node, (Proxy, FromInput, ViewOf, ObjectRef, Code)):
+        yield node
+
+
+def _refuse_capture_values(template, what: str) -> None:
+    for constant in _template_constants(template):
+        found = capture_values_in(constant, type(constant).__qualname__)
+        if found is not None:
+            raise CaptureError(
+                f"keraunos cannot capture this program: {what} holds a tensor made during "
+                f"capture ({found}, a FakeTensor), which would reach you in place of a real one. "
+                f"This happens when the program builds a module or a tensor subclass (a DTensor) "
+                f"and returns or stores it.\n  What to do: build such objects outside the jitted "
+                f"function and pass them in, or return plain tensors.")
 
 
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
@@ -314,6 +337,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect,
                                            known, number=number, reference=reference))
                         for path, now, before in ctx.containers if _changed(now, before)]
+    _refuse_capture_values(out_template, "the return value")
+    for w, template in writes:
+        _refuse_capture_values(template, f"the value written to {w.module_path}.{w.name}")
+    for path, template in container_writes:
+        _refuse_capture_values(template, f"what the program put into {path}")
     for g in groups:
         if g.updated.name not in seen:
             seen.add(g.updated.name)

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from ..core.effects import draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, user_source
+from .distributed import capture_collective, is_distributed_function
 from .interceptors import paused_watch
 from .naming import torch_symbol
 from .symbolic import hint as size_hint
@@ -38,6 +39,8 @@ class Recorder(TorchFunctionMode):
             if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
             and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
+        if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
+            return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
         if symbol.name in _HOOKS:
             raise CaptureError(

@@ -1,0 +1,78 @@
+"""Capture-time values must never reach the user: finding FakeTensors in what a call returns.
+
+Capture runs the program on FakeTensors. What it hands back is rebuilt from templates (tensors
+become the computation's outputs), but an object the program made and the templates keep as it
+was (a module built inside the program, a tensor subclass wrapping fake tensors) would carry
+capture's FakeTensors out. ``capture_values_in`` finds them; capture refuses such a program, and
+with ``KERAUNOS_CHECK_RESULTS=1`` every call's result is searched too (the test suite runs so).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
+def is_tensor_subclass_with_dispatch(t: torch.Tensor) -> bool:
+    """A tensor whose type runs its own ``__torch_dispatch__`` (DTensor, a subclass made with
+    ``_make_wrapper_subclass``): its ops are not the ops of a plain tensor of its shape."""
+    cls = type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return False
+    return (is_traceable_wrapper_subclass(t)
+            or getattr(cls, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH)
+
+
+def capture_values_in(value: Any, where: str = "the result", depth: int = 4,
+                      _seen: set | None = None) -> str | None:
+    """Where in ``value`` a FakeTensor is (``"the result[0].weight"``), or ``None``. Containers,
+    modules' parameters and buffers, tensor subclasses' inner tensors and objects' ``__dict__``
+    are searched, ``depth`` levels of objects deep."""
+    if _seen is None:
+        _seen = set()
+    if id(value) in _seen or value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return None
+    _seen.add(id(value))
+    if isinstance(value, FakeTensor):
+        return where
+    if isinstance(value, torch.Tensor):
+        if is_traceable_wrapper_subclass(value):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                found = capture_values_in(getattr(value, name), f"{where}.{name}", depth, _seen)
+                if found:
+                    return found
+        return None
+    if isinstance(value, (tuple, list)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, torch.nn.Module):
+        items = [*value.named_parameters(), *value.named_buffers()]
+        return next((f"{where}.{name}" for name, t in items if isinstance(t, FakeTensor)), None)
+    elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type) and (
+            type(value).__module__ != "builtins"):
+        return _search_attributes(value, where, depth, _seen)
+    else:
+        return None
+    for key, item in items:
+        found = capture_values_in(item, f"{where}[{key!r}]", depth, _seen)
+        if found:
+            return found
+    return None
+
+
+def _search_attributes(value, where, depth, seen):
+    try:
+        attributes = vars(value)
+    except TypeError:
+        return None
+    for key, item in list(attributes.items()):
+        found = capture_values_in(item, f"{where}.{key}", depth - 1, seen)
+        if found:
+            return found
+    return None

@@ -1,0 +1,206 @@
+"""What each rank runs for tests/test_distributed.py: ``scenario(rank, world_size)`` functions.
+
+Each returns plain values (lists, floats, bools, strings) that the test compares; an exception
+is sent back as the outcome. Every scenario compares keraunos with eager in the same process, on
+the same inputs, or with a single-process eager reference computed from every rank's batch.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import keraunos
+from keraunos.errors import CaptureError, UnsupportedInputError
+
+
+def _equal(a, b) -> bool:
+    return bool(torch.equal(a, b))
+
+
+def _close(a, b, tol=1e-5) -> bool:
+    return bool(torch.allclose(a, b, rtol=tol, atol=tol))
+
+
+def _refusal(fn, *args) -> tuple[str, str]:
+    try:
+        fn(*args)
+    except (CaptureError, UnsupportedInputError) as e:
+        return type(e).__name__, str(e)
+    return "none", "it ran"
+
+
+# ------------------------------------------------------------------ in-place collectives
+def all_reduce_matches_eager(rank, world_size):
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    jitted = keraunos.jit(f)
+    same = []
+    for call in range(3):  # the first compiles, the others hit the cache
+        x = torch.arange(4.0) + rank * 10 + call
+        same.append(_equal(jitted(x.clone()), f(x.clone())))
+    trace = str(keraunos.last_traces(jitted)[-1])
+    return {"same": same, "hits": keraunos.cache_hits(jitted),
+            "functional in trace": "_c10d_functional.all_reduce" in trace
+                                   and "wait_tensor" in trace and ".copy_(" in trace}
+
+
+def all_reduce_of_an_input_writes_it_back(rank, world_size):
+    def f(x, op):
+        dist.all_reduce(x, op=op)
+        return x.sum()
+
+    jitted = keraunos.jit(f)
+    same = []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.SUM):
+        x = torch.tensor([1.0, -2.0, 3.0]) * (rank + 1)
+        x_eager = x.clone()
+        out, expected = jitted(x, op), f(x_eager, op)
+        same.append(_equal(out, expected) and _equal(x, x_eager))
+    return same
+
+
+def gather_scatter_and_broadcast_match_eager(rank, world_size):
+    def f(x, gathered, scattered, exchanged, pieces):
+        dist.all_gather_into_tensor(gathered, x * 2)
+        dist.reduce_scatter_tensor(scattered, torch.cat([x, x + 1]))
+        dist.all_to_all_single(exchanged, torch.cat([x, -x]))
+        dist.all_gather(pieces, x.sin())
+        dist.broadcast(x, src=1)
+        return gathered.sum() + scattered.sum() + x
+
+    jitted = keraunos.jit(f)
+    results = []
+    for call in range(2):
+        def inputs():
+            x = torch.arange(3.0) + 10 * rank + call
+            return [x, torch.zeros(3 * world_size), torch.zeros(3), torch.zeros(6),
+                    [torch.zeros(3) for _ in range(world_size)]]
+        mine, eager = inputs(), inputs()
+        out, expected = jitted(*mine), f(*eager)
+        written = all(_equal(a, b) for a, b in zip(mine[:4], eager[:4])) and all(
+            _equal(a, b) for a, b in zip(mine[4], eager[4]))
+        results.append(_equal(out, expected) and written)
+    return results
+
+
+def functional_collective_gradients_match_eager(rank, world_size):
+    import torch.distributed._functional_collectives as funcol
+
+    def f(x):
+        gathered = funcol.all_gather_tensor_autograd(x.sin(), 0, dist.group.WORLD)
+        return funcol.reduce_scatter_tensor_autograd(gathered.square(), "sum", 0,
+                                                     dist.group.WORLD).sum()
+
+    x = torch.arange(4.0, requires_grad=True) + rank
+    x = x.detach().requires_grad_()
+    x_eager = x.detach().clone().requires_grad_()
+    out = keraunos.jit(f)(x)
+    out.backward()
+    expected = f(x_eager)
+    expected.backward()
+    return _close(out, expected) and _close(x.grad, x_eager.grad)
+
+
+def in_place_collective_of_a_tensor_requiring_grad_is_refused(rank, world_size):
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return (y * x).sum()
+
+    return _refusal(keraunos.jit(f), torch.ones(3, requires_grad=True))
+
+
+def async_collective_is_refused(rank, world_size):
+    def f(x):
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        return x
+
+    return _refusal(keraunos.jit(f), torch.ones(2))
+
+
+def barrier_and_point_to_point_are_refused(rank, world_size):
+    def with_barrier(x):
+        dist.barrier()
+        return x + 1
+
+    def with_send(x):
+        if rank == 0:
+            dist.send(x, dst=1)
+        else:
+            dist.recv(x, src=0)
+        return x
+
+    return [_refusal(keraunos.jit(with_barrier), torch.ones(2)),
+            _refusal(keraunos.jit(with_send), torch.ones(2))]
+
+
+# --------------------------------------------------------------------------------- DDP
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def _batches(world_size, steps=3):
+    """Every rank's batch of every step: the same on every rank, so each can build the
+    single-process reference from all of them."""
+    g = torch.Generator().manual_seed(1234)
+    return [[(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
+             for _ in range(world_size)] for _ in range(steps)]
+
+
+def jitted_model_inside_ddp_trains_like_one_process(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    reference = _model()
+    ddp = DDP(keraunos.jit(_model()))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses_close = []
+    for step in _batches(world_size):
+        x, y = step[rank]
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        # One process over every rank's batch: DDP averages the ranks' gradients.
+        losses_close.append(_close(loss, F.mse_loss(reference(x), y)))
+        ref_opt.zero_grad()
+        ref_loss = sum(F.mse_loss(reference(bx), by) for bx, by in step) / world_size
+        ref_loss.backward()
+        ref_opt.step()
+    params_close = all(_close(a, b, 1e-5) for a, b in
+                       zip(ddp.module.parameters(), reference.parameters()))
+    return {"losses": losses_close, "params": params_close,
+            "hits": keraunos.cache_hits(ddp.module)}
+
+
+def jit_of_ddp_is_refused(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    x = torch.randn(4, 6)
+    return [_refusal(keraunos.jit(DDP(_model())), x),
+            _refusal(keraunos.jit(DDP(_WithBuffer())), x)]
+
+
+# ------------------------------------------------------------------------------ DTensor
+def dtensor_input_is_refused(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    t = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    return _refusal(keraunos.jit(lambda x: x * 2), t)

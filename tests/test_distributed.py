@@ -1,0 +1,94 @@
+"""keraunos with torch.distributed, on 2 local gloo ranks: collectives captured or refused,
+never dropped; DDP around a jitted model trains as one process would.
+
+All scenarios (tests/distributed_scenarios.py) run in one spawn of two processes per module
+(tests/distributed_ranks.py: loopback only, 30 s per collective, 150 s in all); each test reads
+its scenario's outcome on every rank.
+"""
+import pytest
+import torch
+
+from distributed_ranks import run_scenarios
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="this torch build has no torch.distributed")
+
+SCENARIOS = [
+    "all_reduce_matches_eager",
+    "all_reduce_of_an_input_writes_it_back",
+    "gather_scatter_and_broadcast_match_eager",
+    "functional_collective_gradients_match_eager",
+    "in_place_collective_of_a_tensor_requiring_grad_is_refused",
+    "async_collective_is_refused",
+    "barrier_and_point_to_point_are_refused",
+    "jitted_model_inside_ddp_trains_like_one_process",
+    "jit_of_ddp_is_refused",
+    "dtensor_input_is_refused",
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_scenarios("distributed_scenarios", SCENARIOS, world_size=2)
+
+
+def values(outcomes, name):
+    """What the scenario returned on each rank (a rank's error fails the test, with its trace)."""
+    per_rank = outcomes[name]
+    for rank, (status, value) in enumerate(per_rank):
+        if status != "ok":
+            detail = value[2] if status == "raised" else value
+            pytest.fail(f"rank {rank} of {name}: {status}\n{detail}")
+    return [value for _, value in per_rank]
+
+
+def test_in_place_all_reduce_is_a_functional_collective_and_matches_eager(outcomes):
+    for rank in values(outcomes, "all_reduce_matches_eager"):
+        assert rank == {"same": [True, True, True], "hits": 2, "functional in trace": True}
+
+
+def test_all_reduce_of_an_input_writes_the_input_back_for_each_reduce_op(outcomes):
+    assert values(outcomes, "all_reduce_of_an_input_writes_it_back") == [[True] * 3] * 2
+
+
+def test_gather_scatter_all_to_all_and_broadcast_match_eager(outcomes):
+    assert values(outcomes, "gather_scatter_and_broadcast_match_eager") == [[True, True]] * 2
+
+
+def test_functional_collective_gradients_match_eager(outcomes):
+    assert values(outcomes, "functional_collective_gradients_match_eager") == [True, True]
+
+
+def test_in_place_collective_of_a_tensor_requiring_grad_is_refused(outcomes):
+    # Eager warns that no autograd kernel is registered and lets the gradient through.
+    for kind, message in values(outcomes, "in_place_collective_of_a_tensor_requiring_grad_is_refused"):
+        assert kind == "CaptureError" and "no gradient" in message
+
+
+def test_async_collective_is_refused_not_dropped(outcomes):
+    for kind, message in values(outcomes, "async_collective_is_refused"):
+        assert kind == "CaptureError" and "async_op=True" in message
+
+
+def test_barrier_and_point_to_point_are_refused_not_dropped(outcomes):
+    for barrier, send in values(outcomes, "barrier_and_point_to_point_are_refused"):
+        assert barrier[0] == "CaptureError" and "barrier" in barrier[1]
+        assert send[0] == "CaptureError" and ("send" in send[1] or "recv" in send[1])
+
+
+def test_ddp_of_a_jitted_model_trains_like_one_process_on_all_batches(outcomes):
+    for rank in values(outcomes, "jitted_model_inside_ddp_trains_like_one_process"):
+        assert rank["losses"] == [True] * 3 and rank["params"]
+        assert rank["hits"] == 2
+
+
+def test_jit_of_ddp_is_refused_with_and_without_buffers(outcomes):
+    for rank in values(outcomes, "jit_of_ddp_is_refused"):
+        for kind, message in rank:
+            assert kind == "CaptureError"
+            assert "DistributedDataParallel(keraunos.jit(model))" in message
+
+
+def test_dtensor_input_is_refused(outcomes):
+    for kind, message in values(outcomes, "dtensor_input_is_refused"):
+        assert kind == "UnsupportedInputError" and "DTensor" in message
