@@ -705,12 +705,44 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         executors=executors, transforms=transforms, cache=cache,
         max_cache_entries=max_cache_entries, profile=profile, specialize_data=specialize_data,
         fallback=fallback, dynamic=dynamic)
+    if _is_ddp(fn_or_module):
+        return _jit_ddp(fn_or_module, options)
     if isinstance(fn_or_module, torch.nn.Module):
         jitted = JittedModule(fn_or_module, options)
         for t in options.transforms:
             t.transform_module(jitted)
         return jitted
     return JittedFunction(fn_or_module, options)
+
+
+def _is_ddp(module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(module, DistributedDataParallel)
+
+
+def _jit_ddp(ddp: torch.nn.Module, options: JitOptions) -> "JittedModule":
+    """``keraunos.jit(DistributedDataParallel(m))``: means what ``DistributedDataParallel(
+    keraunos.jit(m))`` means. DDP's own forward (its reducer's bookkeeping, buffer syncs,
+    ``no_sync()``) runs eagerly on every call, as it is; the module it wraps is jitted, and DDP
+    calls the jitted one in its place for the duration of the call. Introspection
+    (``last_traces``, ``cache_hits``) reads the wrapped module's entries."""
+    inner = JittedModule(ddp.module, options)
+    for t in options.transforms:
+        t.transform_module(inner)
+    jitted = JittedModule(ddp, options)
+
+    def call_through_ddp(state, args, kwargs):
+        wrapped = ddp._modules["module"]
+        ddp._modules["module"] = inner
+        try:
+            return ddp(*args, **kwargs)
+        finally:
+            ddp._modules["module"] = wrapped
+    object.__setattr__(jitted, "_keraunos", inner._keraunos)
+    object.__setattr__(jitted, "_call", call_through_ddp)
+    return jitted
 
 
 def state_of(jitted) -> _JitState:

@@ -190,11 +190,48 @@ def jitted_model_inside_ddp_trains_like_one_process(rank, world_size):
             "hits": keraunos.cache_hits(ddp.module)}
 
 
-def jit_of_ddp_is_refused(rank, world_size):
+def _train_ddp(wrap, module, world_size, rank, steps=3, no_sync_first=False):
+    """Losses on this rank and final parameters, training ``wrap(module)`` with SGD; with
+    ``no_sync_first``, step 0's gradients accumulate locally (``no_sync()``) into step 1's."""
+    model = wrap(module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i, step in enumerate(_batches(world_size, steps)):
+        x, y = step[rank]
+        if no_sync_first and i == 0:
+            with model.no_sync():
+                F.mse_loss(model(x), y).backward()
+            continue
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def both_ddp_orders_train_alike(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    x = torch.randn(4, 6)
-    return [_refusal(keraunos.jit(DDP(_model())), x),
-            _refusal(keraunos.jit(DDP(_WithBuffer())), x)]
+    results = {}
+    for make in (_model, _WithBuffer):
+        for no_sync_first in (False, True):
+            eager = _train_ddp(DDP, make(), world_size, rank, no_sync_first=no_sync_first)
+            inside = _train_ddp(lambda m: DDP(keraunos.jit(m)), make(), world_size, rank,
+                                no_sync_first=no_sync_first)
+            jitted_ddp = keraunos.jit(DDP(make()))
+            outside = _train_ddp(lambda m: jitted_ddp, None, world_size, rank,
+                                 no_sync_first=no_sync_first)
+            same = all(
+                all(_close(a, b) for a, b in zip(run[0], eager[0]))
+                and all(_close(a, b) for a, b in zip(run[1], eager[1]))
+                for run in (inside, outside))
+            # The ranks' parameters agree (gradients were all-reduced).
+            gathered = [torch.zeros_like(outside[1][0]) for _ in range(world_size)]
+            dist.all_gather(gathered, outside[1][0])
+            agree = all(_equal(g, gathered[0]) for g in gathered)
+            results[f"{make.__name__}, no_sync={no_sync_first}"] = (
+                same, agree, keraunos.cache_misses(jitted_ddp), keraunos.cache_hits(jitted_ddp))
+    return results
 
 
 # ------------------------------------------------------------------------------ DTensor
