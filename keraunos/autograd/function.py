@@ -42,11 +42,14 @@ class KeraunosFunction(torch.autograd.Function):
                 "higher-order grads) through a jitted function is not supported yet: its backward "
                 "trace is not itself differentiable. Compute this part without keraunos.jit.")
         compiled = ctx.compiled
-        saved = ctx.saved_tensors
         grads = [grads[i] for i in compiled.differentiable]
         present = {i for i, g in enumerate(grads) if g is not None}
         if not present:
+            # Before the saved tensors: autograd runs every node a backward reaches, with no
+            # gradient where none flows, and an earlier call's node (reached through a buffer
+            # this call overwrote) has freed its saved tensors in its own backward.
             return (None,) * (1 + len(compiled.grad_dependencies))
+        saved = ctx.saved_tensors
         grads = [g if g is not None else _zeros(ctx, i) for i, g in enumerate(grads)]
         grads = [_laid_out(g, s) for g, s in zip(grads, compiled.grad_strides)]
         results = compiled.backward_fn(*saved, *ctx.saved_sizes, *grads)

@@ -38,6 +38,9 @@ class Joint:
     needs_grad: list[int]                      # indices into inputs that get a gradient
     grads: list[Any]                           # fakes of those gradients (None when unused)
     keep_alive: list = field(default_factory=list)  # the fake mode, while its fakes are in use
+    # input index -> positions in ``differentiable`` of the outputs whose autograd graph reaches
+    # that input: eager's backward reaches an input only from outputs that got a gradient.
+    reached_from: dict[int, set[int]] = field(default_factory=dict)
 
 
 def _is_differentiable(t) -> bool:
@@ -78,6 +81,14 @@ class _FakeForward(Interpreter):
                 # The fake inputs have no .grad; the real ones have what capture saw.
                 return _fake_like(bsym.outputs)
             self.recorder.parent = index
+            functional = _METADATA_WRITES.get(symbol.fn)
+            if functional is not None and args and _is_tracked_view(args[0]):
+                # x.t_() of a view: on fakes, autograd replays views from their view functions,
+                # which miss in-place metadata changes (a later write through x[..., :1] would
+                # get the gradient of the untransposed slice). The functional view is the same
+                # memory and metadata, and autograd tracks it exactly; the trace keeps x.t_().
+                self.env[bsym.args[0].name] = functional(*args, **kwargs)
+                return SKIP
             out = rule_for(symbol.fn)(*args, **kwargs)
             return SKIP if symbol.style == "setitem" else out
         if symbol is glue.RETURN:
@@ -133,7 +144,47 @@ def record_joint(computation: Trace) -> Joint:
     finally:
         torch._C._set_grad_enabled(state)
     return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, forward.outputs,
-                 differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode])
+                 differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode],
+                 reached_from=_reached_from(inputs, [outputs[i] for i in differentiable]))
+
+
+def _reached_from(inputs: list, outputs: list) -> dict[int, set[int]]:
+    """For each input that requires grad, the outputs (by position) whose autograd graph
+    reaches it. Data flow in the backward trace cannot tell this: the gradient ``copy_`` leaves
+    for what it overwrote is zeros that read no incoming gradient, and must still be None when
+    only outputs that got no gradient lead there (eager never runs that path)."""
+    index_of = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    reached: dict[int, set[int]] = {}
+    for position, out in enumerate(outputs):
+        if id(out) in index_of:  # an input returned as it is
+            reached.setdefault(index_of[id(out)], set()).add(position)
+        stack, seen = [out.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
+            if variable is not None and id(variable) in index_of:
+                reached.setdefault(index_of[id(variable)], set()).add(position)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
+# In-place metadata changes -> their functional views.
+_METADATA_WRITES = {
+    torch.Tensor.t_: torch.Tensor.t,
+    torch.Tensor.transpose_: torch.Tensor.transpose,
+    torch.Tensor.swapdims_: torch.Tensor.swapdims,
+    torch.Tensor.swapaxes_: torch.Tensor.swapaxes,
+    torch.Tensor.squeeze_: torch.Tensor.squeeze,
+    torch.Tensor.unsqueeze_: torch.Tensor.unsqueeze,
+    torch.Tensor.as_strided_: torch.Tensor.as_strided,
+}
+
+
+def _is_tracked_view(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t._is_view()
 
 
 def _fake_like(proxy):

@@ -273,7 +273,7 @@ def split_forward_backward(computation: Trace) -> Split:
     if numbers:  # a symbolic size left as a constant would be wrong: no backward trace then
         for trace in (forward, backward):
             refuse_raw_symbols(trace)
-    dependencies = _grad_dependencies(backward, grad_names)
+    dependencies = [joint.reached_from.get(i, set()) for i in range(len(joint.inputs))]
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
     return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
                  len(saved_proxies))
@@ -343,18 +343,6 @@ def _gradients_in_own_memory(backward: Trace, namer: _Namer, mode) -> Trace:
         return backward
     return backward.derive(body + clones + [ret.replace(args=(grads,))],
                            "Gradients in their own memory", 0.0)
-
-
-def _grad_dependencies(backward: Trace, grad_names: list[str]) -> list[set[int]]:
-    depends: dict[str, set[int]] = {n: {i} for i, n in enumerate(grad_names)}
-    for b in backward.bound_symbols[:-1]:
-        reads = set()
-        for p in b.input_proxies():
-            reads |= depends.get(p.name, set())
-        for p in b.output_proxies():
-            depends[p.name] = depends.get(p.name, set()) | reads
-    grads = backward.bound_symbols[-1].args[0]
-    return [depends.get(g.name, set()) if g is not None else set() for g in grads]
 
 
 def _tensor_with_size(x, namer: _Namer, available: set[int]) -> tuple[str, int]:

@@ -31,6 +31,18 @@ INPLACE_VIEW = ("{t}.t().mul_(2.0)", "{t}.unsqueeze(0).sigmoid_()", "{t}[:, 1:3]
                 "{t}[::2].add_(1.0)", "{t}[0].mul_(-1.0)", "{t}[-1] = 0.0", "{t}[:, 0] = 1.0",
                 "{t}.unsqueeze(0).tanh_()", "{t}[{t} > 0] = 0.0", "{t}.diagonal().zero_()")
 
+# In-place metadata changes (t_, transpose_, unsqueeze_) of a value, a write through a view of
+# it while it is changed, and the change undone: the kind (its shape) is the same afterwards.
+METADATA_ROUND_TRIP = {
+    "ND": ("{t}.t_(); {t}[..., :1].neg_(); {t}.t_()",
+           "{t}.transpose_(0, 1); {t}[0].mul_(2.0); {t}.transpose_(0, 1)",
+           "{t}.t_(); {t}[1:].clamp_(-0.5, 0.5); {t}.t_()",
+           "{t}.unsqueeze_(0); {t}[:, 0].add_(1.0); {t}.squeeze_(0)",
+           "{t}.t_(); {t}.masked_fill_({t} > 0, 0.5); {t}.t_()"),
+    "D": ("{t}.unsqueeze_(0); {t}[0, :1].neg_(); {t}.squeeze_(0)",
+          "{t}.unsqueeze_(1); {t}[1:].mul_(0.5); {t}.squeeze_(1)"),
+}
+
 
 class _Body:
     """Generates the statements of one function body, tracking the names of each kind."""
@@ -205,6 +217,8 @@ class _Body:
             form = rng.choice(("{t}.add_({v})", "{t}.mul_({v})", "{t}.copy_({v})", "{t}.sub_({v})",
                                "{t}.addcmul_({v}, {v}, value=0.5)", "{t}.lerp_({v}, 0.3)"))
             stmt = form.format(t=t, v=value)
+        elif r < 0.45:
+            stmt = rng.choice(METADATA_ROUND_TRIP[kind]).format(t=t)
         elif r < 0.6 or kind == "D":
             stmt = rng.choice(INPLACE_SELF).format(t=t)
         elif r < 0.8:
