@@ -85,6 +85,7 @@ class CaptureContext:
         self.mutated_storages: set[int] = set()
         self.mutated_with_grad: dict[int, bool] = {}
         self.attribute_writes: list[AttributeWrite] = []
+        self.replayed_calls: list = []  # print, logging, warnings.warn: replayed.ReplayedCall
         self.in_vmap = False
         self.specialize_data = False
         # specialize_data: the symbols of ints read from tensor data, by what computes them, and

@@ -101,7 +101,9 @@ class Epilogue:
 
 
 def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
-                   container_writes=()) -> Epilogue:
+                   container_writes=(), replays=()) -> Epilogue:
+    """``replays``: (callable, the proxies it shows, label, source) of each print, log or
+    warning of the program, made again after the writes, in program order."""
     pro_to_epi: list[Any] = []
     module_proxies: dict[Path, ObjectProxy] = {}
 
@@ -164,6 +166,12 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
         body.append(glue.WRITE_ATTRIBUTE.bind(want(write.module_path), value, name=write.name))
     for path, template in container_writes:
         body.append(glue.WRITE_CONTAINER.bind(want(path), template))
+    for replay, values, label, where in replays:
+        for v in values:
+            mark_inputs(v)  # the size symbols a symbolic size reads
+        symbols = [p for v in values for s in _symbolic_values(v) for p in s.proxies]
+        body.append(glue.REPLAY_CALL.bind(*values, *symbols, replay=replay, label=label,
+                                          count=len(values), description=where))
     body.append(glue.RETURN_VALUE.bind(out_template))
     prologue_values = [module_proxies[x] if isinstance(x, Path) else x for x in pro_to_epi]
     head = [glue.UNPACK_OUTPUTS.bind(outputs=list(flat_outputs), origin="outputs"),

@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, user_source
+from . import replayed
 from .state import active_context
 
 
@@ -100,7 +101,7 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
     (torch, "vmap", _recording_vmap, _vmap_original),
     (torch.func, "vmap", _recording_vmap, _vmap_original),
     (torch.compiler, "is_compiling", _is_compiling, _is_compiling_original),
-]
+] + replayed.SWAPS  # print, logging and warnings.warn: made again by the epilogue
 
 
 def _not_user_code(frame) -> bool:

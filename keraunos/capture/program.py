@@ -359,7 +359,15 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     if ctx.symbols is not None:
         params += ctx.symbols.proxies  # the sizes the prologue reads: s0, s1, ...
     computation = Trace("computation", params, body, ["Constructed by capture"])
-    epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes)
+    replays = []
+    for call in ctx.replayed_calls:
+        replay, values = call.replay()
+        source = call.source
+        where = f"{source.filename}:{source.lineno}: {source.code}" if source else call.label
+        replays.append((replay, [collect(v) if isinstance(v, torch.Tensor) else
+                                 template_of(v, collect, number=number) for v in values],
+                        call.label, where))
+    epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes, replays)
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
                                             check_values)
     if ctx.symbols is not None and ctx.symbols.bindings:

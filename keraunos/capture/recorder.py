@@ -48,6 +48,8 @@ class Recorder(TorchFunctionMode):
                 f"hook on a tensor inside the program; the compiled backward would not call it.\n"
                 f"  What to do: register the hook on the jitted function's output, or on a "
                 f"parameter, outside the jitted function.")
+        if func in _FORMATTING:
+            raise _formatting_error()
         if symbol.name in _TO_PYTHON:
             if ctx.specialize_data:
                 return ctx.specialize_on_data(symbol, func, args, kwargs)
@@ -173,6 +175,21 @@ def _version(t: torch.Tensor):
 _HOOKS = {"register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
 _TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
               "numpy", "__array__"}
+
+
+_FORMATTING = (torch.Tensor.__repr__, torch.Tensor.__format__)
+
+
+def _formatting_error() -> DataDependentError:
+    source = user_source()
+    where = f"{source.filename}:{source.lineno}: {source.code}" if source else "an unknown line"
+    return DataDependentError(
+        f"keraunos cannot capture {where}\n  it formats a tensor's values as text (f\"{{x}}\", "
+        f"str(x), repr(x), \"%s\" % x), and those values are unknown until the program runs.\n"
+        f"  What to do: hand the tensor itself to print or logging (print(\"x\", x), "
+        f"log.info(\"x %s\", x)): keraunos makes those calls on every call, with the values of "
+        f"that call; or format it outside the jitted function, or compile with "
+        f"keraunos.jit(..., fallback=\"dynamo\").")
 
 
 def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,

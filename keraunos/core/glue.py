@@ -47,6 +47,7 @@ COPY_BACK                the input, its new value     ``CopyBack``: ``x.copy_(x_
 MAKE_VIEW                a view node                  a returned view, rebuilt per call
 WRITE_ATTRIBUTE          object, value template       ``WriteAttribute``: ``module.name = value``
 WRITE_CONTAINER          list or dict, template       the program's changes to a list or dict
+REPLAY_CALL              the tensors it shows         ``ReplayCall``: a print, log or warning, again
 RETURN_VALUE             the return-value template    the user's structure, rebuilt
 =======================  ===========================  ==============================================
 
@@ -444,6 +445,24 @@ COPY_BACK = Glue("copy_back", _copy_back, CopyBack)
 MAKE_VIEW = Glue("make_view", _make_view)
 WRITE_ATTRIBUTE = Glue("write_attribute", _write_attribute, WriteAttribute)
 WRITE_CONTAINER = Glue("write_container", _write_container)
+@dataclass(frozen=True)
+class ReplayCall:
+    """A ``print``/logging/``warnings.warn`` call of the program (``replay``, a callable that
+    takes the tensors it shows), made again on every call; ``description`` is the line."""
+
+    replay: Callable
+    label: str
+    count: int  # the first ``count`` args are what it takes; the rest, the size symbols they read
+    description: str
+
+
+def _replay_call(bsym, w):
+    f = bsym.fields
+    values = ", ".join(template_code(v, w) for v in bsym.args[:f.count])
+    return [f"{w.constant(f.replay, f.label)}({values})  # {f.description}"]
+
+
+REPLAY_CALL = Glue("replay_call", _replay_call, ReplayCall)
 RETURN_VALUE = Glue("return_value", lambda b, w: [f"return {template_code(b.args[0], w)}"])
 
 
