@@ -45,23 +45,24 @@ from .transforms import Transform
 
 @dataclass
 class CompileStats:
-    """Timings of the entry that ran last, in seconds, and the cache counters."""
+    """Timings of the entry that ran last, in seconds, and the cache counters.
+
+    ``last_cache_lookup`` is what the last call's cache lookup cost: on a hit, the prologue
+    checks up to the entry that accepted the call; on a miss (``last_call_compiled``), the
+    checks that failed, without the compilation that followed (``compile_time``)."""
 
     stages: dict[str, float]
     last_cache_lookup: float
     cache_hits: int
     cache_misses: int
+    last_call_compiled: bool = False
 
     @property
     def compile_time(self) -> float:
         return sum(self.stages.values())
 
     def __str__(self) -> str:
-        lines = [f"{name:>40}: {seconds * 1e3:8.2f} ms" for name, seconds in self.stages.items()]
-        lines.append(f"{'total compile':>40}: {self.compile_time * 1e3:8.2f} ms")
-        lines.append(f"{'last cache lookup':>40}: {self.last_cache_lookup * 1e6:8.2f} us")
-        lines.append(f"{'cache hits / misses':>40}: {self.cache_hits} / {self.cache_misses}")
-        return "\n".join(lines)
+        return debug.format_compile_stats(self)
 
 
 class Fallback(enum.Enum):
@@ -130,6 +131,7 @@ class _JitState:
         self.misses = 0
         self.last_entry: CacheEntry | None = None
         self.last_lookup = 0.0
+        self.compiled_at_call = 0  # hits + misses when the last miss happened
         self.last_miss_reasons: list[str] = []
         self.warned_recompiles = False
         self.warned_no_backward = False
@@ -321,8 +323,10 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
                 return entry, r[0], r[1]
             reasons.append(reason)
         state.last_miss_reasons = reasons
+        lookup = time.perf_counter() - start  # what the failed checks cost, before compiling
         with state.counter_lock:
             state.misses += 1
+            state.compiled_at_call = state.hits + state.misses  # compile_stats: this call missed
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
@@ -346,7 +350,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
-        state.last_lookup = time.perf_counter() - start
+        state.last_lookup = lookup
         return entry, r[0], r[1]
 
 
