@@ -256,8 +256,8 @@ def _table_line(row, eager, compiled) -> str:
     ratio = (lambda ref: f"{r['median'] / ref['median']:7.2f}x" if ref else f"{'':>8}")
     saved = f"{cold['saved'] / 2**20:9.2f}" if cold.get("saved") is not None else f"{'':>9}"
     counts = f"  {cold['regions']}/{cold['kernels']}" if "regions" in cold else ""
-    compiled = f"{cold['compile']:10.2f} s" if name in COMPILING else f"{'-':>12}"
-    return (f"  {name:<19} {compiled} {warm} {r['median'] * 1e3:8.3f} ms "
+    compile_cold = f"{cold['compile']:10.2f} s" if name in COMPILING else f"{'-':>12}"
+    return (f"  {name:<19} {compile_cold} {warm} {r['median'] * 1e3:8.3f} ms "
             f"{ratio(eager)} {ratio(compiled)} {cold['peak'] / 2**20:9.1f} {saved} "
             f"{cold['diff']:9.2e}{counts}")
 

@@ -168,3 +168,95 @@ def test_a_jitted_submodule_saves_and_loads_the_original_keys():
     torch.testing.assert_close(outer(x), eager(x))
     eager.load_state_dict({k: v * 2 for k, v in outer.state_dict().items()})  # and the reverse
     torch.testing.assert_close(eager[0].fc.weight, outer[0].fc.weight * 2)
+
+
+# ------------------------------------------------------------------------ misuse messages
+def test_a_numpy_array_argument_suggests_torch_from_numpy():
+    model = torch.nn.Linear(3, 2)
+    jmodel = keraunos.jit(model)
+    array = np.ones((2, 3), dtype=np.float32)
+    with pytest.raises(keraunos.UnsupportedInputError) as raised:
+        jmodel(array)  # the line the message names
+    message = str(raised.value)
+    assert "args[0] is a numpy.ndarray" in message and "torch.from_numpy(array)" in message
+    assert f"test_first_hour.py:" in message and "jmodel(array)" in message
+    # What it suggests works, and gives eager's result.
+    torch.testing.assert_close(jmodel(torch.from_numpy(array)), model(torch.from_numpy(array)))
+    jf = keraunos.jit(lambda x, s: x * s)
+    with pytest.raises(keraunos.UnsupportedInputError, match=r"numpy\.float32.*value\.item\(\)"):
+        jf(torch.ones(2), np.float32(2.0))
+    torch.testing.assert_close(jf(torch.ones(2), np.float32(2.0).item()), torch.ones(2) * 2.0)
+
+
+# ------------------------------------------------------------------ compile_stats figures
+def test_compile_stats_after_a_miss_and_after_a_hit():
+    jf = keraunos.jit(lambda x: torch.tanh(x) * 2)
+    x = torch.randn(3)
+    torch.testing.assert_close(jf(x), torch.tanh(x) * 2)
+    stats = keraunos.compile_stats(jf)
+    assert stats.last_call_compiled
+    assert 0 < stats.last_cache_lookup < stats.compile_time  # the lookup, not the compilation
+    text = str(stats)
+    assert "compile stages of the entry that ran last (ms):" in text
+    assert "last call: a cache miss: no cached entry fitted (looking took " in text
+    assert "calls so far: 0 cache hits, 1 cache miss (each miss compiles an entry)" in text
+    torch.testing.assert_close(jf(x), torch.tanh(x) * 2)
+    stats = keraunos.compile_stats(jf)
+    assert not stats.last_call_compiled and stats.last_cache_lookup < stats.compile_time
+    text = str(stats)
+    assert "last call: a cache hit: the cache lookup (prologue checks) took " in text
+    assert text.split("took ")[-1].split("\n")[0].endswith("us")
+    assert "calls so far: 1 cache hit, 1 cache miss" in text
+
+
+# ------------------------------------------------------------------------- the command line
+def _bench():
+    from keraunos import cli
+    return cli._bench_script()
+
+
+def test_bench_help_says_what_each_workload_is(capsys):
+    from keraunos import cli
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for workload in ("a  inference, overhead-bound", "b  inference, compute-bound",
+                     "c  training: one step"):
+        assert workload in text
+    assert "pip install\n'keraunos[bench]'" in text or "pip install 'keraunos[bench]'" in text
+
+
+def test_bench_without_litgpt_says_which_extra_to_install(monkeypatch, capsys):
+    bench = _bench()
+    monkeypatch.setattr(bench, "missing_requirements", lambda: ["litgpt"])
+    assert bench.main(["--quick", "--workloads", "a", "--chart", ""]) == 2
+    err = capsys.readouterr().err
+    assert "litgpt is not installed: pip install 'keraunos[bench]'" in err
+
+
+def test_bench_table_shows_no_compile_time_for_eager():
+    bench = _bench()
+    run = dict(compile=-0.01, median=0.01, first=0.01, peak=2**20, peak_over_setup=0, saved=None,
+               diff=0.0)
+    rows = [dict(workload="a", system="eager", cold=run, warm=None),
+            dict(workload="a", system="keraunos", cold=dict(run, compile=0.5, median=0.005),
+                 warm=dict(run, compile=0.2, median=0.005))]
+    text = bench.table(rows)
+    eager_line = next(line for line in text.splitlines() if line.strip().startswith("eager"))
+    assert "-0.01" not in eager_line and eager_line.split()[1] == "-"
+    assert "0.50 s" in text and "0.50x" in text  # keraunos: its compile, half eager's per call
+    assert "columns: compile cold / warm: compile + warm-up in seconds" in text
+
+
+def test_cli_run_labels_when_its_cache_counters_were_read(capsys):
+    from keraunos import cli
+    assert cli.main(["run", "--layers", "1", "--width", "32", "--calls", "5"]) == 0
+    out = capsys.readouterr().out
+    after_first = out.split("after the first call")[1].split("per-call time")[0]
+    assert "calls so far: 0 cache hits, 1 cache miss" in after_first
+    assert "last call: a cache miss" in after_first
+    total = 1 + cli.WARMUP + 5
+    assert (f"cache, after all {total} calls of the jitted model: {total - 1} hits, 1 miss "
+            f"(the first call, which compiled)") in out
+    assert "us per call" in out
