@@ -116,8 +116,10 @@ def describe(name: str, record: Compilation) -> str:
     lines = [f"keraunos: compiled {name} (compilation {record.number}): "
              f"{_inputs_summary(entry)}"]
     if record.miss_reasons:
+        per_entry, symbolic = split_reasons(record.miss_reasons)
         lines.append("  why: no cached entry fits the call:")
-        lines += [f"    entry {i}: {reason}" for i, reason in enumerate(record.miss_reasons)]
+        lines += [f"    entry {i}: {reason}" for i, reason in enumerate(per_entry)]
+        lines += [f"    so: {note}" for note in symbolic]
     else:
         lines.append("  why: first call (the cache was empty)")
     stages = entry.stages
@@ -128,6 +130,17 @@ def describe(name: str, record: Compilation) -> str:
     if record.folder:
         lines.append(f"  traces written to {record.folder}")
     return "\n".join(lines)
+
+
+SYMBOLIC_NOTE = "; recompiled with it symbolic"  # what jit._compile appends to the reasons
+
+
+def split_reasons(reasons: list[str]) -> tuple[list[str], list[str]]:
+    """A miss's reasons as (one per cached entry, what changed and was compiled as a symbol):
+    the miss path appends the second kind to the first, and they must not be numbered as
+    entries."""
+    per_entry = [r for r in reasons if not r.endswith(SYMBOLIC_NOTE)]
+    return per_entry, [r for r in reasons if r.endswith(SYMBOLIC_NOTE)]
 
 
 def format_duration(seconds: float, ascii_only: bool = True) -> str:

@@ -205,8 +205,10 @@ def _reasons(record) -> str:
         return '<span class="note">compiled before this report\'s history began</span>'
     if not record.miss_reasons:
         return '<span class="note">first call: the cache was empty</span>'
+    per_entry, symbolic = debug.split_reasons(record.miss_reasons)
     items = "".join(f"<li>entry {i}: <code>{html.escape(r)}</code></li>"
-                    for i, r in enumerate(record.miss_reasons))
+                    for i, r in enumerate(per_entry))
+    items += "".join(f"<li>so: <code>{html.escape(r)}</code></li>" for r in symbolic)
     return f'<ul class="reasons">{items}</ul>'
 
 
