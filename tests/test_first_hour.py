@@ -260,3 +260,17 @@ def test_cli_run_labels_when_its_cache_counters_were_read(capsys):
     assert (f"cache, after all {total} calls of the jitted model: {total - 1} hits, 1 miss "
             f"(the first call, which compiled)") in out
     assert "us per call" in out
+
+
+def test_the_compilation_log_numbers_entries_not_what_became_symbolic():
+    from keraunos import debug
+    from keraunos.jit import state_of
+    jf = keraunos.jit(lambda x: x.exp() - 1)
+    for n in (2, 5):
+        x = torch.randn(n)
+        torch.testing.assert_close(jf(x), x.exp() - 1)
+    record = debug.compilations(state_of(jf))[-1]
+    text = debug.describe("f", record)
+    assert "    entry 0: check failed: tensor 'args[0]' size mismatch at index 0" in text
+    assert "    so: args[0] dimension 0 changed 2 → 5; recompiled with it symbolic" in text
+    assert "entry 1" not in text  # there was one cached entry
