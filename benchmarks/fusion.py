@@ -203,10 +203,18 @@ def run_workload(workload, systems, iters: int, warm: bool, device: str) -> list
     return rows
 
 
+def _compile_seconds(seconds: float, width: int = 0) -> str:
+    """The 2N method's compile + warm-up estimate; one below zero means the compile cost is
+    below the timing noise (a warm cache, --quick), shown as such rather than as a negative time."""
+    text = f"{seconds:.2f} s" if seconds >= 0 else "~0 s"
+    return f"{text:>{width}}"
+
+
 def _progress(workload: str, system: str, cache: str, r: dict) -> None:
     per_call = f"{r['median'] * 1e3:.3f} ms per call" if "median" in r else ""
     outcome = (f"failed: {r['error']}" if "error" in r else
-               f"compile + warm-up {r['compile']:.2f} s, {per_call}" if system in COMPILING else
+               f"compile + warm-up {_compile_seconds(r['compile'])}, {per_call}"
+               if system in COMPILING else
                per_call)
     print(f"  ({workload}) {system}, {cache} cache: {outcome}", flush=True)
 
@@ -238,7 +246,8 @@ def table(rows: list) -> str:
 
 
 COLUMNS = """columns: compile cold / warm: compile + warm-up in seconds (the 2N method), on an empty
-  Inductor cache and on the cache the cold run left ('-' for eager, which compiles nothing);
+  Inductor cache and on the cache the cold run left ('-' for eager, which compiles nothing;
+  '~0' where the estimate came out below zero: a compile cost below the timing noise);
   per call: the steady-state median per call or step, in ms; vs eager, vs t.c.: that median
   relative to eager's and torch.compile's; peak MiB: the process's peak memory; saved MiB:
   what one forward saves for backward (c); max diff: the largest absolute difference from
@@ -251,12 +260,12 @@ def _table_line(row, eager, compiled) -> str:
     if "error" in cold:
         return f"  {name:<19} failed: {cold['error']}"
     r = _steady(row)
-    warm = f"{row['warm']['compile']:6.2f} s" if row["warm"] and "compile" in row["warm"] else \
-        f"{'':>8}"
+    warm = _compile_seconds(row["warm"]["compile"], 8) if row["warm"] and "compile" in row["warm"] \
+        else f"{'':>8}"
     ratio = (lambda ref: f"{r['median'] / ref['median']:7.2f}x" if ref else f"{'':>8}")
     saved = f"{cold['saved'] / 2**20:9.2f}" if cold.get("saved") is not None else f"{'':>9}"
     counts = f"  {cold['regions']}/{cold['kernels']}" if "regions" in cold else ""
-    compile_cold = f"{cold['compile']:10.2f} s" if name in COMPILING else f"{'-':>12}"
+    compile_cold = _compile_seconds(cold["compile"], 12) if name in COMPILING else f"{'-':>12}"
     return (f"  {name:<19} {compile_cold} {warm} {r['median'] * 1e3:8.3f} ms "
             f"{ratio(eager)} {ratio(compiled)} {cold['peak'] / 2**20:9.1f} {saved} "
             f"{cold['diff']:9.2e}{counts}")
@@ -288,8 +297,9 @@ def chart(rows: list, path: str) -> bool:
                          and r["system"] == reference), None)
             steady = _steady(row) if row else None
             ratios.append(steady["median"] / base["median"] if steady and base else 0.0)
-            cold.append(row["cold"].get("compile", 0.0) if row else 0.0)
-            warm.append((row["warm"] or {}).get("compile", 0.0) if row else 0.0)
+            # Estimates below zero are compile costs below the timing noise: no bar.
+            cold.append(max(0.0, row["cold"].get("compile", 0.0)) if row else 0.0)
+            warm.append(max(0.0, (row["warm"] or {}).get("compile", 0.0)) if row else 0.0)
         xs = [i + k * width for i in range(len(workloads))]
         speed.bar(xs, ratios, width, label=system)
         if system in COMPILING:

@@ -245,6 +245,8 @@ def test_bench_table_shows_no_compile_time_for_eager():
     text = bench.table(rows)
     eager_line = next(line for line in text.splitlines() if line.strip().startswith("eager"))
     assert "-0.01" not in eager_line and eager_line.split()[1] == "-"
+    rows[1]["warm"]["compile"] = -0.2  # a warm compile below the timing noise
+    assert "~0 s" in bench.table(rows) and "-0.2" not in bench.table(rows)
     assert "0.50 s" in text and "0.50x" in text  # keraunos: its compile, half eager's per call
     assert "columns: compile cold / warm: compile + warm-up in seconds" in text
 
