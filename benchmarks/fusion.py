@@ -203,9 +203,19 @@ def run_workload(workload, systems, iters: int, warm: bool, device: str) -> list
     return rows
 
 
+def _compile_seconds(seconds: float, width: int = 0) -> str:
+    """The 2N method's compile + warm-up estimate; one below zero means the compile cost is
+    below the timing noise (a warm cache, --quick), shown as such rather than as a negative time."""
+    text = f"{seconds:.2f} s" if seconds >= 0 else "~0 s"
+    return f"{text:>{width}}"
+
+
 def _progress(workload: str, system: str, cache: str, r: dict) -> None:
+    per_call = f"{r['median'] * 1e3:.3f} ms per call" if "median" in r else ""
     outcome = (f"failed: {r['error']}" if "error" in r else
-               f"compile+warmup {r['compile']:.2f} s, {r['median'] * 1e3:.3f} ms")
+               f"compile + warm-up {_compile_seconds(r['compile'])}, {per_call}"
+               if system in COMPILING else
+               per_call)
     print(f"  ({workload}) {system}, {cache} cache: {outcome}", flush=True)
 
 
@@ -232,7 +242,17 @@ def table(rows: list) -> str:
         if "compile" in fused and "compile" in tc and tc["compile"] > 0:
             lines.append(f"  cold compile+warmup, keraunos+inductor / torch.compile: "
                          f"{fused['compile'] / tc['compile']:.3f}")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", COLUMNS])
+
+
+COLUMNS = """columns: compile cold / warm: compile + warm-up in seconds (the 2N method), on an empty
+  Inductor cache and on the cache the cold run left ('-' for eager, which compiles nothing;
+  '~0' where the estimate came out below zero: a compile cost below the timing noise);
+  per call: the steady-state median per call or step, in ms; vs eager, vs t.c.: that median
+  relative to eager's and torch.compile's; peak MiB: the process's peak memory; saved MiB:
+  what one forward saves for backward (c); max diff: the largest absolute difference from
+  eager's output (a, b) or loss after 2N steps (c); regions/kernels: fused regions and the
+  distinct kernels compiled for them."""
 
 
 def _table_line(row, eager, compiled) -> str:
@@ -240,12 +260,13 @@ def _table_line(row, eager, compiled) -> str:
     if "error" in cold:
         return f"  {name:<19} failed: {cold['error']}"
     r = _steady(row)
-    warm = f"{row['warm']['compile']:6.2f} s" if row["warm"] and "compile" in row["warm"] else \
-        f"{'':>8}"
+    warm = _compile_seconds(row["warm"]["compile"], 8) if row["warm"] and "compile" in row["warm"] \
+        else f"{'':>8}"
     ratio = (lambda ref: f"{r['median'] / ref['median']:7.2f}x" if ref else f"{'':>8}")
     saved = f"{cold['saved'] / 2**20:9.2f}" if cold.get("saved") is not None else f"{'':>9}"
     counts = f"  {cold['regions']}/{cold['kernels']}" if "regions" in cold else ""
-    return (f"  {name:<19} {cold['compile']:10.2f} s {warm} {r['median'] * 1e3:8.3f} ms "
+    compile_cold = _compile_seconds(cold["compile"], 12) if name in COMPILING else f"{'-':>12}"
+    return (f"  {name:<19} {compile_cold} {warm} {r['median'] * 1e3:8.3f} ms "
             f"{ratio(eager)} {ratio(compiled)} {cold['peak'] / 2**20:9.1f} {saved} "
             f"{cold['diff']:9.2e}{counts}")
 
@@ -276,8 +297,9 @@ def chart(rows: list, path: str) -> bool:
                          and r["system"] == reference), None)
             steady = _steady(row) if row else None
             ratios.append(steady["median"] / base["median"] if steady and base else 0.0)
-            cold.append(row["cold"].get("compile", 0.0) if row else 0.0)
-            warm.append((row["warm"] or {}).get("compile", 0.0) if row else 0.0)
+            # Estimates below zero are compile costs below the timing noise: no bar.
+            cold.append(max(0.0, row["cold"].get("compile", 0.0)) if row else 0.0)
+            warm.append(max(0.0, (row["warm"] or {}).get("compile", 0.0)) if row else 0.0)
         xs = [i + k * width for i in range(len(workloads))]
         speed.bar(xs, ratios, width, label=system)
         if system in COMPILING:
@@ -298,8 +320,35 @@ def chart(rows: list, path: str) -> bool:
     return True
 
 
+# What each workload is and what it stresses, for ``--help``.
+DESCRIPTIONS = {
+    "a": "inference, overhead-bound: litgpt's Llama-3-8B layout (32 layers, grouped-query "
+         "attention) at tiny widths (n_embd 128), one sequence of 8 tokens, no_grad: many small "
+         "ops, so what a call costs beyond its kernels shows",
+    "b": "inference, compute-bound: a litgpt Llama-2 config of 4 layers at n_embd 1024, batch "
+         "4 x 128 tokens, no_grad: large matmuls, where fusing the pointwise ops between them "
+         "pays",
+    "c": "training: one step (forward, backward, AdamW) of benchmarks/train.py's 4-layer litgpt "
+         "GPT at n_embd 256, batch 1 x 64",
+}
+
+
+def workloads_help() -> str:
+    """What each workload is, for ``keraunos bench --help``."""
+    import textwrap
+    lines = ["workloads (--workloads, comma-separated; one intra-op thread):"]
+    for w, text in DESCRIPTIONS.items():
+        lines += textwrap.wrap(text, 88, initial_indent=f"  {w}  ", subsequent_indent="     ")
+    lines += [""] + textwrap.wrap(
+        "Each workload builds litgpt models from a config (random weights: nothing is "
+        "downloaded), and the chart needs matplotlib: both are in the bench extra (pip install "
+        "'keraunos[bench]'), which scripts/setup.sh installs.", 90)
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workloads", default="a,b,c", help="comma-separated, of a, b, c")
+    parser.add_argument("--workloads", default="a,b,c",
+                        help="comma-separated, of a, b, c (listed below); default all three")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--iters", type=int, default=20, help="N of the 2N method")
@@ -312,8 +361,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write every figure to this JSON file")
 
 
+def missing_requirements() -> list[str]:
+    """The bench extra's packages that are not installed (each workload builds litgpt models)."""
+    return [name for name in ("litgpt",) if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="keraunos bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="keraunos bench", description=__doc__.split("\n")[0],
+                                     epilog=workloads_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "SYSTEM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -326,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in workloads if w not in TITLES] + [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown workloads or systems: {', '.join(unknown)}")
+    missing = missing_requirements()
+    if missing:
+        print(f"keraunos bench: every workload builds litgpt models, and {', '.join(missing)} is "
+              f"not installed: pip install 'keraunos[bench]' (or run scripts/setup.sh, which "
+              f"installs it)", file=sys.stderr)
+        return 2
     import torch
     print(f"torch {torch.__version__}, {args.device}, 1 intra-op thread, 2N method with N = "
           f"{iters}, cold Inductor cache per system" + ("" if args.no_warm else ", then warm"))

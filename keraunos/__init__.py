@@ -77,11 +77,12 @@ def last_cache_miss_reasons(jitted) -> list[str]:
 
 
 def compile_stats(jitted) -> CompileStats:
-    """Per-stage compile times of the entry that ran last, the last call's cache lookup time,
-    and the cache counters."""
+    """Per-stage compile times of the entry that ran last, the last call's cache lookup time
+    (on a miss, without the compilation) and whether it compiled, and the cache counters."""
     state = state_of(jitted)
     stages = dict(state.last_entry.stages) if state.last_entry else {}
-    return CompileStats(stages, state.last_lookup, state.hits, state.misses)
+    compiled = state.misses > 0 and state.compiled_at_call == state.hits + state.misses
+    return CompileStats(stages, state.last_lookup, state.hits, state.misses, compiled)
 
 
 __all__ = [

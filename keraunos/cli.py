@@ -1,8 +1,9 @@
 """The command line: ``python -m keraunos.cli run`` compiles the shipped GPT and shows its traces.
 
 ``bench``: eager, keraunos (torch executor), keraunos (inductor executor) and ``torch.compile`` on
-three workloads, as one table and one PNG chart (``benchmarks/fusion.py``, whose options it takes:
-``keraunos bench --help``; the chart needs the ``bench`` extra).
+three litgpt workloads, as one table and one PNG chart (``benchmarks/fusion.py``, whose options it
+takes: ``keraunos bench --help`` says what each workload is; litgpt and matplotlib are the
+``bench`` extra, which ``scripts/setup.sh`` installs).
 
 ``run``: build the small GPT of ``keraunos.examples.gpt`` with random weights, compile it, check it
 against eager, print the prologue and computation traces, the per-stage compile times and the
@@ -23,8 +24,11 @@ import keraunos
 from keraunos.examples.gpt import GPT, GPTConfig
 
 
+WARMUP = 10  # calls before the timed ones
+
+
 def _median_call_time(fn, args, calls: int) -> float:
-    for _ in range(10):
+    for _ in range(WARMUP):
         fn(*args)
     samples = []
     for _ in range(calls):
@@ -59,19 +63,23 @@ def run(args: argparse.Namespace) -> int:
     print("=" * 30, "epilogue", "=" * 30)
     print(keraunos.last_epilogue_traces(jmodel)[-1])
 
-    print("=" * 30, "compile stages", "=" * 30)
+    print("=" * 30, "after the first call: compile stages and cache", "=" * 30)
     print(keraunos.compile_stats(jmodel))
-    print(f"{'first call (compile + run)':>40}: {first_call * 1e3:8.2f} ms\n")
+    print(f"first call (compile + run): {first_call * 1e3:.2f} ms\n")
 
     with torch.no_grad():
         eager = _median_call_time(reference, (idx,), args.calls)
         jitted = _median_call_time(jmodel, (idx,), args.calls)
     stats = keraunos.compile_stats(jmodel)
-    print("=" * 30, f"per-call time (median of {args.calls}, 1 thread)", "=" * 30)
-    print(f"{'eager':>12}: {eager * 1e6:9.1f} us")
-    print(f"{'keraunos':>12}: {jitted * 1e6:9.1f} us   ({jitted / eager:.2f}x eager; "
-          f"cache lookup {stats.last_cache_lookup * 1e6:.1f} us; hits {stats.cache_hits}, "
-          f"misses {stats.cache_misses})")
+    print("=" * 30, f"per-call time (median of {args.calls} calls after {WARMUP} warm-up "
+          f"calls, 1 thread)", "=" * 30)
+    print(f"{'eager':>12}: {eager * 1e6:9.1f} us per call")
+    print(f"{'keraunos':>12}: {jitted * 1e6:9.1f} us per call ({jitted / eager:.2f}x eager's), "
+          f"of which the cache lookup (prologue checks) took {stats.last_cache_lookup * 1e6:.1f} "
+          f"us on the last call")
+    print(f"cache, after all {1 + WARMUP + args.calls} calls of the jitted model: "
+          f"{stats.cache_hits} hits, {stats.cache_misses} miss"
+          f"{'es' if stats.cache_misses != 1 else ''} (the first call, which compiled)")
     if args.report:
         with torch.no_grad():
             path = keraunos.report(jmodel, args.report, args=(idx,), calls=min(args.calls, 50))
@@ -112,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--report", metavar="PATH", help="also write the HTML report (keraunos.report): "
                    "every trace after every pass, compile stages, cache misses, per-call timings")
-    sub.add_parser("bench", help="eager vs keraunos vs keraunos+inductor vs torch.compile: a "
-                   "table and a PNG chart (keraunos bench --help)", add_help=False)
+    sub.add_parser("bench", help="eager vs keraunos vs keraunos+inductor vs torch.compile on "
+                   "three litgpt workloads (a: inference, overhead-bound; b: inference, "
+                   "compute-bound; c: a training step): a table and a PNG chart; keraunos bench "
+                   "--help says what each workload is", add_help=False)
     args = parser.parse_args(argv)
     return run(args)
 

@@ -116,8 +116,10 @@ def describe(name: str, record: Compilation) -> str:
     lines = [f"keraunos: compiled {name} (compilation {record.number}): "
              f"{_inputs_summary(entry)}"]
     if record.miss_reasons:
+        per_entry, symbolic = split_reasons(record.miss_reasons)
         lines.append("  why: no cached entry fits the call:")
-        lines += [f"    entry {i}: {reason}" for i, reason in enumerate(record.miss_reasons)]
+        lines += [f"    entry {i}: {reason}" for i, reason in enumerate(per_entry)]
+        lines += [f"    so: {note}" for note in symbolic]
     else:
         lines.append("  why: first call (the cache was empty)")
     stages = entry.stages
@@ -127,6 +129,48 @@ def describe(name: str, record: Compilation) -> str:
     lines += [f"    {stage:<{width}}  {seconds * 1e3:8.2f} ms" for stage, seconds in stages.items()]
     if record.folder:
         lines.append(f"  traces written to {record.folder}")
+    return "\n".join(lines)
+
+
+SYMBOLIC_NOTE = "; recompiled with it symbolic"  # what jit._compile appends to the reasons
+
+
+def split_reasons(reasons: list[str]) -> tuple[list[str], list[str]]:
+    """A miss's reasons as (one per cached entry, what changed and was compiled as a symbol):
+    the miss path appends the second kind to the first, and they must not be numbered as
+    entries."""
+    per_entry = [r for r in reasons if not r.endswith(SYMBOLIC_NOTE)]
+    return per_entry, [r for r in reasons if r.endswith(SYMBOLIC_NOTE)]
+
+
+def format_duration(seconds: float, ascii_only: bool = True) -> str:
+    """One duration in the unit that reads best: us below a millisecond, ms below a second, s
+    above (``ascii_only=False`` writes the micro sign, for HTML)."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} {'us' if ascii_only else '&micro;s'}"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_compile_stats(stats) -> str:
+    """``str(keraunos.compile_stats(jitted))``: the compile stages of the entry that ran last
+    (one unit for the column, so that the stages compare at a glance), what the last call's
+    cache lookup did and cost, and the counters since the callable was made."""
+    label_width = max([len(s) for s in stats.stages] + [len("total compile")])
+    lines = ["compile stages of the entry that ran last (ms):"]
+    lines += [f"  {name:<{label_width}}  {seconds * 1e3:9.2f}"
+              for name, seconds in stats.stages.items()]
+    lines.append(f"  {'total compile':<{label_width}}  {stats.compile_time * 1e3:9.2f}")
+    lookup = format_duration(stats.last_cache_lookup)
+    if stats.last_call_compiled:
+        lines.append(f"last call: a cache miss: no cached entry fitted (looking took {lookup}), "
+                     f"so it compiled a new entry: the stages above")
+    else:
+        lines.append(f"last call: a cache hit: the cache lookup (prologue checks) took {lookup}")
+    misses = f"{stats.cache_misses} cache miss{'' if stats.cache_misses == 1 else 'es'}"
+    hits = f"{stats.cache_hits} cache hit{'' if stats.cache_hits == 1 else 's'}"
+    lines.append(f"calls so far: {hits}, {misses} (each miss compiles an entry)")
     return "\n".join(lines)
 
 

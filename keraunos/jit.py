@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import operator
 import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -44,23 +46,24 @@ from .transforms import Transform
 
 @dataclass
 class CompileStats:
-    """Timings of the entry that ran last, in seconds, and the cache counters."""
+    """Timings of the entry that ran last, in seconds, and the cache counters.
+
+    ``last_cache_lookup`` is what the last call's cache lookup cost: on a hit, the prologue
+    checks up to the entry that accepted the call; on a miss (``last_call_compiled``), the
+    checks that failed, without the compilation that followed (``compile_time``)."""
 
     stages: dict[str, float]
     last_cache_lookup: float
     cache_hits: int
     cache_misses: int
+    last_call_compiled: bool = False
 
     @property
     def compile_time(self) -> float:
         return sum(self.stages.values())
 
     def __str__(self) -> str:
-        lines = [f"{name:>40}: {seconds * 1e3:8.2f} ms" for name, seconds in self.stages.items()]
-        lines.append(f"{'total compile':>40}: {self.compile_time * 1e3:8.2f} ms")
-        lines.append(f"{'last cache lookup':>40}: {self.last_cache_lookup * 1e6:8.2f} us")
-        lines.append(f"{'cache hits / misses':>40}: {self.cache_hits} / {self.cache_misses}")
-        return "\n".join(lines)
+        return debug.format_compile_stats(self)
 
 
 class Fallback(enum.Enum):
@@ -129,6 +132,7 @@ class _JitState:
         self.misses = 0
         self.last_entry: CacheEntry | None = None
         self.last_lookup = 0.0
+        self.compiled_at_call = 0  # hits + misses when the last miss happened
         self.last_miss_reasons: list[str] = []
         self.warned_recompiles = False
         self.warned_no_backward = False
@@ -340,8 +344,10 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
                 return entry, r[0], r[1]
             reasons.append(reason)
         state.last_miss_reasons = reasons
+        lookup = time.perf_counter() - start  # what the failed checks cost, before compiling
         with state.counter_lock:
             state.misses += 1
+            state.compiled_at_call = state.hits + state.misses  # compile_stats: this call missed
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
@@ -365,7 +371,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
-        state.last_lookup = time.perf_counter() - start
+        state.last_lookup = lookup
         return entry, r[0], r[1]
 
 
@@ -474,7 +480,28 @@ class JittedFunction:
 class JittedModule(torch.nn.Module):
     """A module compiled by ``keraunos.jit``. It shares the original's parameters and buffers
     (an optimizer built on either updates both) and forwards attribute access, ``state_dict``,
-    ``train()``/``eval()`` and the rest to it."""
+    ``train()``/``eval()`` and the rest to it.
+
+    It presents the original's interface to libraries that inspect a model:
+
+    - ``forward`` and ``__call__`` carry the original ``forward``'s signature
+      (``inspect.signature(jitted.forward)`` lists ``input_ids, attention_mask, labels, ...``),
+      and the jitted module's class is a subclass of ``JittedModule`` made per original class,
+      whose ``__name__`` and ``forward`` signature are the original's (Hugging Face's ``Trainer``
+      derives its dataset columns and label names from them; ``type(jitted).__qualname__`` reads
+      ``JittedModule[Original]``).
+    - The methods rule: any other method of the original (``predict``, ``encode``, ``generate``)
+      runs with the original's ``forward`` routed through the compiled program, so a method that
+      calls ``self(...)`` or ``self.forward(...)`` hits the cache as a call of the jitted module
+      does. Outside such a call the original module stays as it was: calling it runs eagerly.
+    - As a submodule of another module, its state dict has the original's keys (no
+      ``_orig_mod.``), and loads from them.
+    """
+
+    def __new__(cls, module: torch.nn.Module, options: JitOptions):
+        if cls is JittedModule:
+            cls = _jitted_class(module)
+        return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, options: JitOptions):
         super().__init__()
@@ -482,6 +509,7 @@ class JittedModule(torch.nn.Module):
         state = _JitState(module.forward, module, options)
         object.__setattr__(self, "_keraunos", state)
         object.__setattr__(self, "_call", call_profiled if options.profile else call)
+        self.register_load_state_dict_pre_hook(_keys_of_the_original)
 
     def __call__(self, *args, **kwargs):
         return self._call(self._keraunos, args, kwargs)
@@ -491,9 +519,10 @@ class JittedModule(torch.nn.Module):
     def __getattr__(self, name: str):
         if name == "_orig_mod":
             return self._modules["_orig_mod"]
-        value = getattr(self._modules["_orig_mod"], name)
-        if name == "generate" and callable(value):
-            return _generate_through(self, value)
+        orig = self._modules["_orig_mod"]
+        value = getattr(orig, name)
+        if inspect.ismethod(value) and value.__self__ is orig:
+            return _through_compiled_forward(self, name, value)
         return value
 
     def __setattr__(self, name: str, value) -> None:
@@ -572,37 +601,123 @@ class JittedModule(torch.nn.Module):
         return self
 
 
-def _generate_through(jitted: JittedModule, generate: Callable) -> Callable:
-    """The original module's ``generate`` (Hugging Face's), with its calls of the module's forward
-    routed through the compiled program while it runs: bound to the original, ``generate`` would
-    call the original forward and silently run eagerly."""
-    @functools.wraps(generate)
+_jitted_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _jitted_class(module: torch.nn.Module) -> type:
+    """The ``JittedModule`` subclass for ``module``: its ``forward`` and ``__call__`` take the
+    original ``forward``'s signature and its ``__name__`` is the original class's, because
+    libraries read both off a model (Hugging Face's ``Trainer`` keeps only the dataset columns
+    that ``forward`` names, and finds label names in ``type(model).forward``). One per original
+    class, or one per module whose instance has a ``forward`` of its own."""
+    cls = type(module)
+    own_forward = "forward" in module.__dict__
+    if not own_forward and cls in _jitted_classes:
+        return _jitted_classes[cls]
+
+    def forward(self, *args, **kwargs):
+        return self._call(self._keraunos, args, kwargs)
+    forward.__signature__ = _signature_with_self(module.forward)
+    forward.__doc__ = getattr(module.forward, "__doc__", None)
+    forward.__qualname__ = f"JittedModule[{cls.__qualname__}].forward"
+    jitted_cls = type(cls.__name__, (JittedModule,), {
+        "forward": forward, "__call__": forward, "__module__": __name__,
+        "__qualname__": f"JittedModule[{cls.__qualname__}]", "__doc__": JittedModule.__doc__})
+    if not own_forward:
+        _jitted_classes[cls] = jitted_cls
+    return jitted_cls
+
+
+def _signature_with_self(bound_forward: Callable) -> inspect.Signature:
+    """``bound_forward``'s signature with a ``self`` parameter first, as a method defines it."""
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    try:
+        signature = inspect.signature(bound_forward)
+    except (TypeError, ValueError):  # a forward defined in C: no signature to show
+        return inspect.Signature([self_param,
+                                  inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                                  inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    if "self" in signature.parameters:  # a forward with a parameter named self: keep it visible
+        self_param = self_param.replace(name="_jitted_self")
+    return signature.replace(parameters=[self_param, *signature.parameters.values()])
+
+
+def _keys_of_the_original(module, state_dict, prefix, *_):
+    """Loading a jitted submodule: the state dict holds the original's keys (``prefix +
+    'fc.weight'``, as ``state_dict`` writes them and an eager model's checkpoint holds them),
+    while ``load_state_dict`` walks ``_modules`` and looks for ``prefix + '_orig_mod.fc.weight'``:
+    rename them in place."""
+    inner = prefix + "_orig_mod."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _through_compiled_forward(jitted: JittedModule, name: str, method: Callable) -> Callable:
+    """The original module's ``method`` (``generate``, ``predict``, ``encode``...), with its calls
+    of the module (``self(...)``, ``self.forward(...)``) routed through the compiled program while
+    it runs: bound to the original, the method would call the original forward and silently run
+    eagerly. A generator method is routed while each of its steps runs."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def steps(*args, **kwargs):
+            if _eager_because_of_hooks(jitted, name):
+                return method(*args, **kwargs)
+            return _routed_steps(jitted, method(*args, **kwargs))
+        return steps
+
+    @functools.wraps(method)
     def run(*args, **kwargs):
-        orig = jitted._orig_mod
-        if _top_level_hooks(orig):
-            # generate calls the module, which runs its hooks, then the routed forward, whose
-            # program was captured from a call of the module: the hooks would run twice.
-            if not getattr(jitted._keraunos, "warned_generate_hooks", False):
-                jitted._keraunos.warned_generate_hooks = True
-                _warn_at_user_line(
-                    f"keraunos: {jitted._keraunos.name}.generate runs eagerly: the module has "
-                    f"forward or backward hooks of its own (or global ones), which the compiled "
-                    f"program already runs. Jit the model without them, or remove the hooks.",
-                    stacklevel=3)
-            return generate(*args, **kwargs)
+        if _eager_because_of_hooks(jitted, name):
+            return method(*args, **kwargs)
         with _forward_routed(jitted):
-            return generate(*args, **kwargs)
+            return method(*args, **kwargs)
     return run
+
+
+def _eager_because_of_hooks(jitted: JittedModule, name: str) -> bool:
+    """Whether ``name`` must run eagerly (warned once per method) because the module has call
+    hooks: the method calls the module, which runs its hooks, then the routed forward, whose
+    program was captured from a call of the module and so runs them too: they would run twice."""
+    if not _top_level_hooks(jitted._orig_mod):
+        return False
+    warned = jitted._keraunos.__dict__.setdefault("warned_hooks", set())
+    if name not in warned:
+        warned.add(name)
+        _warn_at_user_line(
+            f"keraunos: {jitted._keraunos.name}.{name} runs eagerly: the module has forward or "
+            f"backward hooks of its own (or global ones), which the compiled program already "
+            f"runs. Jit the model without them, or remove the hooks.", stacklevel=4)
+    return True
+
+
+def _routed_steps(jitted: JittedModule, generator):
+    """Runs ``generator`` one step at a time with the forward routed, passing ``send`` and
+    ``throw`` through; between steps the caller's code sees the original module unchanged."""
+    sent, thrown = None, None
+    while True:
+        with _forward_routed(jitted):
+            try:
+                item = generator.throw(thrown) if thrown is not None else generator.send(sent)
+            except StopIteration as stop:
+                return stop.value
+        sent, thrown = None, None
+        try:
+            sent = yield item
+        except GeneratorExit:
+            generator.close()
+            raise
+        except BaseException as e:  # noqa: BLE001 - thrown into us: the method decides
+            thrown = e
 
 
 _routing_lock = threading.Lock()
 
 
 class _forward_routed:
-    """While any thread is inside the jitted module's ``generate``, the original module's
-    ``forward`` (in its ``__dict__``) runs the compiled program; the first thread in installs
-    it, the last one out restores what was there (counted, so threads cannot interleave a
-    save and a restore)."""
+    """While any thread is inside a method of the jitted module (``generate``, ``predict``...),
+    the original module's ``forward`` (in its ``__dict__``) runs the compiled program; the first
+    thread in installs it, the last one out restores what was there (counted, so threads cannot
+    interleave a save and a restore)."""
 
     def __init__(self, jitted: JittedModule):
         self.jitted = jitted

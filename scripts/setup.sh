@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up keraunos from nothing: a virtual environment in .venv with torch 2.13.0 (the CPU build on
-# this machine's disk; pip is never left to choose a CUDA build), keraunos itself (editable) and
-# its test dependencies. Safe to run again: it installs only what is missing.
+# this machine's disk; pip is never left to choose a CUDA build), keraunos itself (editable), its
+# test dependencies and the bench extra. Safe to run again: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -12,8 +12,10 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install torch==2.13.0
 fi
-if ! .venv/bin/python -c "import keraunos, litgpt, pytest, xdist, expecttest, transformers" 2>/dev/null; then
-  "${PIP[@]}" install -c scripts/constraints.txt -e ".[test]"
+# The test extra, and the bench extra so that `keraunos bench` runs and draws its chart.
+if ! .venv/bin/python -c "import keraunos, litgpt, pytest, xdist, expecttest, transformers, \
+    accelerate, lightning, matplotlib" 2>/dev/null; then
+  "${PIP[@]}" install -c scripts/constraints.txt -e ".[test,bench]"
 fi
 # Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, only
 # when missing, only where apt-get can run as root. Any failure is reported and the tests skip.

@@ -241,3 +241,50 @@ def test_chromium_screenshot_of_the_report(gpt_report, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000  # a painted page, not a blank one
     if os.environ.get("KERAUNOS_UPDATE_DOCS") or not os.path.exists(DOCS_SCREENSHOT):
         shutil.copyfile(shot, DOCS_SCREENSHOT)
+
+
+# ------------------------------------------------------------------- figures: units and labels
+def test_report_figures_say_what_they_measure_and_when(gpt_report):
+    jmodel, _, page = gpt_report
+    summary = _strip_tags(page.split('<section id="summary">')[1].split("</section>")[0])
+    # The cache figures were taken before the report's own calls, and say so.
+    assert "cache hits (calls that reused an entry) before the report's timed calls" in summary
+    assert "per call, median of the report's 5 timed calls" in summary
+    # The last call before the report (the training step) compiled: the card says the lookup is
+    # the failed checks' alone.
+    assert "last call's cache lookup: a miss (the checks that failed, before it compiled)" in summary
+    timings = page.split('<section id="timings">')[1].split("</section>")[0]
+    assert "none of these calls is counted in the cache figures above" in timings
+    # One unit per column, named in its header; no cell carries a unit of its own.
+    for header in re.findall(r'<th class="num">([^<]*(?:per call)[^<]*)</th>', timings):
+        if "calls per call" not in header:
+            assert re.search(r"\((s|ms|&micro;s)\)$", header), header
+    cells = re.findall(r'<td class="num">(?:<b>)?([^<]*)', timings)
+    assert cells and not any(re.search(r"[a-z]", c) for c in cells if not c.endswith("%")), cells
+    # Stage labels are shown whole (they wrap), never cut with an ellipsis.
+    assert "text-overflow:ellipsis" not in page.split(".bar-label")[1].split("}")[0]
+    assert ">Common Subexpression Elimination</span>" in page
+
+
+def test_report_of_a_training_entry_explains_the_autograd_function(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4))
+    reference = copy.deepcopy(model)
+    jmodel = keraunos.jit(model)
+    idx = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(jmodel(idx), reference(idx))  # grad mode on: a backward trace
+    page = open(keraunos.report(jmodel, tmp_path / "train.html", args=(idx,), calls=3)).read()
+    ops = page.split("Where a call spends its time")[1].split("</table>")[0]
+    assert "<code>KeraunosFunction</code>" in ops
+    assert "its self time is the Python that runs the program's lines" in ops
+
+
+def test_report_after_a_miss_shows_the_lookup_without_the_compilation(tmp_path):
+    jf = keraunos.jit(lambda x: x.cos() * 3)
+    x = torch.randn(4)
+    torch.testing.assert_close(jf(x), x.cos() * 3)
+    stats = keraunos.compile_stats(jf)
+    assert stats.last_call_compiled and stats.last_cache_lookup < stats.compile_time
+    page = open(keraunos.report(jf, tmp_path / "miss.html")).read()
+    assert "last call's cache lookup: a miss (the checks that failed, before it compiled)" in page
+    assert "0 hits" in page and "1 miss<" in page

@@ -236,10 +236,7 @@ class CaptureContext:
             # program reads is an input with its own checks, and its writes are replayed.
             self.guard("type", path, self.original_classes[id(value)])
             return value
-        raise UnsupportedInputError(
-            f"keraunos.jit: {path} is a {type(value).__qualname__}, which keraunos cannot check on "
-            f"later calls. Pass tensors, numbers, strings, None, dtypes, devices, or "
-            f"tuples/lists/dicts/dataclasses of those.")
+        raise UnsupportedInputError(_unsupported_input_message(path, value))
 
     def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
         """A real tensor met inside the program: a parameter read without our seeing the read
@@ -789,3 +786,21 @@ def _positional_names(fn) -> dict[int, str]:
 
 def _is_namedtuple(value) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _unsupported_input_message(path, value) -> str:
+    """Why ``value`` (passed at ``path``) cannot be an input, where the call was, and what to
+    pass instead: NumPy values have an exact tensor or number equivalent."""
+    kind = type(value)
+    where = user_source()
+    at = (f" (the call at {where.filename}:{where.lineno}{': ' + where.code if where.code else ''})"
+          if where else "")
+    message = (f"keraunos.jit: {path} is a {kind.__module__}.{kind.__qualname__}{at}, which "
+               f"keraunos cannot check on later calls.")
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+        return (f"{message} Pass a tensor instead: torch.from_numpy(array) shares the array's "
+                f"memory; torch.as_tensor(array, dtype=..., device=...) converts it.")
+    if kind.__module__ == "numpy" and hasattr(value, "item"):  # a NumPy scalar: np.float32(1.0)
+        return f"{message} Pass a Python number instead: value.item(), or float(value)."
+    return (f"{message} Pass tensors, numbers, strings, None, dtypes, devices, or "
+            f"tuples/lists/dicts/dataclasses of those.")

@@ -28,6 +28,7 @@ import torch
 
 from .. import debug
 from ..jit import state_of
+from ..debug import format_duration
 from .highlight import highlight_lines
 from .page import CSS, JS
 from .timing import STEPS, CallTimings, time_calls
@@ -53,11 +54,15 @@ def report(jitted, path: str | os.PathLike = "report.html", *, args: tuple | Non
     With ``args``/``kwargs`` the page also shows per-call step timings: the jitted callable is
     called ``calls`` times on them (with whatever side effects the program has), then the original
     program as often, then a few calls under ``torch.profiler`` for the ops that dominate. The
-    cache figures are taken before those calls.
+    cache figures (hits, misses, the last lookup) are taken before those calls, and the page says
+    so.
     """
+    from .. import compile_stats  # the package's public function (it imports this module)
     state = state_of(jitted)
+    stats = compile_stats(jitted)
     snapshot = dict(hits=state.hits, misses=state.misses, lookup=state.last_lookup,
-                    entries=list(state.entries), last=state.last_entry)
+                    compiled=stats.last_call_compiled, entries=list(state.entries),
+                    last=state.last_entry)
     timings = None
     if args is not None or kwargs is not None:
         timings = time_calls(jitted, tuple(args or ()), dict(kwargs or {}), calls)
@@ -146,11 +151,24 @@ def _ms(seconds: float) -> str:
 
 
 def _us(seconds: float) -> str:
-    """Microseconds for call-path times; milliseconds once that reads better (a miss's lookup
-    includes its compilation)."""
-    if seconds >= 1e-2:
-        return _ms(seconds)
-    return f"{seconds * 1e6:.1f} &micro;s"
+    """One duration in the unit that reads best (call-path times are microseconds)."""
+    return format_duration(seconds, ascii_only=False)
+
+
+def _column_unit(values) -> tuple[float, str]:
+    """One unit for a table column (its largest value decides), so that its rows compare at a
+    glance: (seconds per unit, the unit's name)."""
+    largest = max(values, default=0.0)
+    if largest >= 1.0:
+        return 1.0, "s"
+    if largest >= 1e-3:
+        return 1e-3, "ms"
+    return 1e-6, "&micro;s"
+
+
+def _in(seconds: float, unit: tuple[float, str]) -> str:
+    scale, name = unit
+    return f"{seconds / scale:.{1 if name == '&micro;s' else 2}f}"
 
 
 def _card(value: str, key: str) -> str:
@@ -159,18 +177,26 @@ def _card(value: str, key: str) -> str:
 
 def _summary(records, snapshot, timings) -> str:
     compile_total = sum(sum(r.stages.values()) for r in records)
+    before = " before the report's timed calls" if timings is not None else ""
+    if snapshot["compiled"]:
+        lookup = _card(_us(snapshot["lookup"]), "last call's cache lookup: a miss (the checks "
+                       "that failed, before it compiled)")
+    else:
+        lookup = _card(_us(snapshot["lookup"]), "last call's cache lookup: a hit (prologue "
+                       "checks)")
     cards = [_card(f"{len(snapshot['entries'])} <small>of {len(records)} compiled</small>",
                    "cache entries held"),
-             _card(str(snapshot["hits"]), "cache hits"),
-             _card(str(snapshot["misses"]), "cache misses (compilations)"),
+             _card(str(snapshot["hits"]), f"cache hits (calls that reused an entry){before}"),
+             _card(str(snapshot["misses"]), f"cache misses (calls that compiled){before}"),
              _card(_ms(compile_total), "compile time, all compilations"),
-             _card(_us(snapshot["lookup"]), "last cache lookup (prologue; on a miss, with "
-                   "the compilation)")]
+             lookup]
     if timings is not None:
-        cards.append(_card(_us(timings.total), f"per call (median of {timings.calls})"))
+        cards.append(_card(_us(timings.total), f"per call, median of the report's "
+                           f"{timings.calls} timed calls"))
         if timings.eager:
             cards.append(_card(f"{timings.total / timings.eager:.2f}&times;",
-                               f"of eager ({_us(timings.eager)})"))
+                               f"of eager's per call ({_us(timings.eager)}, median of "
+                               f"{timings.calls})"))
     return f'<section id="summary"><h2>Summary</h2><div class="cards">{"".join(cards)}</div></section>'
 
 
@@ -179,8 +205,10 @@ def _reasons(record) -> str:
         return '<span class="note">compiled before this report\'s history began</span>'
     if not record.miss_reasons:
         return '<span class="note">first call: the cache was empty</span>'
+    per_entry, symbolic = debug.split_reasons(record.miss_reasons)
     items = "".join(f"<li>entry {i}: <code>{html.escape(r)}</code></li>"
-                    for i, r in enumerate(record.miss_reasons))
+                    for i, r in enumerate(per_entry))
+    items += "".join(f"<li>so: <code>{html.escape(r)}</code></li>" for r in symbolic)
     return f'<ul class="reasons">{items}</ul>'
 
 
@@ -203,13 +231,25 @@ def _cache_section(records, snapshot) -> str:
                     f'<td>{_status_tags(record, snapshot)}</td>'
                     f'<td class="num">{_ms(sum(record.stages.values()))}</td>'
                     f"<td>{_reasons(record)}</td></tr>")
-    return (f'<section id="cache"><h2>Cache: hits and misses<span class="tag">{snapshot["hits"]} '
-            f'hits</span><span class="tag bad">{snapshot["misses"]} misses</span></h2>'
-            f'<p class="note">Each miss compiled a new entry; its reasons say why every entry '
-            f"cached at that moment did not fit the call (the first failing prologue check).</p>"
+    hits, misses = snapshot["hits"], snapshot["misses"]
+    return (f'<section id="cache"><h2>Cache: hits and misses<span class="tag">{hits} '
+            f'hit{"" if hits == 1 else "s"}</span><span class="tag bad">{misses} '
+            f'miss{"" if misses == 1 else "es"}</span></h2>'
+            f'<p class="note">Counted over the program\'s own calls, up to this report (the '
+            f"report's timed calls are not among them). Each miss compiled a new entry; its "
+            f"reasons say why every entry cached at that moment did not fit the call (the first "
+            f"failing prologue check).</p>"
             f'<table><tr><th>entry</th><th class="num">compilation</th><th>at</th><th>status</th>'
             f'<th class="num">compile time</th><th>why it was compiled</th></tr>{"".join(rows)}'
             f"</table></section>")
+
+
+_OP_NOTES = {
+    "KeraunosFunction": "keraunos's <code>torch.autograd.Function</code> around this entry's "
+                        "forward program (the entry has a backward): its self time is the Python "
+                        "that runs the program's lines and autograd's bookkeeping, not a kernel; "
+                        "the ops it runs are the other rows",
+}
 
 
 def _timings_section(timings: CallTimings | None) -> str:
@@ -218,6 +258,7 @@ def _timings_section(timings: CallTimings | None) -> str:
                 "pass example inputs, <code>keraunos.report(jitted, path, args=(x,))</code>, or run "
                 "<code>python -m keraunos.cli run --report report.html</code>.</p></section>")
     total = sum(timings.steps.values()) or 1.0
+    unit = _column_unit([*timings.steps.values(), timings.total, timings.eager or 0.0])
     segments, legend, rows = [], [], []
     for i, step in enumerate(STEPS):
         seconds = timings.steps[step]
@@ -225,24 +266,41 @@ def _timings_section(timings: CallTimings | None) -> str:
         segments.append(f'<span style="width:{100 * seconds / total:.2f}%;background:{color}" '
                         f'title="{step}: {seconds * 1e6:.1f} us"></span>')
         legend.append(f'<span><i style="background:{color}"></i>{step} {_us(seconds)}</span>')
-        rows.append(f"<tr><td><code>{step}</code></td><td class=\"num\">{_us(seconds)}</td>"
+        rows.append(f"<tr><td><code>{step}</code></td><td class=\"num\">{_in(seconds, unit)}</td>"
                     f'<td class="num">{100 * seconds / total:.1f}%</td></tr>')
-    eager = (f"<tr><td>eager (the original program)</td><td class=\"num\">{_us(timings.eager)}"
-             f"</td><td></td></tr>") if timings.eager else ""
-    ops = ""
-    if timings.top_ops:
-        op_rows = "".join(f'<tr><td><code>{html.escape(n)}</code></td><td class="num">{c}</td>'
-                          f'<td class="num">{_us(s)}</td></tr>' for n, c, s in timings.top_ops)
-        ops = (f"<h3>Where a call spends its time (torch.profiler, self CPU time per call)</h3>"
-               f'<table><tr><th>op</th><th class="num">calls per call</th>'
-               f'<th class="num">self time per call</th></tr>{op_rows}</table>')
+    eager = (f"<tr><td>eager (the original program)</td><td class=\"num\">"
+             f"{_in(timings.eager, unit)}</td><td></td></tr>") if timings.eager else ""
     return (f'<section id="timings"><h2>Per-call timings<span class="tag">median of '
             f"{timings.calls} calls</span></h2>"
+            f'<p class="note">Measured by the report itself: {timings.calls} timed calls of the '
+            f"jitted program after 3 warm-up calls, then the original program as often, then "
+            f"{timings.profiled + 1} under torch.profiler; none of these calls is counted in the "
+            f"cache figures above.</p>"
             f'<div class="stacked">{"".join(segments)}</div><div class="legend">{"".join(legend)}'
             f'</div><h3>The call path, step by step</h3><table><tr><th>step</th>'
-            f'<th class="num">median</th><th class="num">share</th></tr>{"".join(rows)}'
-            f'<tr><td><b>whole call</b></td><td class="num"><b>{_us(timings.total)}</b></td>'
-            f"<td></td></tr>{eager}</table>{ops}</section>")
+            f'<th class="num">median per call ({unit[1]})</th><th class="num">share</th></tr>'
+            f'{"".join(rows)}<tr><td><b>whole call</b></td><td class="num"><b>'
+            f'{_in(timings.total, unit)}</b></td><td></td></tr>{eager}</table>'
+            f"{_ops_table(timings)}</section>")
+
+
+def _ops_table(timings: CallTimings) -> str:
+    if not timings.top_ops:
+        return ""
+    unit = _column_unit([s for _, _, s in timings.top_ops])
+    rows = []
+    for name, count, seconds in timings.top_ops:
+        note = _OP_NOTES.get(name)
+        note = f'<div class="note">{note}</div>' if note else ""
+        rows.append(f'<tr><td><code>{html.escape(name)}</code>{note}</td><td class="num">'
+                    f'{count}</td><td class="num">{_in(seconds, unit)}</td></tr>')
+    return (f"<h3>Where a call spends its time (torch.profiler)</h3>"
+            f'<p class="note">Self CPU time: the time inside each op itself, not in the ops it '
+            f"calls, per call of the jitted program (the mean over {timings.profiled} profiled "
+            f"calls).</p>"
+            f'<table><tr><th>op</th><th class="num">calls per call</th>'
+            f'<th class="num">self CPU time per call ({unit[1]})</th></tr>{"".join(rows)}'
+            f"</table>")
 
 
 def _stage_chart(stages: dict[str, float]) -> str:
@@ -253,7 +311,7 @@ def _stage_chart(stages: dict[str, float]) -> str:
             f'{html.escape(s)}</span><span class="bar-track"><span class="bar" style="width:'
             f'{100 * seconds / longest:.2f}%;background:{_PALETTE[i % len(_PALETTE)]}"></span>'
             f'</span><span class="bar-value">{_ms(seconds)}</span></div>'
-            for i, (s, seconds) in enumerate(stages.items())]
+            for i, (s, seconds) in enumerate(stages.items())]  # ms throughout: they compare
     return (f'<div class="stage-chart">{"".join(rows)}<div class="bar-row"><b>total</b><span>'
             f'</span><span class="bar-value"><b>{_ms(sum(stages.values()))}</b></span></div></div>')
 

@@ -37,9 +37,9 @@ ul.reasons { margin:0; padding-left:18px; } ul.reasons li { margin:2px 0; }
 details.inputs { margin-top:12px; } details.inputs summary { cursor:pointer; color:var(--accent); font-weight:600; }
 details.inputs table { margin-top:8px; } details.inputs td { padding:3px 10px; }
 @media (max-width:1000px) { .entry-grid { grid-template-columns:1fr; } }
-.bar-row { display:grid; grid-template-columns:180px 1fr 84px; align-items:center; gap:8px;
+.bar-row { display:grid; grid-template-columns:190px 1fr 84px; align-items:center; gap:8px;
   margin:3px 0; font-size:12.5px; }
-.bar-label { white-space:nowrap; overflow:hidden; text-overflow:ellipsis; }
+.bar-label { line-height:1.25; overflow-wrap:anywhere; }
 .bar-track { background:#f0f1f7; border-radius:5px; height:14px; overflow:hidden; }
 .bar { display:block; height:100%; border-radius:5px; min-width:2px; }
 .bar-value { white-space:nowrap; text-align:right; font-variant-numeric:tabular-nums; color:var(--dim); }
@@ -76,6 +76,7 @@ pre.code.wrap .l { white-space:pre-wrap; word-break:break-all; }
 .tools button { border:1px solid #2c365a; background:#151c31; color:#c9d1e8; border-radius:6px;
   padding:2px 9px; cursor:pointer; font:12px system-ui,sans-serif; }
 .note { color:var(--dim); font-size:13px; }
+td .note { font-size:12px; margin-top:2px; }
 .empty { color:#8d97b3; font-style:italic; padding:0 16px; }
 footer { color:var(--dim); font-size:12px; text-align:center; padding-bottom:30px; }
 """

@@ -12,6 +12,7 @@ import torch
 from ..jit import get_computation_and_inputs, maybe_call_epilogue, state_of
 
 STEPS = ("get_computation_and_inputs", "computation_fn", "maybe_call_epilogue")
+PROFILED_CALLS = 10
 
 
 @dataclass
@@ -21,6 +22,7 @@ class CallTimings:
     total: float                     # median seconds of a whole call
     eager: float | None              # median seconds of the original program
     top_ops: list[tuple[str, int, float]] = field(default_factory=list)  # name, calls, s/call
+    profiled: int = PROFILED_CALLS   # calls the op table averages over
 
 
 def _one_call(state, args, kwargs) -> list[float]:
@@ -59,7 +61,7 @@ def time_calls(jitted, args: tuple, kwargs: dict, calls: int = 50,
     return CallTimings(calls, steps, statistics.median(columns[-1]), eager, top)
 
 
-def _top_ops(state, args, kwargs, calls: int = 10, count: int = 12):
+def _top_ops(state, args, kwargs, calls: int = PROFILED_CALLS, count: int = 12):
     try:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
