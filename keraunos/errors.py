@@ -39,7 +39,14 @@ class CaptureError(KeraunosError):
 class DataDependentError(CaptureError):
     """A Python decision on tensor data (``if x.sum() > 0``, ``.item()``): the program cannot be
     one trace. ``torch.compile(model, backend="keraunos")`` splits it at such decisions, and
-    ``keraunos.jit(..., fallback="dynamo")`` takes that route by itself."""
+    ``keraunos.jit`` takes that route by itself (its default ``fallback="dynamo"``); with
+    ``fallback="error"`` it raises this."""
+
+
+class FunctionTransformError(CaptureError):
+    """The program applies a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ...), which
+    capture does not record yet; like a ``DataDependentError`` it takes the ``fallback`` route
+    (``torch.compile(backend="keraunos")`` traces these transforms)."""
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import debug
 from . import executors as executors_module
@@ -39,7 +40,7 @@ from .cache import CacheEntry, CacheMode
 from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
-from .errors import CaptureError, DataDependentError, user_source
+from .errors import CaptureError, DataDependentError, FunctionTransformError, user_source
 from .pipeline import compile_entry
 from .transforms import Transform
 
@@ -89,7 +90,7 @@ class JitOptions:
 
     @classmethod
     def validated(cls, *, executors=None, transforms=None, cache="constant values",
-                  max_cache_entries=8, profile=None, specialize_data=False, fallback="error",
+                  max_cache_entries=8, profile=None, specialize_data=False, fallback="dynamo",
                   dynamic=None) -> "JitOptions":
         for t in transforms or ():
             if not isinstance(t, Transform):
@@ -140,6 +141,7 @@ class _JitState:
         # capture/symbolic.py); a value that changed is compiled as a symbol from then on.
         self.seen_sizes: dict = {}
         self.symbolic_fallbacks: list[str] = []  # why symbolic entries were compiled exactly
+        self.warned_transform = False  # called under a torch.func transform: warned once
 
     @property
     def name(self) -> str:
@@ -331,6 +333,8 @@ def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
 def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
     if active_context() is not None:  # called while capturing another program: inline it
         return _inline_entry(state), (args, kwargs), None
+    if _under_function_transform(args, kwargs):
+        return _eager_under_transform(state), (args, kwargs), None
     with state.lock:
         reasons = []
         for entry in state.entries:  # another thread may have compiled it meanwhile
@@ -351,7 +355,8 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
-            if state.options.fallback is not Fallback.DYNAMO or not isinstance(e, DataDependentError):
+            if state.options.fallback is not Fallback.DYNAMO or not isinstance(
+                    e, (DataDependentError, FunctionTransformError)):
                 raise
             entry = _dynamo_fallback_entry(state, e)
             state.entries = [entry]  # dynamo's guards decide from now on: it always hits
@@ -408,6 +413,29 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     return entry
 
 
+_is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _under_function_transform(args: tuple, kwargs: dict) -> bool:
+    """Whether the call's tensors are torch.func's wrappers (``torch.func.grad(jitted)(x)``):
+    no prologue accepts them (their dispatch keys differ), and capture cannot take them in."""
+    return any(isinstance(x, torch.Tensor) and _is_functorch_tensor(x)
+               for x in pytree.tree_leaves((args, kwargs)))
+
+
+def _eager_under_transform(state: _JitState) -> CacheEntry:
+    """The program as it is, for a call under a torch.func transform (warned once)."""
+    if not state.warned_transform:
+        state.warned_transform = True
+        _warn_at_user_line(
+            f"keraunos.jit: {state.name} is called under a torch.func transform (grad, vmap, "
+            f"jacrev, ...): such calls run the original program eagerly, not the compiled one "
+            f"(nothing is cached for them). To compile it, jit the transformed function instead: "
+            f"keraunos.jit(torch.func.grad(f)) falls back to torch.compile(backend=\"keraunos\"), "
+            f"which traces the transform.", stacklevel=4)
+    return _inline_entry(state)
+
+
 def _inline_entry(state: _JitState) -> CacheEntry:
     """An entry that runs the original program, so that an outer capture records its ops."""
     target = state.module if state.module is not None else state.fn
@@ -428,7 +456,11 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     message = (f"keraunos.jit: {state.name} falls back to torch.compile(backend=\"keraunos\") "
                f"because of {where}\n  {lines[1].strip()}\n  The cost: dynamo's bytecode analysis "
                f"and guards on every call, and the program runs as several compiled subgraphs "
-               f"split at graph breaks, with Python in between.")
+               f"split at graph breaks, with Python in between.\n  To keep the whole program in "
+               f"one trace: keep such decisions in tensors (torch.where, masks), pass the value "
+               f"in as a Python argument, or let keraunos.jit(..., specialize_data=True) compute "
+               f"it in the prologue; keraunos.jit(..., fallback=\"error\") raises instead of "
+               f"falling back.")
     _warn_at_user_line(message, stacklevel=5)
     return CacheEntry(lambda *a, **k: ((a, k), None),
                       lambda args, kwargs: compiled(*args, **kwargs),
@@ -767,7 +799,7 @@ def _rejit(module, options):
 def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None = None,
         transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
         max_cache_entries: int = 8, profile: bool | None = None,
-        specialize_data: bool = False, fallback: str | Fallback = "error",
+        specialize_data: bool = False, fallback: str | Fallback = "dynamo",
         dynamic: bool | None = None):
     """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
 
@@ -802,9 +834,11 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
             that changed between calls as a symbol (automatic dynamic); ``False`` never does (one
             entry per set of sizes); ``True`` makes every size and int argument a symbol from the
             first call on, as ``cache="symbolic values"`` does.
-        fallback: on such a decision (without ``specialize_data``), ``"error"`` (default) raises
-            ``CaptureError`` naming the line; ``"dynamo"`` warns once and runs the program through
-            ``torch.compile(backend="keraunos")`` instead (graph breaks at such decisions).
+        fallback: on such a decision (without ``specialize_data``), or a ``torch.func``
+            transform inside the program: ``"dynamo"`` (default) warns once, naming the line and
+            how to keep the program in one trace, and runs it through
+            ``torch.compile(backend="keraunos")`` instead (graph breaks at such decisions);
+            ``"error"`` raises the ``CaptureError`` (a ``DataDependentError``) naming the line.
     """
     if isinstance(fn_or_module, (JittedFunction, JittedModule)):
         raise TypeError("keraunos.jit: this callable is already jitted")

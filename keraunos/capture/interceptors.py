@@ -14,7 +14,7 @@ import sys
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError, user_source
+from ..errors import CaptureError, FunctionTransformError, user_source
 from . import replayed
 from .state import active_context
 
@@ -89,6 +89,30 @@ def _recording_vmap(func, *vmap_args, **vmap_kwargs):
     return run
 
 
+# torch.func transforms other than vmap run the program on functorch's wrapper tensors, which
+# capture's fake tensors cannot be: during capture they refuse, and keraunos.jit takes the
+# fallback route (dynamo traces them).
+_FUNC_TRANSFORMS = ("grad", "grad_and_value", "vjp", "jvp", "jacrev", "jacfwd", "hessian",
+                    "linearize")
+_func_originals = {name: getattr(torch.func, name) for name in _FUNC_TRANSFORMS}
+
+
+def _refusing_transform(name: str):
+    original = _func_originals[name]
+
+    @functools.wraps(original)
+    def refuse(*args, **kwargs):
+        if active_context() is None:
+            return original(*args, **kwargs)
+        raise FunctionTransformError(
+            f"keraunos cannot capture {user_source()}\n  `torch.func.{name}` is a function "
+            f"transform, which keraunos.jit does not capture into one trace yet.\n  What to do: "
+            f"keraunos.jit(..., fallback=\"dynamo\") (the default) runs the program through "
+            f"torch.compile(backend=\"keraunos\"), which traces it; or apply the transform to the "
+            f"jitted function from outside (it then runs eagerly), or use torch.autograd.grad.")
+    return refuse
+
+
 def _is_compiling() -> bool:
     # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture.
     return active_context() is not None or _is_compiling_original()
@@ -101,7 +125,8 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
     (torch, "vmap", _recording_vmap, _vmap_original),
     (torch.func, "vmap", _recording_vmap, _vmap_original),
     (torch.compiler, "is_compiling", _is_compiling, _is_compiling_original),
-] + replayed.SWAPS  # print, logging and warnings.warn: made again by the epilogue
+] + [(torch.func, name, _refusing_transform(name), _func_originals[name])
+     for name in _FUNC_TRANSFORMS] + replayed.SWAPS  # print, logging and warnings.warn: made again by the epilogue
 
 
 def _not_user_code(frame) -> bool:

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.effects import draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
-from ..errors import CaptureError, DataDependentError, user_source
+from ..errors import CaptureError, DataDependentError, FunctionTransformError, user_source
 from .distributed import capture_collective, is_distributed_function
 from .interceptors import paused_watch
 from .naming import torch_symbol
@@ -39,6 +39,13 @@ class Recorder(TorchFunctionMode):
             if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
             and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
+        if any(_is_functorch_wrapped(x) for x in pytree.tree_leaves((args, kwargs))):
+            raise FunctionTransformError(
+                f"keraunos cannot capture {user_source()}\n  it runs under a torch.func "
+                f"transform (grad, vjp, jvp, jacrev, ...), which keraunos.jit does not capture "
+                f"into one trace yet.\n  What to do: keraunos.jit(..., fallback=\"dynamo\") (the "
+                f"default) runs the program through torch.compile(backend=\"keraunos\"), which "
+                f"traces it; or apply the transform to the jitted function from outside.")
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
@@ -107,6 +114,13 @@ class Recorder(TorchFunctionMode):
                 draws_random(symbol, args, kwargs):
             ctx.record(symbol, args, kwargs, out, mutated)
         return out
+
+
+_is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _is_functorch_wrapped(x) -> bool:
+    return isinstance(x, torch.Tensor) and _is_functorch_tensor(x)
 
 
 def _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs) -> bool:
@@ -200,13 +214,16 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
         what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
     elif symbol is None:
         what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
+    elif symbol.name == "__index__":  # range(t), x[:t], torch.zeros(t): a size or an index
+        what = f"a tensor is used as a size or an index (`{symbol.name}`), which needs its data"
     else:
-        what = f"`{symbol.name}` turns tensor data into a Python value (control flow on tensor data)"
+        what = (f"`{symbol.name}` turns tensor data into a Python value (for a decision, a size "
+                f"or a number)")
     return DataDependentError(
         f"keraunos cannot capture {where}\n  {what}, which is unknown until the program runs.\n"
         f"  What to do: compile it with `torch.compile(model, backend=\"keraunos\")` instead, "
-        f"which splits the program at such decisions (or pass `keraunos.jit(..., "
-        f"fallback=\"dynamo\")` to do that automatically); or keep the decision in tensors "
+        f"which splits the program at such decisions (`keraunos.jit(..., "
+        f"fallback=\"dynamo\")`, the default, does that automatically); or keep the decision in tensors "
         f"(torch.where, masking), pass the value in as a Python argument, or move this part "
         f"outside the jitted function. When a few ops compute the value from the inputs (a "
         f"position, `input_pos.max().item()`), `keraunos.jit(..., specialize_data=True)` "

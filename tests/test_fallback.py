@@ -1,0 +1,100 @@
+"""What keraunos.jit does with programs it cannot capture as one trace: by default it falls back to
+torch.compile(backend="keraunos") with one warning; fallback="error" raises. torch.func transforms
+inside a jitted function fall back the same way; applied to one, it runs eagerly."""
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import keraunos
+from keraunos.errors import DataDependentError, FunctionTransformError
+
+
+def _branchy(x):
+    if x.sum() > 0:
+        return x * 2
+    return x - 1
+
+
+def test_data_dependent_program_runs_by_default_with_one_warning():
+    jitted = keraunos.jit(_branchy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sign in (1, -1, 1):
+            x = torch.ones(3) * sign
+            assert_close(jitted(x), _branchy(x))
+    fallbacks = [w for w in caught if "falls back to torch.compile" in str(w.message)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "if x.sum() > 0" in message and "one trace" in message
+    assert 'fallback="error"' in message
+
+
+def test_fallback_error_raises_the_data_dependent_error():
+    with pytest.raises(DataDependentError, match="if x.sum"):
+        keraunos.jit(_branchy, fallback="error")(torch.ones(3))
+
+
+def test_a_tensor_used_as_a_size_is_named_so():
+    def f(x, n):
+        return x[: n.argmax()]
+
+    with pytest.raises(DataDependentError, match="used as a size or an index"):
+        keraunos.jit(f, fallback="error")(torch.arange(5.0), torch.tensor([0, 3, 1]))
+    x, n = torch.arange(5.0), torch.tensor([0, 3, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_close(keraunos.jit(f)(x, n), f(x, n))
+
+
+def _loss(w, x):
+    return (x @ w).sin().sum()
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(3, 2), torch.randn(4, 3)
+
+
+TRANSFORMS_INSIDE = {
+    "grad": lambda w, x: torch.func.grad(_loss)(w, x),
+    "grad_and_value": lambda w, x: torch.func.grad_and_value(_loss)(w, x)[0],
+    "jacrev": lambda w, x: torch.func.jacrev(lambda w: (x @ w).tanh())(w),
+    "vjp": lambda w, x: torch.func.vjp(lambda w: (x @ w).cos(), w)[1](torch.ones(4, 2))[0],
+    "jvp": lambda w, x: torch.func.jvp(lambda w: (x @ w).cos(), (w,), (torch.ones_like(w),))[1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS_INSIDE))
+def test_a_torch_func_transform_inside_falls_back_and_matches_eager(name):
+    fn = TRANSFORMS_INSIDE[name]
+    w, x = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_close(keraunos.jit(fn)(w, x), fn(w, x))
+    with pytest.raises(FunctionTransformError, match="torch.func"):
+        keraunos.jit(fn, fallback="error")(w, x)
+
+
+TRANSFORMS_OUTSIDE = {
+    "grad": lambda f, w, x: torch.func.grad(f)(w, x),
+    "vmap": lambda f, w, x: torch.func.vmap(f, in_dims=(None, 0))(w, x),
+    "jacrev": lambda f, w, x: torch.func.jacrev(f)(w, x),
+    "jvp": lambda f, w, x: torch.func.jvp(lambda w: f(w, x), (w,), (torch.ones_like(w),))[1],
+    "vjp": lambda f, w, x: torch.func.vjp(lambda w: f(w, x), w)[1](torch.tensor(1.0))[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS_OUTSIDE))
+def test_a_torch_func_transform_of_a_jitted_function_matches_eager(name):
+    apply = TRANSFORMS_OUTSIDE[name]
+    w, x = _inputs()
+    jitted = keraunos.jit(_loss)
+    assert_close(jitted(w, x), _loss(w, x))  # an entry exists: its prologue must refuse wrappers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_close(apply(jitted, w, x), apply(_loss, w, x))
+        apply(jitted, w, x)
+    assert len([w for w in caught if "torch.func transform" in str(w.message)]) == 1
+    assert keraunos.cache_misses(jitted) == 1  # nothing was compiled for the wrapped calls
