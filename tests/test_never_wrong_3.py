@@ -1,0 +1,219 @@
+"""Never wrong, never an internal error, round 3 (issue 26, items 5, 6 and 9).
+
+Every test compares with eager PyTorch: outputs, in-place effects, gradients.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import keraunos
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no network
+
+
+# ------------------------------------------------- 5. objects copied or pickled during capture
+class Inner:
+    def __init__(self):
+        self.shift = 0.5
+
+
+class Options:
+    def __init__(self):
+        self.scale = 2.0
+        self.inner = Inner()
+
+
+class ReadsThrough(nn.Module):
+    """Reads its options through ``how(self.opts)``: a copy, a pickle round trip, ``vars``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.opts = Options()
+        self.how = how
+
+    def forward(self, x):
+        opts = self.how(self.opts)
+        return x * opts.scale + opts.inner.shift
+
+
+def unpickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+class AsDict:
+    """What ``vars`` gives, read as attributes."""
+
+    def __init__(self, obj):
+        self.__dict__.update(vars(obj))
+
+
+COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": unpickled, "vars": AsDict}
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_copied_options_read_like_the_originals_and_stay_guarded(how):
+    m = ReadsThrough(COPIES[how])
+    jitted = keraunos.jit(m)
+    x = torch.randn(3)
+    assert_close(jitted(x), m(x))
+    assert_close(jitted(x), m(x))
+    assert keraunos.cache_hits(jitted) == 1
+    # What the program read through the copy is guarded on the original.
+    m.opts.scale = 3.0
+    assert_close(jitted(x), m(x))
+    m.opts.inner.shift = -1.0
+    assert_close(jitted(x), m(x))
+
+
+def test_a_copy_made_during_capture_is_of_the_real_class():
+    class Checks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.opts = Options()
+
+        def forward(self, x):
+            mine = copy.deepcopy(self.opts)
+            # Runs during capture: the copy must not wear the recording stand-in class.
+            assert type(mine) is Options and type(mine.inner) is Inner
+            assert unpickled(mine).inner.shift == 0.5
+            mine.scale = 5.0  # the program's own write, to its own copy
+            return x * mine.scale
+
+    m = Checks()
+    x = torch.randn(3)
+    assert_close(keraunos.jit(m)(x), m(x))
+    assert type(m.opts) is Options and m.opts.scale == 2.0
+
+
+class CopiesItself:
+    """A class whose own ``__copy__`` builds a new instance with ``type(self)``."""
+
+    def __init__(self, scale=2.0):
+        self.scale = scale
+
+    def __copy__(self):
+        return type(self)(self.scale)
+
+
+def test_a_class_copying_itself_with_type_self_is_read_and_guarded():
+    class Uses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.opts = CopiesItself()
+
+        def forward(self, x):
+            mine = copy.copy(self.opts)
+            mine.scale = mine.scale + 1  # written and read on the program's own object
+            return x * mine.scale
+
+    m = Uses()
+    jitted = keraunos.jit(m)
+    x = torch.randn(3)
+    assert_close(jitted(x), m(x))
+    m.opts.scale = 4.0
+    assert_close(jitted(x), m(x))
+
+
+class Settings:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def test_copying_an_object_passed_in_reads_what_the_call_passes():
+    def fn(x, settings):
+        return x * copy.copy(settings).scale
+
+    jitted = keraunos.jit(fn)
+    x = torch.randn(3)
+    assert_close(jitted(x, Settings(2.0)), fn(x, Settings(2.0)))
+    assert_close(jitted(x, Settings(3.0)), fn(x, Settings(3.0)))
+
+
+def test_copying_an_object_passed_in_that_the_program_wrote_is_refused():
+    def fn(x, settings):
+        settings.scale = 4.0
+        return x * copy.copy(settings).scale
+
+    with pytest.raises(keraunos.CaptureError, match="copies or pickles"):
+        keraunos.jit(fn)(torch.randn(3), Settings(2.0))
+
+
+# --- 5, on transformers models whose forward copies its config (tiny, random weights) --------
+def _tiny_seq2seq(kind):
+    import transformers as tf
+    torch.manual_seed(0)
+    if kind == "whisper":
+        config = tf.WhisperConfig(
+            vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8, max_target_positions=16,
+            pad_token_id=0, decoder_start_token_id=1)
+        return tf.WhisperForConditionalGeneration(config)
+    if kind == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+            decoder_start_token_id=0))
+    return tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=32))
+
+
+def _seq2seq_inputs(kind):
+    g = torch.Generator().manual_seed(1)
+    decoder_ids = torch.randint(2, 64, (2, 5), generator=g)
+    if kind == "whisper":  # (batch, mel bins, frames = 2 * max_source_positions)
+        return dict(input_features=torch.randn(2, 8, 16, generator=g),
+                    decoder_input_ids=decoder_ids)
+    return dict(input_ids=torch.randint(2, 64, (2, 6), generator=g), decoder_input_ids=decoder_ids)
+
+
+def _assert_same_seq2seq_output(got, want):
+    from keraunos.testing.zoo import assert_same_output
+    assert type(got) is type(want) and list(got.keys()) == list(want.keys())
+    for key in want.keys():
+        if key == "past_key_values":  # the default use_cache=True: an EncoderDecoderCache
+            assert type(got[key]) is type(want[key])
+            assert_same_output(got[key].self_attention_cache, want[key].self_attention_cache)
+            assert_same_output(got[key].cross_attention_cache, want[key].cross_attention_cache)
+        else:
+            assert_same_output(got[key], want[key], key)
+
+
+@pytest.mark.parametrize("kind", ["whisper", "t5", "bart"])
+def test_seq2seq_forward_that_copies_its_config_matches_eager(kind):
+    pytest.importorskip("transformers")
+    from keraunos.testing.zoo import eval_and_copy
+    model, ref = eval_and_copy(_tiny_seq2seq(kind))
+    jitted = keraunos.jit(model)
+    kwargs = _seq2seq_inputs(kind)
+    with torch.no_grad():
+        _assert_same_seq2seq_output(jitted(**kwargs), ref(**kwargs))
+        _assert_same_seq2seq_output(jitted(**kwargs), ref(**kwargs))
+    assert keraunos.cache_hits(jitted) == 1
+
+
+def test_t5_training_step_that_copies_its_config_matches_eager():
+    pytest.importorskip("transformers")
+    from keraunos.testing.zoo import assert_same_grads, eval_and_copy
+    model, ref = eval_and_copy(_tiny_seq2seq("t5"))
+    model.train()
+    ref.train()
+    g = torch.Generator().manual_seed(2)
+    kwargs = dict(input_ids=torch.randint(2, 64, (2, 6), generator=g),
+                  labels=torch.randint(2, 64, (2, 5), generator=g))  # use_cache stays on
+    torch.manual_seed(10)  # the same dropout masks
+    out = keraunos.jit(model)(**kwargs)
+    torch.manual_seed(10)
+    want = ref(**kwargs)
+    _assert_same_seq2seq_output(out, want)
+    out.loss.backward()
+    want.loss.backward()
+    assert_same_grads(model, ref)
