@@ -217,3 +217,129 @@ def test_t5_training_step_that_copies_its_config_matches_eager():
     out.loss.backward()
     want.loss.backward()
     assert_same_grads(model, ref)
+
+
+# --------------------------------------------------------------------- 9. review defects
+def test_libraries_beside_torch_and_keraunos_are_user_code():
+    from keraunos import errors
+    site = os.path.dirname(errors._TORCH_DIR)
+    for library in ("torchvision", "torchaudio", "torch_geometric"):
+        assert not errors.is_internal(os.path.join(site, library, "models", "net.py"))
+    assert errors.is_internal(os.path.join(errors._TORCH_DIR, "nn", "functional.py"))
+    keraunos_dir = errors._KERAUNOS_DIR
+    assert not errors.is_internal(keraunos_dir + "_plugins" + os.sep + "ops.py")
+    assert errors.is_internal(os.path.join(keraunos_dir, "jit.py"))
+
+
+def test_libraries_installed_inside_the_standard_library_directory_are_user_code(monkeypatch):
+    from keraunos import errors
+    stdlib = os.path.join(os.sep, "opt", "conda", "lib", "python3.11")  # conda's layout
+    monkeypatch.setattr(errors, "_STDLIB_DIR", stdlib)
+    assert errors.is_internal(os.path.join(stdlib, "contextlib.py"))
+    assert errors.is_internal(os.path.join(stdlib, "json", "decoder.py"))
+    for site in ("site-packages", "dist-packages"):
+        library = os.path.join(stdlib, site, "mylib", "model.py")
+        assert not errors.is_internal(library)
+        assert errors.is_internal(library, skip_stdlib=False) is False
+
+
+def _sub_bool_functions():
+    return {
+        "torch.sub": lambda x: torch.sub(x, True),
+        "torch.subtract": lambda x: torch.subtract(x, True),
+        "torch.rsub": lambda x: torch.rsub(x, True),
+        "aten.sub.Tensor": lambda x: torch.ops.aten.sub.Tensor(x, x > 0),
+    }
+
+
+@pytest.mark.parametrize("name", _sub_bool_functions())
+def test_an_unused_subtraction_of_a_bool_raises_eagers_error(name):
+    subtract = _sub_bool_functions()[name]
+
+    def fn(x):
+        subtract(x)  # unused: dead code elimination would drop it
+        return x * 2
+
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError) as eager:
+        fn(x)
+    with pytest.raises(type(eager.value), match="Subtraction, the `-` operator, with a bool"):
+        keraunos.jit(fn)(x)
+
+
+def test_aten_ops_whose_output_depends_on_data_stay_out_of_fusion_regions():
+    from keraunos.executors.fusion.regions import fusible
+
+    def fn(x):
+        a = torch.ops.aten.nonzero_static.default(x > 0, size=3)
+        b = torch.ops.aten.histc.default(x, bins=4)
+        return a * 2, b * 2
+
+    jitted = keraunos.jit(fn)
+    x = torch.randn(5)
+    for got, want in zip(jitted(x), fn(x)):
+        assert_close(got, want)
+    lines = {getattr(b.symbol, "name", None): b for b in keraunos.last_traces(jitted)[0].bound_symbols}
+    assert not fusible(lines["torch.ops.aten.nonzero_static.default"])
+    assert not fusible(lines["torch.ops.aten.histc.default"])
+    assert fusible(lines["mul"])
+
+
+class Box:
+    """An object passed in whose attributes differ between instances of its class."""
+
+
+def scale_if_any(x, box):
+    if hasattr(box, "scale"):
+        return x * box.scale
+    return x + 1
+
+
+def test_a_prologue_that_raises_is_not_this_entry_and_later_calls_stay_fast(monkeypatch):
+    import sys
+    jit_module = sys.modules["keraunos.jit"]  # (the package's `jit` attribute is the function)
+    jitted = keraunos.jit(scale_if_any)
+    x = torch.randn(3)
+    scaled, plain = Box(), Box()
+    scaled.scale = 2.0
+    assert_close(jitted(x, scaled), scale_if_any(x, scaled))
+    # The entry compiled for `scaled` reads box.scale, which `plain` lacks: its prologue raises.
+    assert_close(jitted(x, plain), scale_if_any(x, plain))
+    misses = []
+    real_miss = jit_module._miss
+    monkeypatch.setattr(jit_module, "_miss", lambda *a: misses.append(a) or real_miss(*a))
+    for _ in range(3):
+        assert_close(jitted(x, scaled), scale_if_any(x, scaled))
+        assert_close(jitted(x, plain), scale_if_any(x, plain))
+    assert misses == [] and keraunos.cache_misses(jitted) == 2
+
+
+def test_when_no_prologue_fits_the_programs_own_error_is_raised():
+    def read_scale(x, box):
+        return x * box.scale
+
+    jitted = keraunos.jit(read_scale)
+    x, box = torch.randn(3), Box()
+    box.scale = 2.0
+    assert_close(jitted(x, box), read_scale(x, box))
+    with pytest.raises(AttributeError, match="scale"):
+        jitted(x, Box())
+    assert_close(jitted(x, box), read_scale(x, box))
+
+
+def test_keraunos_jit_backward_of_linear_has_no_transpose_of_a_transpose():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    jitted = keraunos.jit(model)
+    jitted(x).sum().backward()
+    ref(x).sum().backward()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert_close(got.grad, want.grad)
+    backward = keraunos.last_backward_traces(jitted)[-1]
+    transposes = [b for b in backward.bound_symbols
+                  if getattr(b.symbol, "fn", None) is torch.ops.aten.t.default]
+    made_by_t = {b.outputs.name for b in transposes}
+    assert transposes and not any(b.args[0].name in made_by_t for b in transposes)
+    assert any("Peephole" in line for line in backward.header)
