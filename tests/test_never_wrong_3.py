@@ -343,3 +343,81 @@ def test_keraunos_jit_backward_of_linear_has_no_transpose_of_a_transpose():
     made_by_t = {b.outputs.name for b in transposes}
     assert transposes and not any(b.args[0].name in made_by_t for b in transposes)
     assert any("Peephole" in line for line in backward.header)
+
+
+# ------------------------------------------------- 6. nn.LSTM, nn.GRU, nn.RNN and their flat weights
+def _as_tuple(hidden):
+    return hidden if isinstance(hidden, tuple) else (hidden,)
+
+
+def _rnn_call_matches_eager(jitted, model, ref, x, hx=None, grads=False):
+    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
+    hx_ref = None if hx is None else tuple(h.detach().clone() for h in _as_tuple(hx))
+    if hx_ref is not None and not isinstance(hx, tuple):
+        hx_ref = hx_ref[0]
+    out, hidden = jitted(x, hx) if hx is not None else jitted(x)
+    want, want_hidden = ref(x_ref, hx_ref) if hx is not None else ref(x_ref)
+    assert_close(out, want)
+    for got, expected in zip(_as_tuple(hidden), _as_tuple(want_hidden), strict=True):
+        assert_close(got, expected)
+    if grads:
+        (out.sum() + _as_tuple(hidden)[0].pow(2).sum()).backward()
+        (want.sum() + _as_tuple(want_hidden)[0].pow(2).sum()).backward()
+        assert_close(x.grad, x_ref.grad)
+        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_close(p.grad, p_ref.grad, msg=name)
+
+
+RNNS = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN": nn.RNN}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("kind", RNNS)
+def test_recurrent_layers_match_eager_and_follow_their_weights(kind, train):
+    torch.manual_seed(0)
+    model = RNNS[kind](4, 5, num_layers=2, batch_first=True, bidirectional=True)
+    ref = copy.deepcopy(model)
+    model.train(train)
+    ref.train(train)
+    jitted = keraunos.jit(model)
+
+    def call():
+        x = torch.randn(2, 3, 4, requires_grad=train)
+        _rnn_call_matches_eager(jitted, model, ref, x, grads=train)
+    call()
+    call()
+    assert keraunos.cache_hits(jitted) == 1
+    with torch.no_grad():  # the user changes a weight in place
+        model.weight_hh_l0.mul_(0.5)
+        ref.weight_hh_l0.mul_(0.5)
+    call()
+    weight = torch.randn_like(model.weight_ih_l1_reverse)  # and reassigns a parameter
+    model.weight_ih_l1_reverse = nn.Parameter(weight.clone())
+    ref.weight_ih_l1_reverse = nn.Parameter(weight.clone())
+    call()
+    assert model._flat_weights[model._flat_weights_names.index("weight_ih_l1_reverse")] is \
+        model.weight_ih_l1_reverse
+
+
+@pytest.mark.parametrize("kind", RNNS)
+def test_recurrent_layers_with_an_initial_hidden_state_match_eager(kind):
+    torch.manual_seed(0)
+    model = RNNS[kind](4, 5)
+    ref = copy.deepcopy(model)
+    jitted = keraunos.jit(model)
+    h0 = torch.randn(1, 2, 5)
+    hx = (h0, torch.randn(1, 2, 5)) if kind == "LSTM" else h0
+    _rnn_call_matches_eager(jitted, model, ref, torch.randn(3, 2, 4, requires_grad=True), hx,
+                            grads=True)
+
+
+def test_a_gru_trains_like_eager_under_fusion():
+    torch.manual_seed(0)
+    model = nn.GRU(4, 5, batch_first=True)
+    ref = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    for _ in range(2):
+        _rnn_call_matches_eager(jitted, model, ref, torch.randn(2, 2, 4, requires_grad=True),
+                                grads=True)
+    assert keraunos.cache_hits(jitted) == 1
+    assert keraunos.last_fusions(jitted)  # the cells' pointwise ops run in fused regions

@@ -15,6 +15,7 @@ import dataclasses
 import dis
 import functools
 import gc
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -346,6 +347,9 @@ class CaptureContext:
         overlay = self._overlay.get(id(module))
         if overlay is not None and name in overlay:
             return overlay[name]
+        derive = _derived_cache(module, name)
+        if derive is not None:
+            return derive(self, module)
         mpath = self.module_path(module)
         for kind, table in (("parameter", d["_parameters"]), ("buffer", d["_buffers"])):
             if name in table:
@@ -378,6 +382,9 @@ class CaptureContext:
     def module_setattr(self, module, name: str, value: Any) -> None:
         if id(module) not in self.tree_modules:  # created by the program: an ordinary write
             original_class(module).__setattr__(module, name, value)
+            return
+        if _derived_cache(module, name) is not None:
+            self._overlay.setdefault(id(module), {})[name] = value  # seen by later reads only
             return
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
@@ -745,6 +752,43 @@ def _read_key(lines, target, method: str) -> tuple:
         for p in b.output_proxies():
             made[p.name] = i
     return tuple(key), canonical(target), method
+
+
+def _rnn_flat_weights(ctx: CaptureContext, module: torch.nn.RNNBase) -> list:
+    """``_flat_weights`` as ``RNNBase.forward`` leaves it once ``_update_flat_weights`` ran: the
+    parameters named in ``_flat_weights_names`` (``None`` for one the module lacks)."""
+    weights = []
+    for name in ctx.module_getattr(module, "_flat_weights_names"):
+        try:
+            weights.append(ctx.module_getattr(module, name))
+        except AttributeError:
+            weights.append(None)
+    return weights
+
+
+def _rnn_flat_weight_refs(ctx: CaptureContext, module: torch.nn.RNNBase) -> list:
+    """Weak references to those weights, by which forward tells that none was replaced."""
+    return [None if w is None else weakref.ref(w) for w in _rnn_flat_weights(ctx, module)]
+
+
+# Attributes a torch module keeps as a cache of its own parameters, and rebuilds inside forward
+# when a parameter was replaced: capture reads them as forward finds them after rebuilding, made
+# of the parameters it reads (each an input with its checks), so every call uses the parameters
+# it passes, as eager does. Writes of them stay within the capture: the real module's cache
+# heals itself the same way on its next eager call. (nn.LSTM, nn.GRU, nn.RNN: their forward
+# compares ``_flat_weight_refs`` with the parameters, which capture sees as stand-ins, and would
+# otherwise rebuild ``_flat_weights`` on every capture.)
+_DERIVED_CACHES: dict[tuple[type, str], Callable] = {
+    (torch.nn.RNNBase, "_flat_weights"): _rnn_flat_weights,
+    (torch.nn.RNNBase, "_flat_weight_refs"): _rnn_flat_weight_refs,
+}
+
+
+def _derived_cache(module, name: str) -> Callable | None:
+    for (cls, attribute), derive in _DERIVED_CACHES.items():
+        if name == attribute and isinstance(module, cls):
+            return derive
+    return None
 
 
 MODULE_INTERNALS = frozenset({
