@@ -14,17 +14,34 @@ _KERAUNOS_DIR = os.path.dirname(__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 # Programs shipped with keraunos (the example GPT) are user code: their lines are what a trace
 # should attribute ops to, even though they live inside the package.
-_USER_DIRS_INSIDE_KERAUNOS = (os.path.join(_KERAUNOS_DIR, "examples") + os.sep,)
+_USER_DIRS_INSIDE_KERAUNOS = (os.path.join(_KERAUNOS_DIR, "examples"),)
+# Where installed libraries live when they are inside the standard library's directory (conda,
+# a system Python: .../lib/python3.11/site-packages).
+_SITE_DIR_NAMES = ("site-packages", "dist-packages")
+
+
+def _inside(filename: str, directory: str) -> bool:
+    """Whether ``filename`` is in ``directory`` or below it: a prefix of the whole directory
+    name, so that torch's directory does not hold ``torchvision`` or ``torch_geometric``."""
+    return filename.startswith(os.path.join(directory, ""))
+
+
+def _is_stdlib(filename: str) -> bool:
+    if not _inside(filename, _STDLIB_DIR):
+        return False
+    first = os.path.relpath(filename, _STDLIB_DIR).split(os.sep, 1)[0]
+    return first not in _SITE_DIR_NAMES
 
 
 def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
-    """Whether a frame of this file is machinery (torch, keraunos, generated traces), not the
-    user's program."""
-    if filename.startswith(_KERAUNOS_DIR):
-        return not filename.startswith(_USER_DIRS_INSIDE_KERAUNOS)
-    return (filename.startswith(_TORCH_DIR) or filename.startswith("<frozen")
+    """Whether a frame of this file is machinery (torch, keraunos, generated traces, and unless
+    ``skip_stdlib`` is false the standard library), not the user's program. Libraries built on
+    torch (torchvision, a model zoo) are the user's program."""
+    if _inside(filename, _KERAUNOS_DIR):
+        return not any(_inside(filename, d) for d in _USER_DIRS_INSIDE_KERAUNOS)
+    return (_inside(filename, _TORCH_DIR) or filename.startswith("<frozen")
             or filename.startswith("<keraunos")
-            or (skip_stdlib and filename.startswith(_STDLIB_DIR)))
+            or (skip_stdlib and _is_stdlib(filename)))
 
 
 class KeraunosError(Exception):

@@ -152,20 +152,24 @@ class _JitState:
 # --------------------------------------------------------------------------------- call path
 def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
     start = time.perf_counter()
-    entries = state.entries
-    try:
-        for i, entry in enumerate(entries):
+    for i, entry in enumerate(state.entries):
+        try:
             r = entry.prologue_fn(*args, **kwargs)
-            if type(r) is tuple and check_storage_aliases(entry, r[0]):
-                if i:
-                    _promote(state, entry)
-                with state.counter_lock:  # += is no atomic operation: threads would lose counts
-                    state.hits += 1
-                state.last_entry = entry
-                state.last_lookup = time.perf_counter() - start
-                return entry, r[0], r[1]
-    except Exception:
-        pass  # a prologue that cannot even unpack the call is a miss; the miss path says why
+        except Exception:  # noqa: BLE001
+            # A prologue that cannot even unpack this call (an object of the right class that
+            # lacks an attribute the entry reads) means "not this entry", as a failed check
+            # does: the next entries still get their turn, and the one that fits moves to the
+            # front, so later such calls stay on this path. When none fits, the miss path
+            # captures the program again, which raises the user's own error if there is one.
+            continue
+        if type(r) is tuple and check_storage_aliases(entry, r[0]):
+            if i:
+                _promote(state, entry)
+            with state.counter_lock:  # += is no atomic operation: threads would lose counts
+                state.hits += 1
+            state.last_entry = entry
+            state.last_lookup = time.perf_counter() - start
+            return entry, r[0], r[1]
     return _miss(state, args, kwargs, start)
 
 

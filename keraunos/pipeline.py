@@ -18,6 +18,7 @@ from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
 from .core.trace import Trace
 from .executors import fusion
 from .passes.fast_prologue import fast_prologue
+from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
 
@@ -192,8 +193,10 @@ def fast_prologue_stage(c: Compilation) -> None:
 
 
 # What runs after capture, in order; each stage records its traces and time in the Compilation.
-STAGES = (transforms_before_prologue, optimize, autograd_split, reinplace_inputs, executor_claims,
-          fuse_regions, transforms_after_optimization, delete_dead_names, fast_prologue_stage)
+# The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
+STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
+          executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names,
+          fast_prologue_stage)
 
 
 def make_entry(c: Compilation) -> CacheEntry:

@@ -66,3 +66,24 @@ class _LayerNorm(torch.autograd.Function):
 @derivative_rule(torch.nn.functional.layer_norm)
 def _layer_norm_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _LayerNorm.apply(input, tuple(normalized_shape), weight, bias, eps)
+
+
+# Recurrent layers (nn.LSTM, nn.GRU, nn.RNN call these). On CPU, PyTorch runs them as oneDNN's
+# ``mkldnn_rnn_layer``, whose workspace, saved for the backward, exists only when grad mode is on;
+# the forward trace runs under no_grad (inside the autograd.Function), so the backward would get
+# none. The native route computes the same cells from linear and pointwise ops, whose saved
+# tensors exist in any grad mode (and which fusion regions can take).
+def _without_onednn(op: Callable) -> Callable:
+    def rule(*args, **kwargs):
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+    rule.__name__ = f"{op.__name__}_without_onednn"
+    return rule
+
+
+for _rnn in (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu):
+    derivative_rule(_rnn)(_without_onednn(_rnn))

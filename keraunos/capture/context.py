@@ -15,6 +15,7 @@ import dataclasses
 import dis
 import functools
 import gc
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,7 +34,8 @@ from .guards import Guard, is_plain
 from .leaks import is_tensor_subclass_with_dispatch
 from .provenance import Path, root
 
-from .recording import _recording_argument_class, _recording_module_class, _recording_object_class
+from .recording import (_recording_argument_class, _recording_module_class,
+                        _recording_object_class, original_class)
 from ..core.glue import SET_GLOBAL_STATE
 from .state import global_state
 from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported,
@@ -105,7 +107,6 @@ class CaptureContext:
         # program without an attribute read we saw (ModuleList iteration, self.parameters()).
         self.module_paths: dict[int, Path] = {}
         self.tensor_paths: dict[int, Path] = {}
-        self.original_classes: dict[int, type] = {}
         self._swapped: list[tuple[Any, type]] = []
         self._object_paths: dict[int, Path] = {}
         # The Python function whose globals and closure the program reads.
@@ -234,7 +235,7 @@ class CaptureContext:
                                                                          writable=True):
             # A plain object passed in (a KV cache): its class is checked, each attribute the
             # program reads is an input with its own checks, and its writes are replayed.
-            self.guard("type", path, self.original_classes[id(value)])
+            self.guard("type", path, original_class(value))
             return value
         raise UnsupportedInputError(_unsupported_input_message(path, value))
 
@@ -342,7 +343,7 @@ class CaptureContext:
             key = f"<module {type(module).__name__} {id(module):#x}>"
             self.root_objects[key] = module
             path = self.module_paths[id(module)] = Path(None, "root", key)
-        self.guard("type", path, self.original_classes.get(id(module), type(module)))
+        self.guard("type", path, original_class(module))
         return path
 
     def module_getattr(self, module, name: str) -> Any:
@@ -354,6 +355,9 @@ class CaptureContext:
         overlay = self._overlay.get(id(module))
         if overlay is not None and name in overlay:
             return overlay[name]
+        derive = _derived_cache(module, name)
+        if derive is not None:
+            return derive(self, module)
         mpath = self.module_path(module)
         for kind, table in (("parameter", d["_parameters"]), ("buffer", d["_buffers"])):
             if name in table:
@@ -385,8 +389,10 @@ class CaptureContext:
 
     def module_setattr(self, module, name: str, value: Any) -> None:
         if id(module) not in self.tree_modules:  # created by the program: an ordinary write
-            self.original_classes.get(id(module), type(module)).__mro__[1].__setattr__(
-                module, name, value)
+            original_class(module).__setattr__(module, name, value)
+            return
+        if _derived_cache(module, name) is not None:
+            self._overlay.setdefault(id(module), {})[name] = value  # seen by later reads only
             return
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
@@ -405,7 +411,7 @@ class CaptureContext:
         and replayed by the epilogue rather than made to the object during capture."""
         if id(obj) in self._object_paths or isinstance(obj, torch.nn.Module):
             return self._object_paths.get(id(obj)) == path
-        cls = type(obj)
+        cls = original_class(obj)
         if not hasattr(obj, "__dict__") or cls.__module__ == "builtins" or isinstance(obj, type) \
                 or callable(obj):
             return False
@@ -414,7 +420,6 @@ class CaptureContext:
         except TypeError:
             return False
         self._object_paths[id(obj)] = path
-        self.original_classes[id(obj)] = cls
         self._swapped.append((obj, cls))
         if writable:
             self.argument_objects.add(id(obj))
@@ -424,7 +429,7 @@ class CaptureContext:
         """``obj.name = value`` on an object passed in: seen by later reads, replayed by the
         epilogue (``cache.keys = t5``)."""
         if id(obj) not in self.argument_objects:
-            self.original_classes[id(obj)].__setattr__(obj, name, value)
+            original_class(obj).__setattr__(obj, name, value)
             return
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
@@ -433,7 +438,11 @@ class CaptureContext:
 
     def object_getattr(self, obj, name: str) -> Any:
         d = object.__getattribute__(obj, "__dict__")
-        cls = self.original_classes[id(obj)]
+        cls = original_class(obj)
+        if id(obj) not in self._object_paths:
+            # Made by the program from a watched object (``type(self)(...)`` in a class's own
+            # ``__copy__``): what it holds came from reads already recorded.
+            return cls.__getattribute__(obj, name)
         if id(obj) in self.argument_objects:
             return self._argument_getattr(obj, d, cls, name)
         if cls.__getattribute__ is not object.__getattribute__:
@@ -445,6 +454,29 @@ class CaptureContext:
         if name in d:
             return self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
         return object.__getattribute__(obj, name)
+
+    def object_state_read(self, obj) -> None:
+        """The program reads the whole state of a watched object at once: it copies or pickles
+        it, or reads its ``__dict__`` (a config's ``to_dict()``). Every attribute counts as read,
+        so the copy's values are guarded like the original's; nested objects become watched
+        here, and a deep copy reads their state in turn."""
+        path = self._object_paths.get(id(obj))
+        if path is None:
+            return  # made by the program: its state came from reads already recorded
+        d = object.__getattribute__(obj, "__dict__")
+        if id(obj) not in self.argument_objects:
+            for name in list(d):
+                self.value_input(d[name], Path(path, "attr", name))
+            return
+        cls = original_class(obj)
+        for name in list(d) + [k for k in self._overlay.get(id(obj), ()) if k not in d]:
+            if self._argument_getattr(obj, d, cls, name) is not d.get(name):
+                raise CaptureError(
+                    f"keraunos: the program copies or pickles {path}, a {cls.__qualname__} "
+                    f"passed in, at {user_source()}; its attribute {name!r} holds a tensor, a "
+                    f"list or a dict, or was set by the program, which a copy made during "
+                    f"capture would not see as the call passes it. Copy the object before "
+                    f"calling the jitted function, or pass what the copy needs instead.")
 
     def _argument_getattr(self, obj, d: dict, cls: type, name: str) -> Any:
         overlay = self._overlay.setdefault(id(obj), {})
@@ -470,7 +502,6 @@ class CaptureContext:
     def swap_module_classes(self, module: torch.nn.Module) -> None:
         for sub in module.modules():
             cls = type(sub)
-            self.original_classes[id(sub)] = cls
             sub.__class__ = _recording_module_class(cls)
             self._swapped.append((sub, cls))
 
@@ -729,6 +760,43 @@ def _read_key(lines, target, method: str) -> tuple:
         for p in b.output_proxies():
             made[p.name] = i
     return tuple(key), canonical(target), method
+
+
+def _rnn_flat_weights(ctx: CaptureContext, module: torch.nn.RNNBase) -> list:
+    """``_flat_weights`` as ``RNNBase.forward`` leaves it once ``_update_flat_weights`` ran: the
+    parameters named in ``_flat_weights_names`` (``None`` for one the module lacks)."""
+    weights = []
+    for name in ctx.module_getattr(module, "_flat_weights_names"):
+        try:
+            weights.append(ctx.module_getattr(module, name))
+        except AttributeError:
+            weights.append(None)
+    return weights
+
+
+def _rnn_flat_weight_refs(ctx: CaptureContext, module: torch.nn.RNNBase) -> list:
+    """Weak references to those weights, by which forward tells that none was replaced."""
+    return [None if w is None else weakref.ref(w) for w in _rnn_flat_weights(ctx, module)]
+
+
+# Attributes a torch module keeps as a cache of its own parameters, and rebuilds inside forward
+# when a parameter was replaced: capture reads them as forward finds them after rebuilding, made
+# of the parameters it reads (each an input with its checks), so every call uses the parameters
+# it passes, as eager does. Writes of them stay within the capture: the real module's cache
+# heals itself the same way on its next eager call. (nn.LSTM, nn.GRU, nn.RNN: their forward
+# compares ``_flat_weight_refs`` with the parameters, which capture sees as stand-ins, and would
+# otherwise rebuild ``_flat_weights`` on every capture.)
+_DERIVED_CACHES: dict[tuple[type, str], Callable] = {
+    (torch.nn.RNNBase, "_flat_weights"): _rnn_flat_weights,
+    (torch.nn.RNNBase, "_flat_weight_refs"): _rnn_flat_weight_refs,
+}
+
+
+def _derived_cache(module, name: str) -> Callable | None:
+    for (cls, attribute), derive in _DERIVED_CACHES.items():
+        if name == attribute and isinstance(module, cls):
+            return derive
+    return None
 
 
 MODULE_INTERNALS = frozenset({

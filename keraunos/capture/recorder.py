@@ -135,7 +135,23 @@ def _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs)
                 or draws_random(symbol, args, kwargs))
 
 
-_SUBTRACTIONS = {"sub", "sub_", "rsub", "subtract", "isub", "neg", "neg_", "negative"}
+def _subtractions() -> dict[int, object]:
+    """Every torch callable that subtracts or negates: the functions, the methods, the operators
+    and the ATen ops (``torch.sub``, ``x.sub_``, ``x - y``, ``torch.ops.aten.rsub``), by identity,
+    since names differ by where the callable lives (``torch.sub`` is named ``torch.sub``)."""
+    aten = torch.ops.aten
+    packets = (aten.sub, aten.sub_, aten.rsub, aten.subtract, aten.subtract_, aten.neg,
+               aten.neg_, aten.negative, aten.negative_)
+    overloads = [getattr(p, name) for p in packets for name in p.overloads()]
+    functions = [torch.sub, torch.subtract, torch.rsub, torch.neg, torch.negative]
+    methods = [getattr(torch.Tensor, name) for name in (
+        "sub", "sub_", "subtract", "subtract_", "neg", "neg_", "negative", "negative_",
+        "__sub__", "__rsub__", "__isub__", "__neg__")]
+    # Keyed by id (the values keep the callables alive): a callable need not be hashable.
+    return {id(f): f for f in functions + methods + list(packets) + overloads}
+
+
+_SUBTRACTIONS = _subtractions()
 
 
 def _meta_kernel_may_be_lax(symbol, tensors, args, kwargs) -> bool:
@@ -143,7 +159,7 @@ def _meta_kernel_may_be_lax(symbol, tensors, args, kwargs) -> bool:
     mixed in one call, and subtraction or negation with a bool (eager: "use ~ instead")."""
     if len({t.dtype for t in tensors if t.is_floating_point()}) > 1:
         return True
-    if symbol.name.strip("_") in _SUBTRACTIONS:
+    if id(symbol.fn) in _SUBTRACTIONS:
         return any(type(x) is bool or (isinstance(x, torch.Tensor) and x.dtype is torch.bool)
                    for x in pytree.tree_leaves((args, kwargs)))
     return False

@@ -20,8 +20,9 @@ keraunos compiles it per set of sizes and keeps the cheap metadata check (``cach
 values"``) and its whole call path, so a stale entry is never reused.
 
 A subgraph's backward (training) reads past the lines that hand on their input's data unchanged,
-the ``t(t(w))`` pairs of the mm derivative formulas among them (``keraunos.passes.peephole``;
-its trace is labelled ``Peephole (no-op chains)`` in ``last_traces(compiled)[i].backward``).
+the ``t(t(w))`` pairs of the mm derivative formulas among them (``keraunos.passes.peephole``, a
+stage of every compilation; its trace is labelled ``Peephole (no-op chains)`` in
+``last_traces(compiled)[i].backward``).
 """
 from __future__ import annotations
 

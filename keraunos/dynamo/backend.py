@@ -16,7 +16,6 @@ from ..cache import CacheEntry
 from ..core import glue
 from ..core.trace import Trace
 from ..jit import jit
-from ..passes.peephole import BackwardPeephole
 from ..transforms import Transform
 from .sources import UserSourceLines
 from .vmap import has_vmap_regions, rewrite_vmap_regions
@@ -68,8 +67,7 @@ class CompiledSubgraph:
         # Dynamo's guards already checked a static graph's inputs; a dynamic one accepts many
         # sizes under one set of guards, and keraunos compiles (and checks) each.
         cache = "constant values" if self.dynamic else "same input"
-        # The peephole first: the user's post-optimization hooks see the backward that runs.
-        transforms = [UserSourceLines(gm), BackwardPeephole(), *(transforms or ())]
+        transforms = [UserSourceLines(gm), *(transforms or ())]
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
                           max_cache_entries=64 if self.dynamic else 8)
         # What later calls run, once compiled: the entry's functions without keraunos's call

@@ -33,7 +33,6 @@ from ..core.proxies import TensorProxy
 from ..core.symbols import BoundSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from ..transforms import Transform
 from .runner import trace_pass
 
 _aten = torch.ops.aten
@@ -164,28 +163,13 @@ def _without_unread_chains(lines: list[BoundSymbol]) -> list[BoundSymbol]:
     return kept
 
 
-class BackwardPeephole(Transform):
-    """``read_past_noop_chains`` on the backward trace, as a ``Transform``: the dynamo backend
-    adds it to each subgraph's transforms (its hook runs after the executors claimed lines and
-    before names are deleted)."""
-
-    name = "Peephole (no-op chains)"
-
-    def transform_trace_post_optimization(self, trace: Trace) -> Trace:
-        if trace.name != "backward":
-            return trace
-        return trace.with_bound_symbols(read_past_noop_chains.__wrapped__(trace))
-
-
 def peephole_stage(c) -> None:
-    """The pass as a stage of ``pipeline.STAGES`` (after ``autograd_split``, before the executor
-    claims, so that ``keraunos.jit``'s backward and the fusion regions get it too), for a
-    ``pipeline.Compilation`` ``c``. The dynamo backend gets it through ``BackwardPeephole``
-    meanwhile; with the stage in place, that transform is no longer needed."""
+    """The pass as a stage of ``pipeline.STAGES``, for a ``pipeline.Compilation`` ``c``: after
+    ``autograd_split``, before the executor claims, so that the fusion regions see the backward
+    it leaves. Both front ends get it (``keraunos.jit``, and the dynamo backend through it)."""
     if c.backward is None:
         return
-    backward = read_past_noop_chains(c.backward)
-    if any(a is not b for a, b in zip(backward.bound_symbols, c.backward.bound_symbols)) or (
-            len(backward.bound_symbols) != len(c.backward.bound_symbols)):
-        c.backwards.append(backward)
-        c.time(read_past_noop_chains.label, backward.seconds)
+    # Kept even when nothing changed, as every pass's trace is: the backward's history shows
+    # that the pass ran.
+    c.backwards.append(read_past_noop_chains(c.backward))
+    c.time(read_past_noop_chains.label, c.backward.seconds)

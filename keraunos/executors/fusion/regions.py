@@ -61,9 +61,34 @@ def fusing_single_ops():
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
           torch.memory_format, slice, type(Ellipsis))
-# Outputs whose shape depends on data; capture refuses most, these are kept out regardless.
-_DATA_DEPENDENT = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select",
-                             "argwhere", "bincount", "histc", "nonzero_static"})
+# Outputs whose shape (or, for histc and nonzero_static, whose layout of values) depends on
+# data; capture refuses most, these are kept out regardless.
+_DATA_DEPENDENT_NAMES = ("nonzero", "unique", "unique_consecutive", "masked_select", "argwhere",
+                         "bincount", "histc", "nonzero_static")
+
+
+def _data_dependent_callables() -> dict[int, object]:
+    """The torch functions and methods of those names, and their ATen ops, by id (the values
+    keep them alive); ATen ops that PyTorch tags as data dependent are found by their tags."""
+    aten = torch.ops.aten
+    found = [getattr(namespace, name) for name in _DATA_DEPENDENT_NAMES
+             for namespace in (torch, torch.Tensor, aten) if hasattr(namespace, name)]
+    found += [getattr(p, o) for p in found if isinstance(p, torch._ops.OpOverloadPacket)
+              for o in p.overloads()]
+    return {id(f): f for f in found}
+
+
+_DATA_DEPENDENT = _data_dependent_callables()
+_DATA_DEPENDENT_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output})
+
+
+def _depends_on_data(symbol: TorchSymbol) -> bool:
+    """Whether the op's output shape or values' placement depends on tensor data: by identity
+    (a trace names the same op ``torch.nonzero``, ``x.nonzero`` or ``torch.ops.aten.nonzero``)."""
+    if id(symbol.fn) in _DATA_DEPENDENT:
+        return True
+    op = symbol.fn
+    return isinstance(op, torch._ops.OpOverload) and bool(_DATA_DEPENDENT_TAGS & set(op.tags))
 _STYLES = frozenset({"function", "method", "operator", "getitem", "getter"})
 # The attributes that are views (``x @ w.T``); ``x.grad``, ``x.data`` and the like read the
 # tensor object itself, which a compiled graph cannot. (``H`` and ``mH`` are ``T`` and ``mT`` here:
@@ -83,7 +108,7 @@ def fusible(bsym: BoundSymbol) -> bool:
     if (MUTATION in bsym.tags or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
         return False
     short = symbol.name.rsplit(".", 1)[-1]
-    if short.split(".")[0] in _DATA_DEPENDENT or "out" in bsym.kwargs or "generator" in bsym.kwargs:
+    if _depends_on_data(symbol) or "out" in bsym.kwargs or "generator" in bsym.kwargs:
         return False
     if bsym.kwargs.get("requires_grad"):  # a new leaf of autograd: a compiled graph makes none
         return False
