@@ -66,6 +66,16 @@ class FunctionTransformError(CaptureError):
     (``torch.compile(backend="keraunos")`` traces these transforms)."""
 
 
+class ScopeMutationError(CaptureError):
+    """The program changes a list, dict or set in its globals or a closure (``made.append(t)``):
+    a cached program would not do it again on later calls. Capture undoes the change; like a
+    ``DataDependentError`` it takes the ``fallback`` route (dynamo replays such changes)."""
+
+
+# What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
+FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError)
+
+
 class UnsupportedInputError(KeraunosError, TypeError):
     """An argument of a type keraunos cannot check on later calls."""
 

@@ -40,7 +40,7 @@ from .cache import CacheEntry, CacheMode
 from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
-from .errors import CaptureError, DataDependentError, FunctionTransformError, user_source
+from .errors import FALLBACK_ERRORS, CaptureError, DataDependentError, user_source
 from .pipeline import compile_entry
 from .transforms import Transform
 
@@ -360,7 +360,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
             if state.options.fallback is not Fallback.DYNAMO or not isinstance(
-                    e, (DataDependentError, FunctionTransformError)):
+                    e, FALLBACK_ERRORS):
                 raise
             entry = _dynamo_fallback_entry(state, e)
             state.entries = [entry]  # dynamo's guards decide from now on: it always hits

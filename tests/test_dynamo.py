@@ -296,7 +296,7 @@ def _data_dependent(x):
 
 def test_jit_error_on_data_dependent_decision_names_the_backend_route():
     with pytest.raises(keraunos.CaptureError) as info:
-        keraunos.jit(_data_dependent)(torch.ones(3))
+        keraunos.jit(_data_dependent, fallback="error")(torch.ones(3))
     message = str(info.value)
     assert 'torch.compile(model, backend="keraunos")' in message
     assert 'fallback="dynamo"' in message

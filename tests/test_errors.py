@@ -39,7 +39,7 @@ def branch_on_data(x):
 
 
 def test_control_flow_on_tensor_data_raises_capture_error():
-    assert_capture_error(keraunos.jit(branch_on_data), (torch.randn(3),), "MARK-branch",
+    assert_capture_error(keraunos.jit(branch_on_data, fallback="error"), (torch.randn(3),), "MARK-branch",
                          "x.sum() > 0", "bool")
 
 
@@ -48,7 +48,7 @@ def use_item(x):
 
 
 def test_item_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_item), (torch.randn(1),), "MARK-item", "item")
+    assert_capture_error(keraunos.jit(use_item, fallback="error"), (torch.randn(1),), "MARK-item", "item")
 
 
 def use_tolist(x):
@@ -57,7 +57,7 @@ def use_tolist(x):
 
 
 def test_tolist_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_tolist), (torch.randn(3),), "MARK-tolist", "tolist")
+    assert_capture_error(keraunos.jit(use_tolist, fallback="error"), (torch.randn(3),), "MARK-tolist", "tolist")
 
 
 def use_nonzero_size(x):
@@ -66,7 +66,7 @@ def use_nonzero_size(x):
 
 
 def test_data_dependent_size_used_as_python_number_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_nonzero_size), (torch.randn(3),), "MARK-nonzero-size",
+    assert_capture_error(keraunos.jit(use_nonzero_size, fallback="error"), (torch.randn(3),), "MARK-nonzero-size",
                          "x * n")
 
 
@@ -77,7 +77,7 @@ def use_mask_length(x):
 
 
 def test_branch_on_data_dependent_size_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_mask_length), (torch.randn(3),), "MARK-mask-len",
+    assert_capture_error(keraunos.jit(use_mask_length, fallback="error"), (torch.randn(3),), "MARK-mask-len",
                          "len(x[x > 0])")
 
 
@@ -86,7 +86,7 @@ def use_int(x):
 
 
 def test_int_of_tensor_raises_capture_error():
-    assert_capture_error(keraunos.jit(use_int), (torch.ones(3),), "MARK-int", "int")
+    assert_capture_error(keraunos.jit(use_int, fallback="error"), (torch.ones(3),), "MARK-int", "int")
 
 
 class BranchingModule(nn.Module):
@@ -103,13 +103,13 @@ class BranchingModule(nn.Module):
 
 def test_capture_error_in_module_names_the_module_source_line():
     m = BranchingModule()
-    assert_capture_error(keraunos.jit(m), (torch.randn(2, 3), True), "MARK-module-branch")
+    assert_capture_error(keraunos.jit(m, fallback="error"), (torch.randn(2, 3), True), "MARK-module-branch")
 
 
 def test_capture_error_is_a_keraunos_error():
     assert issubclass(keraunos.CaptureError, keraunos.KeraunosError)
     with pytest.raises(keraunos.KeraunosError):
-        keraunos.jit(use_item)(torch.randn(1))
+        keraunos.jit(use_item, fallback="error")(torch.randn(1))
 
 
 # ------------------------------------------------------------------------- unsupported input
@@ -232,7 +232,7 @@ def test_jitted_function_works_after_capture_error():
             return x
         return x * 2
 
-    jf = keraunos.jit(f)
+    jf = keraunos.jit(f, fallback="error")
     with pytest.raises(keraunos.CaptureError):
         jf(torch.randn(3), True)
     x = torch.randn(3)
@@ -270,7 +270,7 @@ def test_jitted_function_works_after_unsupported_input():
 
 def test_module_class_restored_after_capture_error():
     m = BranchingModule()
-    jm = keraunos.jit(m)
+    jm = keraunos.jit(m, fallback="error")
     with pytest.raises(keraunos.CaptureError):
         jm(torch.randn(2, 3), True)
     assert type(m) is BranchingModule
@@ -391,6 +391,6 @@ def test_data_dependent_decision_raises_data_dependent_error_naming_the_backend_
             return x * 2
         return x
     with pytest.raises(keraunos.DataDependentError) as info:
-        keraunos.jit(f)(torch.randn(3))
+        keraunos.jit(f, fallback="error")(torch.randn(3))
     assert isinstance(info.value, keraunos.CaptureError)
     assert 'torch.compile(model, backend="keraunos")' in str(info.value)

@@ -12,9 +12,9 @@ def branchy(x):
     return x - 1
 
 
-def test_default_refuses_control_flow_on_data():
+def test_fallback_error_refuses_control_flow_on_data():
     with pytest.raises(keraunos.CaptureError, match="tensor data"):
-        keraunos.jit(branchy)(torch.ones(3))
+        keraunos.jit(branchy, fallback="error")(torch.ones(3))
 
 
 def test_branch_on_data_matches_eager_both_ways_and_recompiles_on_change():

@@ -32,6 +32,7 @@ from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
 from .leaks import is_tensor_subclass_with_dispatch
+from .scope_containers import ScopeContainers
 from .provenance import Path, root
 
 from .recording import (_recording_argument_class, _recording_module_class,
@@ -98,6 +99,7 @@ class CaptureContext:
         # (globals path, globals dict, names loaded) and (path, cell) of those functions.
         self.helper_scopes: list[tuple[Path, dict, tuple]] = []
         self.helper_cells: list[tuple[Path, Any]] = []
+        self.scope_containers = ScopeContainers()  # lists, dicts, sets in globals and closures
         # (path, stand-in, contents at the start): list and dict arguments the program may change.
         self.containers: list[tuple[Path, Any, Any]] = []
         self._overlay: dict[int, dict[str, Any]] = {}
@@ -297,6 +299,8 @@ class CaptureContext:
             names.update(c.co_names)
             stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
         for name in sorted(names):
+            if name in fn.__globals__:
+                self.scope_containers.watch(f"the global `{name}`", fn.__globals__[name])
             if name in fn.__globals__ and is_plain(fn.__globals__[name]):
                 self.guard("value", Path(root("globals"), "item", name), fn.__globals__[name])
         for i, cell in enumerate(fn.__closure__ or ()):
@@ -304,6 +308,7 @@ class CaptureContext:
                 value = cell.cell_contents
             except ValueError:
                 continue
+            self.scope_containers.watch(f"`{code.co_freevars[i]}` of the closure", value)
             if is_plain(value):
                 self.guard("value", Path(Path(root("closure"), "item", i), "attr", "cell_contents"),
                            value)
@@ -324,6 +329,9 @@ class CaptureContext:
         names = _loaded_globals(code)
         self.helper_scopes.append((globals_path, frame.f_globals, names))
         for name in names:
+            if name in frame.f_globals:
+                self.scope_containers.watch(f"the global `{name}` of {code.co_name}",
+                                            frame.f_globals[name])
             if name in frame.f_globals and is_plain(frame.f_globals[name]):
                 self.guard("value", Path(globals_path, "item", name), frame.f_globals[name])
         if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
@@ -333,6 +341,11 @@ class CaptureContext:
                 self.root_objects[key] = cell
                 path = Path(root(key), "attr", "cell_contents")
                 self.helper_cells.append((path, cell))
+                try:
+                    self.scope_containers.watch(f"a closure variable of {code.co_name}",
+                                                cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
                 if is_plain(cell.cell_contents):
                     self.guard("value", path, cell.cell_contents)
 

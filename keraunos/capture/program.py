@@ -176,6 +176,9 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
         _active.ctx = None
         ctx.restore_classes()
         restore_global_state(state_before)
+        changed = ctx.scope_containers.undo_changes()  # globals' lists as before the call
+    if changed:
+        raise ctx.scope_containers.refuse(changed)
     t1 = time.perf_counter()
     program = _assemble(ctx, out, check_values)
     program.stages["capture"] = t1 - t0

@@ -40,12 +40,7 @@ class Recorder(TorchFunctionMode):
             and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
         if any(_is_functorch_wrapped(x) for x in pytree.tree_leaves((args, kwargs))):
-            raise FunctionTransformError(
-                f"keraunos cannot capture {user_source()}\n  it runs under a torch.func "
-                f"transform (grad, vjp, jvp, jacrev, ...), which keraunos.jit does not capture "
-                f"into one trace yet.\n  What to do: keraunos.jit(..., fallback=\"dynamo\") (the "
-                f"default) runs the program through torch.compile(backend=\"keraunos\"), which "
-                f"traces it; or apply the transform to the jitted function from outside.")
+            raise _transform_error()
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
@@ -104,6 +99,10 @@ class Recorder(TorchFunctionMode):
                 if source is not None and hasattr(error, "add_note"):
                     error.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
                 raise error from None
+        if any(_is_functorch_wrapped(x) for x in pytree.tree_leaves(out)):
+            # A transform entered by explicit calls (dynamo's graph of torch.func.jvp makes
+            # duals with _make_dual): the same refusal as for its inputs.
+            raise _transform_error()
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
@@ -117,6 +116,15 @@ class Recorder(TorchFunctionMode):
 
 
 _is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _transform_error() -> FunctionTransformError:
+    return FunctionTransformError(
+        f"keraunos cannot capture {user_source()}\n  it runs under a torch.func transform "
+        f"(grad, vjp, jvp, jacrev, ...), which keraunos.jit does not capture into one trace "
+        f"yet.\n  What to do: keraunos.jit(..., fallback=\"dynamo\") (the default) runs the "
+        f"program through torch.compile(backend=\"keraunos\"), which traces it; or apply the "
+        f"transform to the jitted function from outside.")
 
 
 def _is_functorch_wrapped(x) -> bool:
@@ -229,7 +237,8 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
     if isinstance(error, DynamicOutputShapeException):
         what = f"`{symbol.name}` returns a tensor whose shape depends on tensor data"
     elif symbol is None:
-        what = "a Python decision (if, range, comparison) on a size that depends on tensor data"
+        what = ("a value read from tensor data is used as a size or in a Python decision (a "
+                "slice bound, a shape, if, range, a comparison)")
     elif symbol.name == "__index__":  # range(t), x[:t], torch.zeros(t): a size or an index
         what = f"a tensor is used as a size or an index (`{symbol.name}`), which needs its data"
     else:

@@ -68,8 +68,10 @@ class CompiledSubgraph:
         # sizes under one set of guards, and keraunos compiles (and checks) each.
         cache = "constant values" if self.dynamic else "same input"
         transforms = [UserSourceLines(gm), *(transforms or ())]
+        # fallback="error": a graph keraunos cannot capture runs eagerly (_run_eagerly), never
+        # through a torch.compile nested in dynamo's own.
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
-                          max_cache_entries=64 if self.dynamic else 8)
+                          max_cache_entries=64 if self.dynamic else 8, fallback="error")
         # What later calls run, once compiled: the entry's functions without keraunos's call
         # path around them (see lean_call). None until then, and for a dynamic graph.
         self.run = None
@@ -192,10 +194,18 @@ _DECREMENT = {"Vmap": "_vmap_decrement_nesting", "Grad": "_grad_decrement_nestin
 
 
 def _unwind_functorch(depth: int) -> None:
-    """Leave the functorch levels (vmap, grad) entered since the stack was ``depth`` deep."""
+    """Leave the functorch levels (vmap, grad) entered since the stack was ``depth`` deep, and a
+    forward-AD level the graph entered (dynamo's graph of ``torch.func.jvp`` enters one with
+    ``_enter_dual_level()``; torch supports one at a time, and the caller had none when the
+    Python-level ``forward_ad`` says so)."""
     while _functorch_depth() > depth:
         kind = str(torch._C._functorch.get_interpreter_stack()[-1].key()).rsplit(".", 1)[-1]
         getattr(torch._C._functorch, _DECREMENT[kind])()
+    if torch.autograd.forward_ad._current_level < 0:
+        try:
+            torch._C._exit_dual_level(level=0)
+        except RuntimeError:
+            pass  # no level was entered
 
 
 def _is_dynamic(gm: torch.fx.GraphModule) -> bool:

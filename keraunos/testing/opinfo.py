@@ -49,11 +49,13 @@ def _clone(tree):
 
 def _call_jitted(fn, sample_input, args, kwargs, executors=None):
     """``keraunos.jit`` of the op; values keraunos cannot take as arguments are closed over."""
-    jf = keraunos.jit(fn, executors=executors)
+    # fallback="error": the sweep measures capture, not the backend route a refusal falls to.
+    jf = keraunos.jit(fn, executors=executors, fallback="error")
     try:
         return jf(sample_input, *args, **kwargs)
     except keraunos.UnsupportedInputError:
-        jf = keraunos.jit(lambda x: fn(x, *args, **kwargs), executors=executors)
+        jf = keraunos.jit(lambda x: fn(x, *args, **kwargs), executors=executors,
+                          fallback="error")
         return jf(sample_input)
 
 
