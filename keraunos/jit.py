@@ -558,7 +558,9 @@ class JittedModule(torch.nn.Module):
         return value
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "_orig_mod" or name == "training":
+        # ``__class__``: a library that extends the wrapper's class (``fully_shard`` swaps in
+        # ``FSDP<cls>``) means the wrapper, not the original.
+        if name == "_orig_mod" or name == "training" or name == "__class__":
             super().__setattr__(name, value)
         else:
             setattr(self._orig_mod, name, value)
@@ -615,11 +617,22 @@ class JittedModule(torch.nn.Module):
     def buffers(self, recurse: bool = True):
         return self._orig_mod.buffers(recurse)
 
-    def named_modules(self, *args, **kwargs):
-        return self._orig_mod.named_modules(*args, **kwargs)
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """The original's modules; the wrapper itself comes first, at the same name, once a
+        composable distributed API (``fully_shard``, ``replicate``, ``checkpoint``) holds
+        state on it: FSDP2's root finds every unit's state by walking ``named_modules()``."""
+        if _composable_state_on(self):
+            if memo is None:
+                memo = set()
+            if self not in memo:
+                if remove_duplicate:
+                    memo.add(self)
+                yield prefix, self
+        yield from self._orig_mod.named_modules(memo, prefix, remove_duplicate)
 
     def modules(self):
-        return self._orig_mod.modules()
+        for _, module in self.named_modules():
+            yield module
 
     def named_children(self):
         return self._orig_mod.named_children()
@@ -631,6 +644,31 @@ class JittedModule(torch.nn.Module):
         super().__setattr__("training", mode)
         self._orig_mod.train(mode)
         return self
+
+    # Call hooks registered on the wrapper itself (FSDP2's all-gather and reshard, a
+    # composable checkpoint's, the user's) run around the compiled program: the first one
+    # registered switches the wrapper to a class whose ``__call__`` is ``nn.Module.__call__``
+    # (hooks, then ``forward``, the compiled program). Without any, ``__call__`` stays the
+    # direct call of the program. Hooks of the original module are part of the program.
+    def register_forward_pre_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_forward_pre_hook(*args, **kwargs)
+
+    def register_forward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_forward_hook(*args, **kwargs)
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_full_backward_pre_hook(*args, **kwargs)
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_full_backward_hook(*args, **kwargs)
+
+    def register_backward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_backward_hook(*args, **kwargs)
 
 
 _jitted_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
@@ -658,6 +696,33 @@ def _jitted_class(module: torch.nn.Module) -> type:
     if not own_forward:
         _jitted_classes[cls] = jitted_cls
     return jitted_cls
+
+
+_hooked_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _run_call_hooks(jitted: JittedModule) -> None:
+    """Switches ``jitted`` to its class's variant whose ``__call__`` runs ``nn.Module``'s call
+    hooks (once; a class that already does, e.g. ``FSDP<...>`` built on it, stays)."""
+    cls = type(jitted)
+    if cls.__call__ is torch.nn.Module.__call__:
+        return
+    hooked = _hooked_classes.get(cls)
+    if hooked is None:
+        hooked = type(cls.__name__, (cls,), {
+            "__call__": torch.nn.Module.__call__, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        _hooked_classes[cls] = hooked
+    object.__setattr__(jitted, "__class__", hooked)
+
+
+def _composable_state_on(module: torch.nn.Module) -> bool:
+    """Whether a composable distributed API (``torch.distributed._composable.contract``:
+    ``fully_shard``, ``replicate``, ``checkpoint``) was applied to ``module`` itself."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed._composable.contract import REGISTRY_KEY
+    return bool(module.__dict__.get(REGISTRY_KEY))
 
 
 def _signature_with_self(bound_forward: Callable) -> inspect.Signature:
@@ -765,7 +830,7 @@ class _forward_routed:
                 def compiled_forward(*a, **k):  # capture itself calls the module: the original
                     if active_context() is not None:
                         return forward(*a, **k)
-                    return jitted._call(jitted._keraunos, a, k)
+                    return jitted(*a, **k)  # with the wrapper's own hooks, if it has any
                 orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
             state.routing_depth = getattr(state, "routing_depth", 0) + 1
 
