@@ -923,6 +923,8 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         fallback=fallback, dynamic=dynamic)
     if _is_ddp(fn_or_module):
         return _jit_ddp(fn_or_module, options)
+    if isinstance(fn_or_module, torch.nn.Module) and _fsdp_units(fn_or_module):
+        return _jit_fsdp(fn_or_module, options)
     if isinstance(fn_or_module, torch.nn.Module):
         jitted = JittedModule(fn_or_module, options)
         for t in options.transforms:
@@ -967,3 +969,79 @@ def state_of(jitted) -> _JitState:
     except AttributeError:
         raise TypeError(f"expected a callable returned by keraunos.jit, got {jitted!r}") from None
 
+
+
+# ------------------------------------------------------------------------------- FSDP2
+def _fsdp_units(module: torch.nn.Module) -> list:
+    """The modules ``fully_shard`` was applied to, in ``module``'s tree (itself included)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class _UnitsState(_JitState):
+    """What ``keraunos.jit`` of a ``fully_shard``ed model reports: its compiled units' caches
+    together (hits and misses summed, the traces of the unit that compiled or ran last)."""
+
+    def __init__(self, module, options: JitOptions, units: list):
+        super().__init__(module.forward, module, options)
+        self.units = units  # the compiled units' states, in module order
+
+    hits = property(lambda self: sum(u.hits for u in self.units), lambda self, v: None)
+    misses = property(lambda self: sum(u.misses for u in self.units), lambda self, v: None)
+
+    @property
+    def last_entry(self):
+        ran = [u for u in self.units if u.last_entry is not None]
+        return max(ran, key=lambda u: u.last_used).last_entry if ran else None
+
+    @last_entry.setter
+    def last_entry(self, value):
+        pass
+
+
+def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
+    """``keraunos.jit`` of a model with ``fully_shard`` units (FSDP2). FSDP2's hooks are
+    ``torch._dynamo.disable``d: they all-gather, reshard, cast for mixed precision and
+    reduce-scatter gradients, and must run eagerly, as they do under ``torch.compile``. Capture
+    has no graph breaks, so what is compiled is each *innermost* unit's own ``forward`` (a unit
+    with no unit inside it, e.g. each transformer block), captured from the forward itself, not
+    from a call of the module: ``nn.Module.__call__`` runs FSDP2's hooks eagerly around it, and
+    the compiled program sees the unsharded parameters (plain tensors) that the pre-forward hook
+    registered. The rest (the root unit's own code between its units: embeddings, final norm,
+    head) runs eagerly. The units are compiled in place: each one's ``forward`` is its compiled
+    program from now on, whoever calls it (FSDP's activation-checkpoint recomputation in the
+    backward, the model called directly), as ``nn.Module.compile()`` does."""
+    units = _fsdp_units(model)
+    jitted_units = [u for u in units if isinstance(u, JittedModule)]
+    if jitted_units:
+        raise TypeError(
+            "keraunos.jit: this fully_shard'ed model has units that are jitted already "
+            f"({type(jitted_units[0]).__qualname__}); jit either the blocks before fully_shard "
+            "(fully_shard(keraunos.jit(block))) or the sharded model, not both.")
+    innermost = [u for u in units
+                 if not any(v is not u and v in units for v in u.modules())]
+    states = []
+    for unit in innermost:
+        if "forward" in unit.__dict__ and getattr(unit.__dict__["forward"], "_keraunos_unit",
+                                                  None) is not None:
+            states.append(unit.__dict__["forward"]._keraunos_unit)  # jitted before: same cache
+            continue
+        state = _JitState(unit.forward, unit, options)
+        state.forward_only = True
+        run = call_profiled if options.profile else call
+
+        def compiled_forward(*args, _state=state, _run=run, **kwargs):
+            _state.last_used = time.perf_counter()
+            return _run(_state, args, kwargs)
+        compiled_forward = functools.wraps(unit.forward)(compiled_forward)
+        compiled_forward._keraunos_unit = state
+        unit.__dict__["forward"] = compiled_forward
+        states.append(state)
+    for state in states:
+        state.__dict__.setdefault("last_used", 0.0)
+    jitted = JittedModule(model, options)
+    object.__setattr__(jitted, "_keraunos", _UnitsState(model, options, states))
+    object.__setattr__(jitted, "_call", lambda state, args, kwargs: model(*args, **kwargs))
+    return jitted
