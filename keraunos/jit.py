@@ -381,6 +381,22 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
 
 
 def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
+    """``_compile_exact_or_symbolic`` without the caller's saved-tensor hooks: a jitted call
+    inside ``torch.utils.checkpoint`` (non-reentrant) compiles in its forward, and the ops of
+    compilation (the autograd split's own autograd runs) must not be packed as the checkpointed
+    forward's saved tensors, nor hit the recomputation's early stop."""
+    stashed = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stashed.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        return _compile_exact_or_symbolic(state, args, kwargs)
+    finally:
+        for pack, unpack in reversed(stashed):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     """``compile_entry``, with the sizes and ints that vary between calls made symbolic.
 
     In ``cache="symbolic values"`` every size and int of the call is a symbol; in the default

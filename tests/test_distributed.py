@@ -99,15 +99,16 @@ def test_dtensor_input_is_refused(outcomes):
         assert kind == "UnsupportedInputError" and "DTensor" in message
 
 
-def _check_fsdp2(outcomes, name):
+def _check_fsdp2(outcomes, name, hits=4):
     for rank in values(outcomes, name):
         assert set(rank) == {"blocks jitted", "model jitted"}
         for order, r in rank.items():
             assert r["losses"] and r["grads"] and r["params"], (order, r)
             assert r["reference"], (order, r)
             assert r["leak"] is None, (order, r)
-            # One compilation per block (two blocks), then hits on the other two steps.
-            assert (r["misses"], r["hits"]) == (2, 4), (order, r)
+            # One compilation per block (two blocks), then hits on the other two steps (and,
+            # with checkpointing, on each backward's recomputation).
+            assert (r["misses"], r["hits"]) == (2, hits), (order, r)
 
 
 def test_fsdp2_jitted_blocks_and_jitted_sharded_model_train_like_eager_fsdp2(outcomes):
@@ -122,4 +123,6 @@ def test_fsdp2_mixed_precision_trains_like_eager_fsdp2(outcomes):
 
 
 def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
-    _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager")
+    # torch.utils.checkpoint around each FSDP unit: the recomputation in the backward runs the
+    # compiled forward again (a cache hit), with FSDP2 re-gathering the parameters.
+    _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=10)
