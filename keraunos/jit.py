@@ -24,6 +24,7 @@ import functools
 import inspect
 import operator
 import os
+import sys
 import threading
 import time
 import warnings
@@ -385,6 +386,8 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     inside ``torch.utils.checkpoint`` (non-reentrant) compiles in its forward, and the ops of
     compilation (the autograd split's own autograd runs) must not be packed as the checkpointed
     forward's saved tensors, nor hit the recomputation's early stop."""
+    if state.module is not None and not getattr(state, "forward_only", False):
+        _refuse_sharded_units_inside(state.module)
     stashed = []
     while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
         stashed.append(top)
@@ -735,10 +738,8 @@ def _run_call_hooks(jitted: JittedModule) -> None:
 def _composable_state_on(module: torch.nn.Module) -> bool:
     """Whether a composable distributed API (``torch.distributed._composable.contract``:
     ``fully_shard``, ``replicate``, ``checkpoint``) was applied to ``module`` itself."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed._composable.contract import REGISTRY_KEY
-    return bool(module.__dict__.get(REGISTRY_KEY))
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    return contract is not None and bool(module.__dict__.get(contract.REGISTRY_KEY))
 
 
 def _signature_with_self(bound_forward: Callable) -> inspect.Signature:
@@ -990,10 +991,27 @@ def state_of(jitted) -> _JitState:
 # ------------------------------------------------------------------------------- FSDP2
 def _fsdp_units(module: torch.nn.Module) -> list:
     """The modules ``fully_shard`` was applied to, in ``module``'s tree (itself included)."""
-    if not torch.distributed.is_available():
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no module was sharded without it
+    if fsdp is None:
         return []
-    from torch.distributed.fsdp import FSDPModule
+    FSDPModule = fsdp.FSDPModule
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _refuse_sharded_units_inside(module: torch.nn.Module) -> None:
+    """A jitted module whose submodules were ``fully_shard``ed after ``keraunos.jit``: its one
+    program would have to run FSDP2's hooks (all-gathers, reshards) inside it."""
+    units = [u for u in _fsdp_units(module) if u is not module]
+    if units:
+        from .errors import UnsupportedInputError
+        name = next((n for n, m in module.named_modules() if m is units[0]), "?")
+        raise UnsupportedInputError(
+            f"keraunos.jit: {type(module).__qualname__}.{name} was fully_shard'ed after the "
+            f"model was jitted; FSDP2's hooks (all-gather, reshard) must run eagerly between "
+            f"compiled programs, not inside one. Jit the blocks before sharding them "
+            f"(model.blocks[i] = keraunos.jit(block); fully_shard(model.blocks[i])), or jit the "
+            f"sharded model (keraunos.jit(model) after every fully_shard): each unit's forward "
+            f"is then compiled with FSDP2's hooks around it.")
 
 
 class _UnitsState(_JitState):

@@ -354,3 +354,13 @@ def fsdp2_mixed_precision_trains_like_eager(rank, world_size):
 
 def fsdp2_activation_checkpointing_trains_like_eager(rank, world_size):
     return _fsdp_case(rank, world_size, checkpointed=True)
+
+
+def fsdp2_units_sharded_inside_a_jitted_model_are_refused(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = keraunos.jit(_Stack())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return _refusal(model, torch.randn(2, 6))

@@ -27,6 +27,7 @@ SCENARIOS = [
     "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
     "fsdp2_mixed_precision_trains_like_eager",
     "fsdp2_activation_checkpointing_trains_like_eager",
+    "fsdp2_units_sharded_inside_a_jitted_model_are_refused",
 ]
 
 
@@ -126,3 +127,9 @@ def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
     # torch.utils.checkpoint around each FSDP unit: the recomputation in the backward runs the
     # compiled forward again (a cache hit), with FSDP2 re-gathering the parameters.
     _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=10)
+
+
+def test_fsdp2_units_sharded_after_jitting_their_model_are_refused_with_what_to_do(outcomes):
+    for kind, message in values(outcomes, "fsdp2_units_sharded_inside_a_jitted_model_are_refused"):
+        assert kind == "UnsupportedInputError" and "fully_shard'ed after" in message
+        assert "keraunos.jit(block)" in message
