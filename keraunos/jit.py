@@ -24,6 +24,7 @@ import functools
 import inspect
 import operator
 import os
+import sys
 import threading
 import time
 import warnings
@@ -385,6 +386,24 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
 
 
 def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
+    """``_compile_exact_or_symbolic`` without the caller's saved-tensor hooks: a jitted call
+    inside ``torch.utils.checkpoint`` (non-reentrant) compiles in its forward, and the ops of
+    compilation (the autograd split's own autograd runs) must not be packed as the checkpointed
+    forward's saved tensors, nor hit the recomputation's early stop."""
+    if state.module is not None and not getattr(state, "forward_only", False):
+        _refuse_sharded_units_inside(state.module)
+    stashed = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stashed.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        return _compile_exact_or_symbolic(state, args, kwargs)
+    finally:
+        for pack, unpack in reversed(stashed):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     """``compile_entry``, with the sizes and ints that vary between calls made symbolic.
 
     In ``cache="symbolic values"`` every size and int of the call is a symbol; in the default
@@ -562,7 +581,9 @@ class JittedModule(torch.nn.Module):
         return value
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "_orig_mod" or name == "training":
+        # ``__class__``: a library that extends the wrapper's class (``fully_shard`` swaps in
+        # ``FSDP<cls>``) means the wrapper, not the original.
+        if name == "_orig_mod" or name == "training" or name == "__class__":
             super().__setattr__(name, value)
         else:
             setattr(self._orig_mod, name, value)
@@ -619,11 +640,22 @@ class JittedModule(torch.nn.Module):
     def buffers(self, recurse: bool = True):
         return self._orig_mod.buffers(recurse)
 
-    def named_modules(self, *args, **kwargs):
-        return self._orig_mod.named_modules(*args, **kwargs)
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """The original's modules; the wrapper itself comes first, at the same name, once a
+        composable distributed API (``fully_shard``, ``replicate``, ``checkpoint``) holds
+        state on it: FSDP2's root finds every unit's state by walking ``named_modules()``."""
+        if _composable_state_on(self):
+            if memo is None:
+                memo = set()
+            if self not in memo:
+                if remove_duplicate:
+                    memo.add(self)
+                yield prefix, self
+        yield from self._orig_mod.named_modules(memo, prefix, remove_duplicate)
 
     def modules(self):
-        return self._orig_mod.modules()
+        for _, module in self.named_modules():
+            yield module
 
     def named_children(self):
         return self._orig_mod.named_children()
@@ -635,6 +667,31 @@ class JittedModule(torch.nn.Module):
         super().__setattr__("training", mode)
         self._orig_mod.train(mode)
         return self
+
+    # Call hooks registered on the wrapper itself (FSDP2's all-gather and reshard, a
+    # composable checkpoint's, the user's) run around the compiled program: the first one
+    # registered switches the wrapper to a class whose ``__call__`` is ``nn.Module.__call__``
+    # (hooks, then ``forward``, the compiled program). Without any, ``__call__`` stays the
+    # direct call of the program. Hooks of the original module are part of the program.
+    def register_forward_pre_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_forward_pre_hook(*args, **kwargs)
+
+    def register_forward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_forward_hook(*args, **kwargs)
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_full_backward_pre_hook(*args, **kwargs)
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_full_backward_hook(*args, **kwargs)
+
+    def register_backward_hook(self, *args, **kwargs):
+        _run_call_hooks(self)
+        return super().register_backward_hook(*args, **kwargs)
 
 
 _jitted_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
@@ -662,6 +719,31 @@ def _jitted_class(module: torch.nn.Module) -> type:
     if not own_forward:
         _jitted_classes[cls] = jitted_cls
     return jitted_cls
+
+
+_hooked_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _run_call_hooks(jitted: JittedModule) -> None:
+    """Switches ``jitted`` to its class's variant whose ``__call__`` runs ``nn.Module``'s call
+    hooks (once; a class that already does, e.g. ``FSDP<...>`` built on it, stays)."""
+    cls = type(jitted)
+    if cls.__call__ is torch.nn.Module.__call__:
+        return
+    hooked = _hooked_classes.get(cls)
+    if hooked is None:
+        hooked = type(cls.__name__, (cls,), {
+            "__call__": torch.nn.Module.__call__, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        _hooked_classes[cls] = hooked
+    object.__setattr__(jitted, "__class__", hooked)
+
+
+def _composable_state_on(module: torch.nn.Module) -> bool:
+    """Whether a composable distributed API (``torch.distributed._composable.contract``:
+    ``fully_shard``, ``replicate``, ``checkpoint``) was applied to ``module`` itself."""
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    return contract is not None and bool(module.__dict__.get(contract.REGISTRY_KEY))
 
 
 def _signature_with_self(bound_forward: Callable) -> inspect.Signature:
@@ -769,7 +851,7 @@ class _forward_routed:
                 def compiled_forward(*a, **k):  # capture itself calls the module: the original
                     if active_context() is not None:
                         return forward(*a, **k)
-                    return jitted._call(jitted._keraunos, a, k)
+                    return jitted(*a, **k)  # with the wrapper's own hooks, if it has any
                 orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
             state.routing_depth = getattr(state, "routing_depth", 0) + 1
 
@@ -862,6 +944,8 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         fallback=fallback, dynamic=dynamic)
     if _is_ddp(fn_or_module):
         return _jit_ddp(fn_or_module, options)
+    if isinstance(fn_or_module, torch.nn.Module) and _fsdp_units(fn_or_module):
+        return _jit_fsdp(fn_or_module, options)
     if isinstance(fn_or_module, torch.nn.Module):
         jitted = JittedModule(fn_or_module, options)
         for t in options.transforms:
@@ -906,3 +990,96 @@ def state_of(jitted) -> _JitState:
     except AttributeError:
         raise TypeError(f"expected a callable returned by keraunos.jit, got {jitted!r}") from None
 
+
+
+# ------------------------------------------------------------------------------- FSDP2
+def _fsdp_units(module: torch.nn.Module) -> list:
+    """The modules ``fully_shard`` was applied to, in ``module``'s tree (itself included)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no module was sharded without it
+    if fsdp is None:
+        return []
+    FSDPModule = fsdp.FSDPModule
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _refuse_sharded_units_inside(module: torch.nn.Module) -> None:
+    """A jitted module whose submodules were ``fully_shard``ed after ``keraunos.jit``: its one
+    program would have to run FSDP2's hooks (all-gathers, reshards) inside it."""
+    units = [u for u in _fsdp_units(module) if u is not module]
+    if units:
+        from .errors import UnsupportedInputError
+        name = next((n for n, m in module.named_modules() if m is units[0]), "?")
+        raise UnsupportedInputError(
+            f"keraunos.jit: {type(module).__qualname__}.{name} was fully_shard'ed after the "
+            f"model was jitted; FSDP2's hooks (all-gather, reshard) must run eagerly between "
+            f"compiled programs, not inside one. Jit the blocks before sharding them "
+            f"(model.blocks[i] = keraunos.jit(block); fully_shard(model.blocks[i])), or jit the "
+            f"sharded model (keraunos.jit(model) after every fully_shard): each unit's forward "
+            f"is then compiled with FSDP2's hooks around it.")
+
+
+class _UnitsState(_JitState):
+    """What ``keraunos.jit`` of a ``fully_shard``ed model reports: its compiled units' caches
+    together (hits and misses summed, the traces of the unit that compiled or ran last)."""
+
+    def __init__(self, module, options: JitOptions, units: list):
+        super().__init__(module.forward, module, options)
+        self.units = units  # the compiled units' states, in module order
+
+    hits = property(lambda self: sum(u.hits for u in self.units), lambda self, v: None)
+    misses = property(lambda self: sum(u.misses for u in self.units), lambda self, v: None)
+
+    @property
+    def last_entry(self):
+        ran = [u for u in self.units if u.last_entry is not None]
+        return max(ran, key=lambda u: u.last_used).last_entry if ran else None
+
+    @last_entry.setter
+    def last_entry(self, value):
+        pass
+
+
+def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
+    """``keraunos.jit`` of a model with ``fully_shard`` units (FSDP2). FSDP2's hooks are
+    ``torch._dynamo.disable``d: they all-gather, reshard, cast for mixed precision and
+    reduce-scatter gradients, and must run eagerly, as they do under ``torch.compile``. Capture
+    has no graph breaks, so what is compiled is each *innermost* unit's own ``forward`` (a unit
+    with no unit inside it, e.g. each transformer block), captured from the forward itself, not
+    from a call of the module: ``nn.Module.__call__`` runs FSDP2's hooks eagerly around it, and
+    the compiled program sees the unsharded parameters (plain tensors) that the pre-forward hook
+    registered. The rest (the root unit's own code between its units: embeddings, final norm,
+    head) runs eagerly. The units are compiled in place: each one's ``forward`` is its compiled
+    program from now on, whoever calls it (FSDP's activation-checkpoint recomputation in the
+    backward, the model called directly), as ``nn.Module.compile()`` does."""
+    units = _fsdp_units(model)
+    jitted_units = [u for u in units if isinstance(u, JittedModule)]
+    if jitted_units:
+        raise TypeError(
+            "keraunos.jit: this fully_shard'ed model has units that are jitted already "
+            f"({type(jitted_units[0]).__qualname__}); jit either the blocks before fully_shard "
+            "(fully_shard(keraunos.jit(block))) or the sharded model, not both.")
+    innermost = [u for u in units
+                 if not any(v is not u and v in units for v in u.modules())]
+    states = []
+    for unit in innermost:
+        if "forward" in unit.__dict__ and getattr(unit.__dict__["forward"], "_keraunos_unit",
+                                                  None) is not None:
+            states.append(unit.__dict__["forward"]._keraunos_unit)  # jitted before: same cache
+            continue
+        state = _JitState(unit.forward, unit, options)
+        state.forward_only = True
+        run = call_profiled if options.profile else call
+
+        def compiled_forward(*args, _state=state, _run=run, **kwargs):
+            _state.last_used = time.perf_counter()
+            return _run(_state, args, kwargs)
+        compiled_forward = functools.wraps(unit.forward)(compiled_forward)
+        compiled_forward._keraunos_unit = state
+        unit.__dict__["forward"] = compiled_forward
+        states.append(state)
+    for state in states:
+        state.__dict__.setdefault("last_used", 0.0)
+    jitted = JittedModule(model, options)
+    object.__setattr__(jitted, "_keraunos", _UnitsState(model, options, states))
+    object.__setattr__(jitted, "_call", lambda state, args, kwargs: model(*args, **kwargs))
+    return jitted

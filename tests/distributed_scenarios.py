@@ -241,3 +241,126 @@ def dtensor_input_is_refused(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     t = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
     return _refusal(keraunos.jit(lambda x: x * 2), t)
+
+
+# -------------------------------------------------------------------------- FSDP2 (fully_shard)
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Input layer, two identical blocks (each an FSDP unit), head; ``checkpointed`` blocks
+    recompute their forward in the backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.inp = torch.nn.Linear(6, 8)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def _fsdp_stack(order, checkpointed=False, mp=None):
+    """A ``_Stack`` sharded per block and at the root: ``eager``, ``blocks jitted``
+    (``fully_shard(keraunos.jit(block))``) or ``model jitted`` (``keraunos.jit`` of it)."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = _Stack(checkpointed)
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    if order == "blocks jitted":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = keraunos.jit(block)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return keraunos.jit(model) if order == "model jitted" else model
+
+
+def _train_fsdp(model, rank, world_size, steps=3):
+    """Losses, every step's full gradients and the final full parameters on this rank."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in _batches(world_size, steps):
+        x, y = step[rank]
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, grads, [p.detach().full_tensor().clone() for p in model.parameters()]
+
+
+def _reference_fsdp(world_size, checkpointed=False, steps=3):
+    """One process over every rank's batch (FSDP2 averages the ranks' gradients)."""
+    torch.manual_seed(0)
+    model = _Stack(checkpointed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in _batches(world_size, steps):
+        loss = sum(F.mse_loss(model(bx), by) for bx, by in step) / world_size
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _fsdp_case(rank, world_size, checkpointed=False, mp=None, tol=1e-5, ref_tol=1e-5):
+    from keraunos.capture.leaks import capture_values_in
+    eager = _train_fsdp(_fsdp_stack("eager", checkpointed, mp), rank, world_size)
+    reference = _reference_fsdp(world_size, checkpointed)
+    result = {}
+    for order in ("blocks jitted", "model jitted"):
+        model = _fsdp_stack(order, checkpointed, mp)
+        losses, grads, params = _train_fsdp(model, rank, world_size)
+        compiled = list(model.blocks) if order == "blocks jitted" else [model]
+        result[order] = {
+            "losses": all(_close(a, b, tol) for a, b in zip(losses, eager[0])),
+            "grads": all(_close(a, b, tol) for g, h in zip(grads, eager[1]) for a, b in zip(g, h)),
+            "params": all(_close(a, b, tol) for a, b in zip(params, eager[2])),
+            "reference": all(_close(a, b, ref_tol) for a, b in zip(params, reference)),
+            "misses": sum(keraunos.cache_misses(c) for c in compiled),
+            "hits": sum(keraunos.cache_hits(c) for c in compiled),
+            "leak": capture_values_in([list(model.parameters()),
+                                       [p.to_local() for p in model.parameters()]]),
+        }
+    return result
+
+
+def fsdp2_jitted_blocks_and_jitted_model_train_like_eager(rank, world_size):
+    return _fsdp_case(rank, world_size)
+
+
+def fsdp2_mixed_precision_trains_like_eager(rank, world_size):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # bf16 compute: eager FSDP2 with the same policy closely, the fp32 reference loosely.
+    return _fsdp_case(rank, world_size, mp=mp, tol=1e-3, ref_tol=5e-2)
+
+
+def fsdp2_activation_checkpointing_trains_like_eager(rank, world_size):
+    return _fsdp_case(rank, world_size, checkpointed=True)
+
+
+def fsdp2_units_sharded_inside_a_jitted_model_are_refused(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = keraunos.jit(_Stack())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return _refusal(model, torch.randn(2, 6))

@@ -24,6 +24,10 @@ SCENARIOS = [
     "jitted_model_inside_ddp_trains_like_one_process",
     "both_ddp_orders_train_alike",
     "dtensor_input_is_refused",
+    "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
+    "fsdp2_mixed_precision_trains_like_eager",
+    "fsdp2_activation_checkpointing_trains_like_eager",
+    "fsdp2_units_sharded_inside_a_jitted_model_are_refused",
 ]
 
 
@@ -94,3 +98,38 @@ def test_jit_of_ddp_trains_as_ddp_of_jit_and_eager_ddp_with_buffers_and_no_sync(
 def test_dtensor_input_is_refused(outcomes):
     for kind, message in values(outcomes, "dtensor_input_is_refused"):
         assert kind == "UnsupportedInputError" and "DTensor" in message
+
+
+def _check_fsdp2(outcomes, name, hits=4):
+    for rank in values(outcomes, name):
+        assert set(rank) == {"blocks jitted", "model jitted"}
+        for order, r in rank.items():
+            assert r["losses"] and r["grads"] and r["params"], (order, r)
+            assert r["reference"], (order, r)
+            assert r["leak"] is None, (order, r)
+            # One compilation per block (two blocks), then hits on the other two steps (and,
+            # with checkpointing, on each backward's recomputation).
+            assert (r["misses"], r["hits"]) == (2, hits), (order, r)
+
+
+def test_fsdp2_jitted_blocks_and_jitted_sharded_model_train_like_eager_fsdp2(outcomes):
+    # fully_shard(keraunos.jit(block)) and keraunos.jit(fully_shard(model)): FSDP2's hooks run
+    # eagerly around each block's compiled forward; every rank's losses, gradients and
+    # parameters equal eager FSDP2's and a single process's over all ranks' batches.
+    _check_fsdp2(outcomes, "fsdp2_jitted_blocks_and_jitted_model_train_like_eager")
+
+
+def test_fsdp2_mixed_precision_trains_like_eager_fsdp2(outcomes):
+    _check_fsdp2(outcomes, "fsdp2_mixed_precision_trains_like_eager")
+
+
+def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
+    # torch.utils.checkpoint around each FSDP unit: the recomputation in the backward runs the
+    # compiled forward again (a cache hit), with FSDP2 re-gathering the parameters.
+    _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=10)
+
+
+def test_fsdp2_units_sharded_after_jitting_their_model_are_refused_with_what_to_do(outcomes):
+    for kind, message in values(outcomes, "fsdp2_units_sharded_inside_a_jitted_model_are_refused"):
+        assert kind == "UnsupportedInputError" and "fully_shard'ed after" in message
+        assert "keraunos.jit(block)" in message

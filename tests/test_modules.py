@@ -436,3 +436,34 @@ def test_len_and_iteration_of_jitted_sequential_like_original():
     jm = keraunos.jit(m)
     assert len(jm) == 2
     assert list(jm) == list(m)
+
+
+def test_hooks_registered_on_the_jitted_module_run_around_the_compiled_program():
+    # FSDP2 (fully_shard(keraunos.jit(block))) and composable checkpoint register call hooks on
+    # the wrapper: they run through nn.Module.__call__; the program runs once per call.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    jitted = keraunos.jit(model)
+    plain_call = type(jitted).__call__
+    seen = []
+    pre = jitted.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    post = jitted.register_forward_hook(lambda m, args, out: seen.append(out.shape) or out + 1)
+    assert type(jitted).__call__ is nn.Module.__call__ and isinstance(jitted, keraunos.JittedModule)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert_close(jitted(x), model(x * 2) + 1)
+    assert seen == [torch.Size([3, 4])] * 2
+    assert keraunos.cache_misses(jitted) == 1 and keraunos.cache_hits(jitted) == 1
+    pre.remove()
+    post.remove()
+    assert_close(jitted(x), model(x))
+    # Without hooks the wrapper's class keeps its direct call of the program.
+    assert type(keraunos.jit(model)).__call__ is plain_call
+
+
+def test_class_assignment_on_the_jitted_module_applies_to_the_wrapper():
+    model = nn.Linear(2, 2)
+    jitted = keraunos.jit(model)
+    extended = type("Extended", (type(jitted),), {})
+    jitted.__class__ = extended
+    assert type(jitted) is extended and type(model) is nn.Linear
+    assert_close(jitted(torch.ones(1, 2)), model(torch.ones(1, 2)))
