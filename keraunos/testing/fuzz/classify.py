@@ -63,16 +63,16 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _returns_input(args, out) -> bool:
-    return any(out is a for a in args if isinstance(a, torch.Tensor))
+def _returns_input(args, kwargs, out) -> bool:
+    return any(out is a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
-def _fact(func, args, out) -> tuple:
+def _fact(func, args, kwargs, out) -> tuple:
     """What the float64 run must reproduce of one call: the function, the dtype(s) it returned
     (or the dtype itself, for ``x.dtype``), whether it returned its input."""
     if isinstance(out, torch.dtype):
         return func, out, False
-    return func, tuple(t.dtype for t in _tensors(out)), _returns_input(args, out)
+    return func, tuple(t.dtype for t in _tensors(out)), _returns_input(args, kwargs, out)
 
 
 class Record(TorchFunctionMode):
@@ -83,8 +83,9 @@ class Record(TorchFunctionMode):
         self.facts: list[tuple] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.facts.append(_fact(func, args, out))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.facts.append(_fact(func, args, kwargs, out))
         return out
 
 
@@ -125,7 +126,7 @@ class Promote(TorchFunctionMode):
         got = tuple(t.dtype for t in _tensors(out))
         if len(got) != len(want) or not all(map(_agrees, got, want)):
             raise _Diverged(f"{getattr(func, '__name__', func)} returned {got}, eager {want}")
-        if was_input != _returns_input(args, out):
+        if was_input != _returns_input(args, kwargs, out):
             if was_input or not isinstance(out, torch.Tensor):
                 raise _Diverged(f"{getattr(func, '__name__', func)}: a new tensor, eager's input")
             out = out.clone()  # x.double() of a promoted x: eager made a copy, so must we
@@ -134,11 +135,16 @@ class Promote(TorchFunctionMode):
     @staticmethod
     def _run(func, args, kwargs, want):
         name = getattr(func, "__name__", "")
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        # nn.init functions pass their tensor as the keyword ``tensor`` to __torch_function__
+        first = args[0] if args else kwargs.get("tensor")
         fill = name in RANDOM_FILLS or getattr(func, "__module__", "") == "torch.nn.init"
-        if fill and first is not None and first.dtype == F64 and want[:1] == (F32,):
+        if (fill and isinstance(first, torch.Tensor) and first.dtype == F64
+                and want[:1] == (F32,)):
             draw = first.detach().to(F32)  # eager drew these numbers in float32
-            func(draw, *args[1:], **kwargs)
+            if args:
+                func(draw, *args[1:], **kwargs)
+            else:
+                func(**dict(kwargs, tensor=draw))
             with torch.no_grad():
                 first.copy_(draw)
             return first
