@@ -167,7 +167,8 @@ def test_shrinker_keeps_the_failure_and_drops_the_rest():
 def test_reproducer_is_runnable(name, capsys):
     script = generate(name).reproducer("example")
     exec(compile(script, "reproducer", "exec"), {})
-    assert capsys.readouterr().out.split()[0] in ("pass", "mismatch", "internal", "refusal")
+    assert capsys.readouterr().out.split()[0] in ("pass", "mismatch", "rounding", "internal",
+                                                  "refusal")
 
 
 # ----------------------------------------------- float mismatches: wrong result or rounding
