@@ -167,4 +167,112 @@ def test_shrinker_keeps_the_failure_and_drops_the_rest():
 def test_reproducer_is_runnable(name, capsys):
     script = generate(name).reproducer("example")
     exec(compile(script, "reproducer", "exec"), {})
-    assert capsys.readouterr().out.split()[0] in ("pass", "mismatch", "internal", "refusal")
+    assert capsys.readouterr().out.split()[0] in ("pass", "mismatch", "rounding", "internal",
+                                                  "refusal")
+
+
+# ----------------------------------------------- float mismatches: wrong result or rounding
+from keraunos.testing.fuzz.classify import Promote, Record, judge  # noqa: E402
+
+
+def _in_float64(f):
+    """A planted "compiler" more accurate than eager: computes in float64, rounds the outputs."""
+    def wrapped(*args):
+        out = f(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+        return pytree.tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) else x, out)
+    return wrapped
+
+
+def _cancelling(body_result="t"):
+    # a * 1e6 + 0.3 - a * 1e6 is 0.3 in float64; float32 keeps ~1/16 of it (ulp of 1e6)
+    return _program(["t = (a * 1e6 + 0.3) - a * 1e6"], [body_result])
+
+
+def test_accurate_jit_of_an_ill_conditioned_program_is_rounding_with_its_evidence():
+    outcome = run_program(_cancelling(), make_jitted=_in_float64)
+    assert (outcome.status, outcome.check) == ("rounding", "output value"), outcome
+    assert "max |eager f32 - f64| = " in outcome.detail and "max |jit - f64| = " in outcome.detail
+
+
+def test_a_wrong_value_of_an_ill_conditioned_program_stays_a_mismatch():
+    wrong = _in_float64(lambda a: ((a * 1e6 + 0.3) - a * 1e6 + 10.0,))
+    outcome = run_program(_cancelling(), make_jitted=lambda f: wrong)
+    assert (outcome.status, outcome.check) == ("mismatch", "output value"), outcome
+    assert "not rounding" in outcome.detail, outcome
+
+
+@pytest.mark.parametrize("plant, check", [
+    (lambda: (_program(["t = a * 2"], ["t"]), _outputs_map(lambda t: t + 0.01)), "output value"),
+    (lambda: (_program(["t = a * 2"], ["t"]), _outputs_map(lambda t: t * (1 + 1e-3))),
+     "output value")])
+def test_planted_wrong_values_are_judged_and_stay_mismatches(plant, check):
+    program, make = plant()
+    outcome = run_program(program, make_jitted=make)
+    assert (outcome.status, outcome.check) == ("mismatch", check), outcome
+    # the classifier ran (eager float32 is float64's to an ulp) and said why it is no rounding
+    assert "not rounding: against float64 eager" in outcome.detail, outcome
+
+
+def test_judge_accepts_a_jit_value_closer_to_float64_than_eager():
+    exact = torch.tensor([1000.3, -2.0, 5.0], dtype=torch.float64)
+    eager = torch.tensor([1000.0, -2.0, 5.0])       # eager lost 0.3 (cancellation)
+    jitted = torch.tensor([1000.25, -2.0, 5.0])     # closer, but not eager's
+    assert judge(eager, jitted, exact)[0]
+    assert not judge(eager, torch.tensor([1003.5, -2.0, 5.0]), exact)[0]  # > 10 x eager's error
+
+
+def test_judge_rejects_a_wrong_value_where_eager_is_accurate():
+    exact = torch.linspace(-3, 3, 12, dtype=torch.float64)
+    eager = exact.float()
+    rounding, evidence = judge(eager, eager + 1e-3, exact)
+    assert not rounding and "max |jit - f64| = 0.001" in evidence
+    assert judge(eager, exact.float(), exact)[0]  # float64's own value rounded: accepted
+
+
+def test_judge_with_fusion_accepts_torch_compiles_value_and_only_it():
+    exact = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    eager = torch.tensor([1.0, 2.0])
+    fused = torch.tensor([1.5, 2.0])
+    assert not judge(eager, fused, exact)[0]
+    rounding, evidence = judge(eager, fused, exact, compiled=fused.clone())
+    assert rounding and "jit equals torch.compile's" in evidence
+    assert not judge(eager, fused, exact, compiled=torch.tensor([1.2, 2.0]))[0]
+
+
+def test_judge_non_finite_values_must_be_float64s_or_eagers():
+    exact = torch.tensor([1e39, 1.0], dtype=torch.float64)
+    eager = torch.tensor([float("inf"), 1.0])       # float32 overflows where float64 does not
+    assert judge(eager, torch.tensor([float("inf"), 1.0]), exact)[0]
+    assert not judge(eager, torch.tensor([float("nan"), 1.0]), exact)[0]
+    assert not judge(eager, torch.tensor([float("inf"), float("nan")]), exact)[0]
+
+
+def test_float64_replay_draws_eagers_numbers_keeps_narrow_rounding_and_dtype_branches():
+    def f(a):
+        if a.dtype == torch.float64:   # eager saw float32: the float64 run must branch alike
+            return a * 0
+        x = torch.randn(3, 4) + torch.nn.init.uniform_(torch.empty(4))
+        return (a + x).to(torch.bfloat16).float(), a.double() * 3
+
+    torch.manual_seed(5)
+    a = torch.randn(3, 4)
+    record = Record()
+    torch.manual_seed(6)
+    with record:
+        eager = f(a)
+    a64 = a.double()  # what the classifier's factories make of the program's float32 input
+    torch.manual_seed(6)
+    with Promote(record.facts):
+        exact = f(a64)
+    assert [t.dtype for t in exact] == [torch.float64, torch.float64]
+    assert torch.equal(exact[0], eager[0].double())  # same draws, same bfloat16 rounding
+    assert torch.equal(exact[1], eager[1])
+
+
+def test_a_float64_run_that_does_another_thing_is_refused():
+    record = Record()
+    with record:
+        torch.ones(2).sin()
+    with pytest.raises(Exception, match="eager called"):
+        with Promote(record.facts):
+            torch.ones(2).cos()

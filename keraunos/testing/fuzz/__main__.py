@@ -1,7 +1,9 @@
 """``python -m keraunos.testing.fuzz --programs 10000 --seed 0 [--jobs N]``: run, summarize, shrink.
 
-Prints passes, mismatches, internal errors and refusals (by cause), then one shrunk reproducer
-per distinct failure; exits 1 on any mismatch or internal error.
+Prints passes, mismatches, rounding (float mismatches classified as float32 rounding against
+float64 eager, with the evidence), internal errors and refusals (by cause), then one shrunk
+reproducer per distinct failure (unshrunk for rounding); exits 1 on any mismatch or internal
+error, not on rounding.
 """
 from __future__ import annotations
 

@@ -39,20 +39,34 @@ class Report:
         ended = sum(1 for o in self.outcomes.values() if o.ended_by_error)
         lines = [f"{len(self.outcomes)} programs, {calls} calls compared, {self.seconds:.0f} s",
                  *(f"  {status:>15}: {counts.get(status, 0)}"
-                   for status in ("pass", "mismatch", "internal error", "refusal")),
+                   for status in ("pass", "mismatch", "rounding", "internal error", "refusal")),
                  f"  ({ended} passing programs ended early because eager raised as well)"]
         refusals = Counter(o.check for o in self.outcomes.values() if o.status == "refusal")
         if refusals:
             lines.append("refusals by cause:")
             lines += [f"  {n:5d}  {cause}" for cause, n in refusals.most_common()]
+        rounding = [(name, o) for name, o in self.outcomes.items() if o.status == "rounding"]
+        if rounding:  # not failures, but the evidence is shown so that anyone can check it
+            lines.append("rounding (float32 rounding of an ill-conditioned program, not counted "
+                         "as failures):")
+            lines += [f"  {name}: {o.check}: {o.detail.splitlines()[-1]}" for name, o in rounding]
         if self.failures:
             lines.append("failures by kind:")
             for (status, check), names in sorted(self.failures.items(), key=lambda kv: -len(kv[1])):
                 lines.append(f"  {len(names):5d}  {status}: {check}   (e.g. {', '.join(names[:3])})")
         return "\n".join(lines)
 
+    @property
+    def rounding(self) -> dict[tuple, list[str]]:
+        """Mismatches classified as rounding, (status, check) -> programs."""
+        groups = defaultdict(list)
+        for name, o in self.outcomes.items():
+            if o.status == "rounding":
+                groups[o.signature].append(name)
+        return dict(groups)
+
     def reproducers_text(self) -> str:
-        """One shrunk, runnable reproducer per distinct failure."""
+        """One shrunk, runnable reproducer per distinct failure (and unshrunk ones for rounding)."""
         return "\n\n".join(f"# ===== {status}: {check}\n{script}"
                              for (status, check), scripts in self.reproducers.items()
                              for script in dict.fromkeys(scripts))
@@ -67,14 +81,19 @@ def _jit(fn):
     return keraunos.jit(fn) if _executors is None else keraunos.jit(fn, executors=_executors)
 
 
+def _fused() -> bool:
+    """With fusion, a float mismatch is also compared with ``torch.compile``'s value."""
+    return bool(_executors) and "inductor" in _executors
+
+
 def _run_one(name: str) -> tuple[str, Outcome]:
-    return name, run_program(generate(name), _jit)
+    return name, run_program(generate(name), _jit, compile_reference=_fused())
 
 
 def _shrink_one(job) -> tuple[tuple, str]:
     name, outcome, budget = job
     program, result = shrink(generate(name), outcome, budget_s=budget,
-                             run=lambda p: run_program(p, _jit))
+                             run=lambda p: run_program(p, _jit, compile_reference=_fused()))
     return outcome.signature, program.reproducer(str(result))
 
 
@@ -110,6 +129,11 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
             for signature, names_ in report.failures.items():
                 report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
                                                  for name in names_[:per_kind]]
+        # Rounding is kept as generated (shrinking would classify every candidate again, with
+        # torch.compile under fusion): the evidence is in the reproducer's comment.
+        for signature, names_ in report.rounding.items():
+            report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
+                                             for name in names_[:per_kind]]
     finally:
         if pool:
             pool.close()

@@ -13,10 +13,14 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 class Mismatch(Exception):
-    def __init__(self, check: str, detail: str):
+    """``path``, ``eager`` and ``jitted`` are set for a floating value mismatch: the classifier
+    (``classify.py``) compares the two tensors with float64 eager at that path."""
+
+    def __init__(self, check: str, detail: str, path: str = "", eager=None, jitted=None):
         super().__init__(f"{check}: {detail}")
         self.check = check
         self.detail = detail
+        self.path, self.eager, self.jitted = path, eager, jitted
 
 
 def flatten(tree, path: str = "out") -> list[tuple[str, object]]:
@@ -36,7 +40,9 @@ def compare_tree(eager, jitted, path: str, check: str) -> None:
     if isinstance(eager, torch.Tensor):
         problem = tensor_problem(eager, jitted)
         if problem:
-            raise Mismatch(f"{check} {problem[0]}", f"{path}: {problem[1]}")
+            floating = problem[0] == "value" and eager.is_floating_point()
+            raise Mismatch(f"{check} {problem[0]}", f"{path}: {problem[1]}",
+                           *((path, eager.detach().clone(), jitted.detach().clone()) if floating else ()))
     elif isinstance(eager, (tuple, list)) and not isinstance(eager, torch.Size):
         if len(eager) != len(jitted):
             raise Mismatch(f"{check} structure", f"{path}: length {len(eager)} vs {len(jitted)}")

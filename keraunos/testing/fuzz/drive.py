@@ -22,7 +22,9 @@ import keraunos
 from .compare import Mismatch, compare_roles, compare_states, compare_tree, flatten, module_state
 from .program import Call, Program
 
-STATUSES = ("pass", "mismatch", "internal error", "refusal")
+# "rounding": a float mismatch the classifier (classify.py) found to be float32 rounding of an
+# ill-conditioned program, not a wrong result: reported apart, not a failure.
+STATUSES = ("pass", "mismatch", "rounding", "internal error", "refusal")
 
 
 @dataclass
@@ -68,8 +70,12 @@ class _Side:
         return dict(self.ns, model=self.model, target=self.target, G=self.ns)
 
 
-def run_program(program: Program, make_jitted: Callable = keraunos.jit) -> Outcome:
-    """Drive ``program`` through its steps on ``make_jitted(f_or_model)`` and on the eager twin."""
+def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify: bool = True,
+                compile_reference: bool = False) -> Outcome:
+    """Drive ``program`` through its steps on ``make_jitted(f_or_model)`` and on the eager twin.
+    ``classify``: a float value mismatch is checked against float64 eager (and, with
+    ``compile_reference``, against ``torch.compile``) and becomes "rounding" when the jitted value
+    is as good as eager's (``classify.py``)."""
     filename = f"keraunos_fuzz_{re.sub(r'[^0-9A-Za-z]', '_', program.name)}.py"
     source = program.source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -91,7 +97,12 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit) -> Outco
                     else:
                         _both(lambda side: exec(step.render(), side.env()), eager, jitted, "change")
                 except Mismatch as m:
-                    return Outcome("mismatch", m.check, m.detail, index, calls)
+                    outcome = Outcome("mismatch", m.check, m.detail, index, calls)
+                    if classify and m.eager is not None:
+                        from .classify import classify_mismatch  # it imports this module
+                        outcome = classify_mismatch(program, filename, outcome, m,
+                                                    compile_reference)
+                    return outcome
                 except _Stop as stop:
                     if stop.outcome is None:
                         return Outcome("pass", step=index, calls=calls, ended_by_error=stop.ended_by_error)
@@ -164,23 +175,27 @@ def _cause(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------- one call
-def _call(step: Call, eager: _Side, jitted: _Side) -> None:
-    def run(side: _Side):
-        env = side.env()
-        before = set(env)
-        torch.manual_seed(step.seed)
-        exec(step.full_source, env)
-        torch.manual_seed(step.seed)
-        with torch.set_grad_enabled(not step.no_grad):
-            out = side.target(*env["args"], **env["kwargs"])
-        named = {k: v for k, v in env.items() if k not in before and isinstance(v, torch.Tensor)}
-        for i, a in enumerate(env["args"]):
-            named.setdefault(f"args[{i}]", a)
-        for k, a in env["kwargs"].items():
-            named.setdefault(f"kwargs[{k!r}]", a)
-        return out, [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
+def call_one(step: Call, side: _Side):
+    """One call on one side: its output and the tensors it names (arguments and the tensors its
+    set-up made), in the order they are compared."""
+    env = side.env()
+    before = set(env)
+    torch.manual_seed(step.seed)
+    exec(step.full_source, env)
+    torch.manual_seed(step.seed)
+    with torch.set_grad_enabled(not step.no_grad):
+        out = side.target(*env["args"], **env["kwargs"])
+    named = {k: v for k, v in env.items() if k not in before and isinstance(v, torch.Tensor)}
+    for i, a in enumerate(env["args"]):
+        named.setdefault(f"args[{i}]", a)
+    for k, a in env["kwargs"].items():
+        named.setdefault(f"kwargs[{k!r}]", a)
+    return out, [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
 
-    (e_out, e_named), (j_out, j_named) = _both(run, eager, jitted, "call")
+
+def _call(step: Call, eager: _Side, jitted: _Side) -> None:
+    (e_out, e_named), (j_out, j_named) = _both(lambda side: call_one(step, side), eager, jitted,
+                                               "call")
     compare_tree(e_out, j_out, "out", "output")
     e_flat, j_flat = flatten(e_out), flatten(j_out)
     compare_roles(e_flat, j_flat, e_named + _static(eager), j_named + _static(jitted))
@@ -212,18 +227,20 @@ def _globals(side: _Side) -> dict:
             if k.isupper() and isinstance(v, (int, float, torch.Tensor))}
 
 
+def _grad_outputs(flat) -> list[torch.Tensor]:
+    return [v for _, v in flat if isinstance(v, torch.Tensor) and v.requires_grad
+            and v.is_floating_point()]
+
+
+def backward_one(flat) -> int:
+    """The backward of one side: of the sum of its floating outputs that require grad."""
+    outputs = _grad_outputs(flat)
+    if outputs:
+        sum(t.sum() for t in outputs).backward()
+    return len(outputs)
+
+
 def _backward(e_flat, j_flat, eager: _Side, jitted: _Side) -> None:
-    def float_outputs(flat):
-        return [v for _, v in flat if isinstance(v, torch.Tensor) and v.requires_grad
-                and v.is_floating_point()]
-
-    if not float_outputs(e_flat) and not float_outputs(j_flat):
+    if not _grad_outputs(e_flat) and not _grad_outputs(j_flat):
         return
-
-    def backward(side: _Side):
-        outputs = float_outputs(e_flat if side is eager else j_flat)
-        if outputs:
-            sum(t.sum() for t in outputs).backward()
-        return len(outputs)
-
-    _both(backward, eager, jitted, "backward")
+    _both(lambda side: backward_one(e_flat if side is eager else j_flat), eager, jitted, "backward")
