@@ -13,7 +13,8 @@ from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
 from .errors import CaptureError, DataDependentError, KeraunosError, UnsupportedInputError
 from .structure import invalidate_module_structure
-from .jit import CacheMode, CompileStats, Fallback, JittedFunction, JittedModule, jit, state_of
+from .jit import CacheMode, CompileStats, Fallback, state_of
+from .jitted import JittedFunction, JittedModule, jit
 from .capture.symbolic import mark_dynamic, mark_static
 from .report import report
 from .transforms import Transform

@@ -66,7 +66,7 @@ def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
 def capture(state, args, kwargs) -> Compilation:
     """The program as the user's code ran it: prologue, computation, epilogue traces."""
     # A unit of a fully_shard'ed model is captured from its forward: its call hooks are
-    # FSDP2's, which run eagerly around the program (jit.py, _jit_fsdp).
+    # FSDP2's, which run eagerly around the program (jitted.py, _jit_fsdp).
     forward_only = getattr(state, "forward_only", False)
     target = state.module if state.module is not None and not forward_only else state.fn
     with fusion.tagging_layers(state.module if _fusing(state) else None):

@@ -15,7 +15,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ..cache import CacheEntry
 from ..core import glue
 from ..core.trace import Trace
-from ..jit import jit
+from ..jitted import jit
 from ..transforms import Transform
 from .sources import UserSourceLines
 from .vmap import has_vmap_regions, rewrite_vmap_regions
