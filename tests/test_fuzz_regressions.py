@@ -516,3 +516,34 @@ def test_buffer_overwritten_with_a_value_requiring_grad_on_every_call():
             calls.append((out.detach(), model.buf.detach().clone(), leaf.grad))
         results.append(calls)
     _assert_same_calls(results[1], results[0])
+
+
+def test_in_place_write_before_a_metadata_change_of_a_view_input_is_named():
+    # Fuzzer 310:1017: `a.abs_()` then `a.unsqueeze_(0); a[:, 0].add_(1.0); a.squeeze_(0)` on a
+    # transposed input: the autograd split lost the name of `a` as it was before its metadata
+    # changed (UnboundLocalError in the forward).
+    def f(a):
+        a.abs_()
+        a.unsqueeze_(0); a[:, 0].add_(1.0); a.squeeze_(0)  # noqa: E702
+        return a * 2
+
+    def transposed():
+        leaf = torch.randn(4, 3, requires_grad=True)
+        return leaf, (leaf * 1.0).t()
+
+    makers = [transposed, transposed]
+    keraunos_f = keraunos.jit(f)
+    _assert_same_calls(_leaf_grads_over_calls(lambda a: [keraunos_f(a)], makers),
+                       _leaf_grads_over_calls(lambda a: [f(a)], makers))
+
+
+def test_write_through_a_view_of_a_metadata_changed_view_is_refused_not_an_internal_error():
+    # Fuzzer 310:923: `t = a.select(0, 1); t.unsqueeze_(0); t[0, :1].neg_()`: the fake tensors
+    # replay `t[0, :1]` without the unsqueeze_ and fail; eager runs it. A clear refusal.
+    def f(a):
+        t = a.select(0, 1)
+        t.unsqueeze_(0); t[0, :1].neg_(); t.squeeze_(0)  # noqa: E702
+        return a * 2
+
+    with pytest.raises(keraunos.CaptureError, match="functional form"):
+        keraunos.jit(f)(torch.randn(5, 4, requires_grad=True) * 1.0)

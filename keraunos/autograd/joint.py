@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..capture.symbolic import SymbolicValue
 from ..core import glue
 from ..core.aten import AtenCall, AtenRecorder
+from ..core.effects import METADATA_WRITES
 from ..core.interpreter import SKIP, Interpreter
 from ..core.proxies import NumberProxy, TensorProxy
 from ..core.symbols import TorchSymbol
@@ -41,6 +42,9 @@ class Joint:
     # input index -> positions in ``differentiable`` of the outputs whose autograd graph reaches
     # that input: eager's backward reaches an input only from outputs that got a gradient.
     reached_from: dict[int, set[int]] = field(default_factory=dict)
+    # (name, fake): the fakes a name stood for before and after an in-place metadata change of a
+    # view (``x.t_()``, run on fakes as its functional view, see _FakeForward.run_line).
+    rebound: list = field(default_factory=list)
 
 
 def _is_differentiable(t) -> bool:
@@ -65,6 +69,7 @@ class _FakeForward(Interpreter):
         super().__init__(env)
         self.recorder = recorder
         self.outputs: list[TensorProxy] = []
+        self.rebound: list[tuple[str, Any]] = []  # (name, fake) of each in-place metadata change
 
     def constant(self, x):
         return x.value if isinstance(x, SymbolicValue) else x  # a symbolic size: its SymInt
@@ -81,13 +86,18 @@ class _FakeForward(Interpreter):
                 # The fake inputs have no .grad; the real ones have what capture saw.
                 return _fake_like(bsym.outputs)
             self.recorder.parent = index
-            functional = _METADATA_WRITES.get(symbol.fn)
+            functional = METADATA_WRITES.get(symbol.fn)
             if functional is not None and args and _is_tracked_view(args[0]):
                 # x.t_() of a view: on fakes, autograd replays views from their view functions,
                 # which miss in-place metadata changes (a later write through x[..., :1] would
                 # get the gradient of the untransposed slice). The functional view is the same
                 # memory and metadata, and autograd tracks it exactly; the trace keeps x.t_().
-                self.env[bsym.args[0].name] = functional(*args, **kwargs)
+                # The name now stands for another fake: the one it stood for is remembered, so
+                # that what earlier lines made from it is still named (see ``rebound``).
+                name = bsym.args[0].name
+                self.rebound.append((name, self.env[name]))
+                self.env[name] = functional(*args, **kwargs)
+                self.rebound.append((name, self.env[name]))
                 return SKIP
             out = rule_for(symbol.fn)(*args, **kwargs)
             return SKIP if symbol.style == "setitem" else out
@@ -145,7 +155,8 @@ def record_joint(computation: Trace) -> Joint:
         torch._C._set_grad_enabled(state)
     return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, forward.outputs,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode],
-                 reached_from=_reached_from(inputs, [outputs[i] for i in differentiable]))
+                 reached_from=_reached_from(inputs, [outputs[i] for i in differentiable]),
+                 rebound=forward.rebound)
 
 
 def _reached_from(inputs: list, outputs: list) -> dict[int, set[int]]:
@@ -171,16 +182,6 @@ def _reached_from(inputs: list, outputs: list) -> dict[int, set[int]]:
     return reached
 
 
-# In-place metadata changes -> their functional views.
-_METADATA_WRITES = {
-    torch.Tensor.t_: torch.Tensor.t,
-    torch.Tensor.transpose_: torch.Tensor.transpose,
-    torch.Tensor.swapdims_: torch.Tensor.swapdims,
-    torch.Tensor.swapaxes_: torch.Tensor.swapaxes,
-    torch.Tensor.squeeze_: torch.Tensor.squeeze,
-    torch.Tensor.unsqueeze_: torch.Tensor.unsqueeze,
-    torch.Tensor.as_strided_: torch.Tensor.as_strided,
-}
 
 
 def _is_tracked_view(t) -> bool:

@@ -159,10 +159,15 @@ def split_forward_backward(computation: Trace) -> Split:
         for p in getattr(value, "proxies", ()):
             numbers_read[p.name] = p
         return value
+    for name, fake in joint.rebound:  # before an in-place metadata change: the same name
+        namer.bind(fake, name)
     for name, fake in joint.env.items():
         if isinstance(fake, torch.Tensor):
             namer.bind(fake, name)
     torch_level = set(namer.name_of)  # ids of values the torch-level trace names
+    # A name whose metadata the forward changes in place names one object at run time, with its
+    # last metadata when the forward returns it: the backward must not save it.
+    changing = {name for name, _ in joint.rebound}
 
     # Every forward ATen value gets a name; remember which torch-level line made it.
     parent_of: dict[int, int] = {}
@@ -195,6 +200,10 @@ def split_forward_backward(computation: Trace) -> Split:
                     if name is None:
                         raise NotImplementedError(f"the backward of {call.func} reads a tensor "
                                                   f"the forward did not produce")
+                if name in changing:
+                    raise NotImplementedError(
+                        f"the backward of {call.func} reads {name}, whose metadata the forward "
+                        f"changes in place ({name}.t_(), .unsqueeze_(), ...)")
                 if name not in saved:
                     saved.append(name)
                 return namer.proxies[name]

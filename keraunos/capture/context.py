@@ -89,6 +89,7 @@ class CaptureContext:
         self.mutated_with_grad: dict[int, bool] = {}
         self.attribute_writes: list[AttributeWrite] = []
         self.replayed_calls: list = []  # print, logging, warnings.warn: replayed.ReplayedCall
+        self.metadata_changed_views: set[int] = set()  # storages of views changed by x.t_(), ...
         self.in_vmap = False
         self.specialize_data = False
         # specialize_data: the symbols of ints read from tensor data, by what computes them, and

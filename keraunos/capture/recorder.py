@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..core.effects import draws_random, is_inplace_by_name
+from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, FunctionTransformError, user_source
 from .distributed import capture_collective, is_distributed_function
@@ -75,6 +75,9 @@ class Recorder(TorchFunctionMode):
         except CaptureError:
             raise
         except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
+            if any(t.requires_grad and t.untyped_storage()._cdata in ctx.metadata_changed_views
+                   for t in tensors if not _is_functorch_wrapped(t)):
+                raise _metadata_change_error(symbol) from e
             if _no_fake_kernel(e):
                 # No kernel can describe its output without running it: run it once for real,
                 # on zeros, for the output's metadata; the trace calls it like any other op.
@@ -103,6 +106,9 @@ class Recorder(TorchFunctionMode):
             # A transform entered by explicit calls (dynamo's graph of torch.func.jvp makes
             # duals with _make_dual): the same refusal as for its inputs.
             raise _transform_error()
+        if func in METADATA_WRITES and tensors and tensors[0]._is_view() and \
+                tensors[0].requires_grad:
+            ctx.metadata_changed_views.add(tensors[0].untyped_storage()._cdata)
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
@@ -116,6 +122,16 @@ class Recorder(TorchFunctionMode):
 
 
 _is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _metadata_change_error(symbol) -> CaptureError:
+    return CaptureError(
+        f"keraunos cannot capture {user_source()}\n  `{symbol.name}` writes through a view of a "
+        f"tensor whose metadata the program changed in place (x.unsqueeze_(0), x.t_(), ...) "
+        f"while it is a view of another tensor that requires grad: PyTorch's fake tensors "
+        f"replay such views without the change, so capture cannot follow it.\n  What to do: "
+        f"use the functional form and a new name (y = x.unsqueeze(0); y[0, :1].neg_()), which "
+        f"writes the same memory.")
 
 
 def _transform_error() -> FunctionTransformError:

@@ -115,3 +115,16 @@ def is_inplace_by_name(symbol: TorchSymbol) -> bool:
     return (short.endswith("_") and not short.endswith("__")) or symbol.style == "setitem" or (
         symbol.style == "operator" and short.startswith("__i") and short[3:-2] in
         _INPLACE_OPERATORS)
+
+
+# In-place changes of a tensor's metadata (not its data), each with its functional view. On fake
+# tensors autograd replays views from their view functions, which miss these changes.
+METADATA_WRITES = {
+    torch.Tensor.t_: torch.Tensor.t,
+    torch.Tensor.transpose_: torch.Tensor.transpose,
+    torch.Tensor.swapdims_: torch.Tensor.swapdims,
+    torch.Tensor.swapaxes_: torch.Tensor.swapaxes,
+    torch.Tensor.squeeze_: torch.Tensor.squeeze,
+    torch.Tensor.unsqueeze_: torch.Tensor.unsqueeze,
+    torch.Tensor.as_strided_: torch.Tensor.as_strided,
+}
