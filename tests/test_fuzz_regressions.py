@@ -547,3 +547,24 @@ def test_write_through_a_view_of_a_metadata_changed_view_is_refused_not_an_inter
 
     with pytest.raises(keraunos.CaptureError, match="functional form"):
         keraunos.jit(f)(torch.randn(5, 4, requires_grad=True) * 1.0)
+
+
+@pytest.mark.parametrize("aliased", [True, False], ids=["inputs-share-memory", "separate"])
+def test_detached_alias_of_an_input_written_with_grad_and_returned_is_refused(aliased):
+    # Fuzzer 322:1783: `t = a.detach(); t.sub_(b.mean(-1, keepdim=True)); return t`. In eager
+    # t's history is its own (the write); keraunos rebuilt it as a view of the written input,
+    # whose history is the input's: the gradient had the wrong sign with b = a.t(), and b got
+    # no gradient at all without sharing. Now refused, with the way out.
+    def f(a, b):
+        t = a.detach()
+        t.sub_(b.mean(-1, keepdim=True))
+        return t
+
+    leaf = torch.randn(4, 4, requires_grad=True)
+    a = leaf.clone()
+    b = a.t() if aliased else torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(keraunos.CaptureError, match=r"\.clone\(\)"):
+        keraunos.jit(f)(a, b)
+    g = lambda a, b: f(a, b).clone()  # noqa: E731 - the way out the message gives works
+    torch.testing.assert_close(keraunos.jit(lambda a, b: f(a, b) * 1)(leaf.clone(), b.detach()),
+                               g(leaf.clone(), b.detach()))

@@ -295,6 +295,16 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             group = next(g for g in groups if ctx.storage_of[g.members[0].proxy.name] == key)
             if proxy.name in members_by_name:
                 return FromInput(proxy, group.base, (), (), 0)
+            if tensor.requires_grad and not tensor._is_view():
+                # An alias autograd does not track as a view (x.detach(), x.data) that the
+                # program then wrote with a value requiring grad: in eager its history is its
+                # own (the write), which a view rebuilt from the input cannot have.
+                raise CaptureError(
+                    f"keraunos cannot capture this program: it returns {proxy.name}, an alias of "
+                    f"an input's memory made outside autograd (.detach(), .data) and then written "
+                    f"in place with a value that requires grad; its gradient would differ from "
+                    f"eager's.\n  What to do: return a copy (.clone()) of it, or write to a "
+                    f"tensor of its own.")
             # The view is rebuilt after the copy-back, from the input (or its whole storage).
             owner, absolute = view_source.get(proxy.name, (group.members[0].proxy, False))
             base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
