@@ -75,9 +75,6 @@ class Recorder(TorchFunctionMode):
         except CaptureError:
             raise
         except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
-            if any(t.requires_grad and t.untyped_storage()._cdata in ctx.metadata_changed_views
-                   for t in tensors if not _is_functorch_wrapped(t)):
-                raise _metadata_change_error(symbol) from e
             if _no_fake_kernel(e):
                 # No kernel can describe its output without running it: run it once for real,
                 # on zeros, for the output's metadata; the trace calls it like any other op.
@@ -87,7 +84,13 @@ class Recorder(TorchFunctionMode):
             # A fake kernel can reject a call with another exception type than the real kernel
             # (ValueError for an impossible view, where eager raises RuntimeError): the user's
             # `except` must see eager's, so the real kernel is asked on zeros of the same layout.
-            e = _real_kernel_error(ctx, func, args, kwargs) or e
+            real_error = _real_kernel_error(ctx, func, args, kwargs)
+            if real_error is None and any(
+                    t.requires_grad and t.untyped_storage()._cdata in ctx.metadata_changed_views
+                    for t in tensors if not _is_functorch_wrapped(t)):
+                # Only the fake tensors failed (the real kernel runs): see _metadata_change_error.
+                raise _metadata_change_error(symbol) from e
+            e = real_error or e
             source = user_source()
             if source is not None and hasattr(e, "add_note"):
                 e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
