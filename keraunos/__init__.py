@@ -79,18 +79,46 @@ def last_cache_miss_reasons(jitted) -> list[str]:
 
 def compile_stats(jitted) -> CompileStats:
     """Per-stage compile times of the entry that ran last, the last call's cache lookup time
-    (on a miss, without the compilation) and whether it compiled, and the cache counters."""
+    (on a miss, without the compilation) and whether it compiled, the cache counters, and which
+    tier ran the last call (``tier``: "torch" or "fused"; for a fused program compiled in the
+    background, ``fused_from_call``: the calls before the switch, ``fusion_seconds``, its
+    stages, ``fusion_pending``)."""
     state = state_of(jitted)
-    stages = dict(state.last_entry.stages) if state.last_entry else {}
-    compiled = state.misses > 0 and state.compiled_at_call == state.hits + state.misses
-    return CompileStats(stages, state.last_lookup, state.hits, state.misses, compiled)
+    entry = state.last_entry
+    stages = dict(entry.stages) if entry else {}
+    calls = state.hits + state.misses
+    compiled = state.misses > 0 and state.compiled_at_call == calls
+    stats = CompileStats(stages, state.last_lookup, state.hits, state.misses, compiled)
+    if entry is None:
+        return stats
+    stats.fusion_note = getattr(entry, "fusion_note", None)
+    stats.tier = "fused" if getattr(entry, "fusion_regions", None) else "torch"
+    tiering = getattr(entry, "tiering", None)
+    if tiering is not None:
+        switched = tiering.fused_from_call
+        stats.tier = "fused" if switched is not None and calls > switched else "torch"
+        stats.fused_from_call, stats.fusion_stages = switched, dict(tiering.stages) or None
+        stats.fusion_seconds, stats.fusion_pending = tiering.seconds, not tiering.done.is_set()
+        if tiering.error is not None:
+            stats.fusion_note = (f"the fused compile failed ({type(tiering.error).__name__}: "
+                                 f"{tiering.error})")
+    return stats
+
+
+def wait_for_fusion(jitted, timeout: float | None = None) -> bool:
+    """Wait until the fused programs the cache entries of ``jitted`` are compiling in the
+    background (``fuse="background"``) are ready and switched to; the next call runs fused.
+    Returns False if ``timeout`` seconds passed first. For benchmarks and tests: a program
+    never needs to call it."""
+    from .tiers import wait_for_fusion as wait
+    return wait(state_of(jitted), timeout)
 
 
 __all__ = [
     "jit", "Transform", "Tag", "STATIC_MEMORY_LOCATION", "Trace", "CaptureError",
     "DataDependentError", "KeraunosError", "UnsupportedInputError", "CacheMode", "CompileStats", "Fallback", "JittedFunction", "JittedModule",
     "last_traces", "last_prologue_traces", "last_epilogue_traces", "last_backward_traces",
-    "last_fusions",
+    "last_fusions", "wait_for_fusion",
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
     "invalidate_module_structure", "report", "mark_dynamic", "mark_static",
 ]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .core.trace import Trace
@@ -37,3 +37,6 @@ class CacheEntry:
     written_positions: tuple | None = None
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True
+    fusion_regions: list = field(default_factory=list)  # keraunos.last_fusions
+    fusion_note: str | None = None   # why the program was not fused, when it could have been
+    tiering: object = None           # tiers.Tiering: the fused tier compiling in the background

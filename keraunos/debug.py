@@ -157,7 +157,8 @@ def format_compile_stats(stats) -> str:
     """``str(keraunos.compile_stats(jitted))``: the compile stages of the entry that ran last
     (one unit for the column, so that the stages compare at a glance), what the last call's
     cache lookup did and cost, and the counters since the callable was made."""
-    label_width = max([len(s) for s in stats.stages] + [len("total compile")])
+    label_width = max([len(s) for s in (*stats.stages, *(stats.fusion_stages or ()))]
+                      + [len("total compile")])
     lines = ["compile stages of the entry that ran last (ms):"]
     lines += [f"  {name:<{label_width}}  {seconds * 1e3:9.2f}"
               for name, seconds in stats.stages.items()]
@@ -168,6 +169,20 @@ def format_compile_stats(stats) -> str:
                      f"so it compiled a new entry: the stages above")
     else:
         lines.append(f"last call: a cache hit: the cache lookup (prologue checks) took {lookup}")
+    if stats.fusion_stages:
+        lines.append("fused tier, compiled in the background (ms):")
+        lines += [f"  {name:<{label_width}}  {seconds * 1e3:9.2f}"
+                  for name, seconds in stats.fusion_stages.items()]
+    if stats.fusion_pending:
+        lines.append("tier: torch (eager's kernels) while the fused program compiles in the "
+                     "background")
+    elif stats.fused_from_call is not None:
+        lines.append(f"tier: {stats.tier}; the fused program was ready after "
+                     f"{format_duration(stats.fusion_seconds or 0.0)}, and calls after call "
+                     f"{stats.fused_from_call} run it")
+    else:
+        lines.append(f"tier: {stats.tier}" + (f" ({stats.fusion_note})" if stats.fusion_note
+                                                else ""))
     misses = f"{stats.cache_misses} cache miss{'' if stats.cache_misses == 1 else 'es'}"
     hits = f"{stats.cache_hits} cache hit{'' if stats.cache_hits == 1 else 's'}"
     lines.append(f"calls so far: {hits}, {misses} (each miss compiles an entry)")

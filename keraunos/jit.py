@@ -42,6 +42,7 @@ from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import FALLBACK_ERRORS, CaptureError, UnsupportedInputError, user_source
 from .pipeline import compile_entry
+from .tiers import IMPORT_LOCK, FuseMode, default_mode
 from .transforms import Transform
 
 
@@ -58,6 +59,15 @@ class CompileStats:
     cache_hits: int
     cache_misses: int
     last_call_compiled: bool = False
+    # Which tier ran the last call: "torch" (eager's kernels) or "fused" (Inductor's regions);
+    # for an entry fused in the background, the number of calls before it switched (calls after
+    # it run fused), how long the fused compile took, its stages, and whether it is still going.
+    tier: str = "torch"
+    fused_from_call: int | None = None
+    fusion_seconds: float | None = None
+    fusion_stages: dict[str, float] | None = None
+    fusion_pending: bool = False
+    fusion_note: str | None = None
 
     @property
     def compile_time(self) -> float:
@@ -87,11 +97,12 @@ class JitOptions:
     specialize_data: bool
     fallback: Fallback
     dynamic: bool | None
+    fuse: FuseMode = FuseMode.BACKGROUND
 
     @classmethod
     def validated(cls, *, executors=None, transforms=None, cache="constant values",
                   max_cache_entries=8, profile=None, specialize_data=False, fallback="dynamo",
-                  dynamic=None) -> "JitOptions":
+                  dynamic=None, fuse=None) -> "JitOptions":
         for t in transforms or ():
             if not isinstance(t, Transform):
                 raise TypeError(f"keraunos.jit: transforms must be keraunos.Transform instances, "
@@ -100,10 +111,14 @@ class JitOptions:
             raise ValueError(f"keraunos.jit: dynamic must be None, True or False, got {dynamic!r}")
         if max_cache_entries < 1:
             raise ValueError("keraunos.jit: max_cache_entries must be at least 1")
+        fuse = _member(FuseMode, default_mode() if fuse is None else fuse, "fuse")
+        if executors is None:
+            executors = executors_module.DEFAULT_EXECUTORS if fuse is not FuseMode.OFF else (
+                "torch",)
         return cls(tuple(executors_module.resolve(executors)), tuple(transforms or ()),
                    _member(CacheMode, cache, "cache"), max_cache_entries,
                    _profile_default() if profile is None else bool(profile),
-                   bool(specialize_data), _member(Fallback, fallback, "fallback"), dynamic)
+                   bool(specialize_data), _member(Fallback, fallback, "fallback"), dynamic, fuse)
 
 
 def _member(enum_type, value, what: str):
@@ -468,7 +483,8 @@ def _inline_entry(state: _JitState) -> CacheEntry:
 def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     """An entry that runs the program through torch.compile with the keraunos backend, with
     this callable's executors and transforms; warns once, naming the line that forced it."""
-    from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
+    with IMPORT_LOCK:  # the fusion worker may be importing Inductor's circle of modules
+        from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
     compiled = torch.compile(target, backend=backend(executors=state.options.executors,
                                                      transforms=state.options.transforms))

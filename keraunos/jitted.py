@@ -395,7 +395,7 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         transforms: Sequence[Transform] | None = None, cache: str | CacheMode = "constant values",
         max_cache_entries: int = 8, profile: bool | None = None,
         specialize_data: bool = False, fallback: str | Fallback = "dynamo",
-        dynamic: bool | None = None):
+        dynamic: bool | None = None, fuse: str | None = None):
     """Compile a function of tensors or an ``nn.Module``; the result is called like the original.
 
     The first call captures the program into traces, transforms and compiles them, and caches the
@@ -410,7 +410,15 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
 
     Args:
         executors: who runs the operations, in order of preference (names or ``Executor``s);
-            default ``["torch"]``.
+            default ``["inductor", "torch"]``: fused regions where they pay, compiled as
+            ``fuse`` says, the torch executor for the rest.
+        fuse: how the fusion executors' regions are compiled (see ``keraunos/tiers.py``):
+            ``"background"`` (default, or ``KERAUNOS_FUSE``): the first call runs at once on the
+            torch executor while the fused program compiles on a background thread, and later
+            calls switch to it (``keraunos.wait_for_fusion`` waits for it); programs too small
+            to gain from fusion are not fused. ``"wait"``: the first call waits for the fused
+            program (also what ``"background"`` does under
+            ``torch.use_deterministic_algorithms(True)``). ``"off"``: no fusion.
         transforms: ``keraunos.Transform`` instances whose hooks run at fixed points.
         cache: ``"constant values"`` (default: sizes and Python numbers are compiled in and
             checked; a size or int that changes between calls is compiled as a symbol on the next
@@ -450,7 +458,7 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
     options = JitOptions.validated(
         executors=executors, transforms=transforms, cache=cache,
         max_cache_entries=max_cache_entries, profile=profile, specialize_data=specialize_data,
-        fallback=fallback, dynamic=dynamic)
+        fallback=fallback, dynamic=dynamic, fuse=fuse)
     if _is_ddp(fn_or_module):
         return _jit_ddp(fn_or_module, options)
     if isinstance(fn_or_module, torch.nn.Module) and _fsdp_units(fn_or_module):

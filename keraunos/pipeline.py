@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from . import executors as executors_module
+from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
@@ -21,6 +22,7 @@ from .passes.fast_prologue import fast_prologue
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
+from .tiers import FuseMode, Tiering
 
 # The computation's optimization passes, in order (each ``trace -> trace``, see passes/runner.py).
 OPTIMIZATIONS = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
@@ -42,6 +44,8 @@ class Compilation:
     split: Any = None                          # the autograd split, when there is a backward
     records_autograd: bool = False             # no backward trace: torch's autograd records ops
     fusion_regions: list = field(default_factory=list)
+    executors: tuple = ()                      # who claims lines (tier 0: no fusion executors)
+    fusion_note: str | None = None             # why the program is not fused (compile_stats)
 
     @property
     def computation(self) -> Trace:
@@ -55,12 +59,82 @@ class Compilation:
         self.stages[label] = self.stages.get(label, 0.0) + seconds  # DCE runs twice: summed
 
 
-def compile_entry(state, args: tuple, kwargs: dict) -> CacheEntry:
-    """Capture the program, then run every stage in ``STAGES`` order; the entry holds it all."""
+def compile_entry(state, args, kwargs) -> CacheEntry:
+    """Capture the program, run every stage in ``STAGES`` order, then the claims and what
+    follows them (``TIER_STAGES``) once per tier: the entry holds it all. With fusion in the
+    background, the entry runs tier 0 (no fusion executors) and switches to the fused tier when
+    the worker has compiled it (``tiers.py``)."""
     c = capture(state, args, kwargs)
     for stage in STAGES:
         stage(c)
-    return make_entry(c)
+    mode = _fuse_mode(c)
+    if mode is FuseMode.BACKGROUND:
+        fused = _fork(c)
+        c.executors = _without_fusion(c.executors)
+    elif mode is FuseMode.OFF:
+        c.executors = _without_fusion(c.executors)
+    for stage in TIER_STAGES:
+        stage(c)
+    entry = make_entry(c)
+    if mode is FuseMode.BACKGROUND:
+        entry.tiering = Tiering(mode)
+        tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
+                       lambda made: _switch(state, entry, *made))
+    return entry
+
+
+def _fuse_mode(c: Compilation) -> FuseMode | None:
+    """How this entry's fused program is compiled (None: no fusion executor was asked for).
+    ``"background"`` fuses only programs worth it (``tiers.worth_fusing``), and waits instead
+    while deterministic algorithms are on; under autocast no region is formed at all (its
+    regions would run outside autocast), which the worker thread could not see (thread-local)."""
+    if not _fusing(c.executors):
+        return None
+    mode = c.state.options.fuse
+    if mode is not FuseMode.BACKGROUND:
+        return mode
+    if torch.are_deterministic_algorithms_enabled():
+        return FuseMode.WAIT
+    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
+                                            and torch.is_autocast_enabled("cuda")):
+        return FuseMode.OFF
+    if not tiers.worth_fusing((c.computation, c.backward), fusion.computes_in_region):
+        c.fusion_note = (f"not fused: fewer than {tiers.MIN_FUSED_OPS} ops a region would "
+                         f"compute (fuse=\"wait\" fuses it anyway)")
+        return FuseMode.OFF
+    return mode
+
+
+def _fork(c: Compilation) -> Compilation:
+    """A copy of ``c`` whose later stages record into lists of their own (the traces so far are
+    shared: stages derive new traces, never change one)."""
+    return replace(c, prologues=list(c.prologues), computations=list(c.computations),
+                   epilogues=list(c.epilogues), backwards=list(c.backwards), stages={},
+                   fusion_regions=[])
+
+
+def _fused_tier(c: Compilation):
+    """On the worker: the fused tier's claims, regions and code; every region's C++ kernels
+    built before the switch, so that no call waits for g++."""
+    for stage in TIER_STAGES:
+        stage(c)
+    for region in c.fusion_regions:
+        region.kernel.ready()
+    t0 = time.perf_counter()
+    fn = _computation_callable(c)
+    c.time("codegen", time.perf_counter() - t0)
+    return fn, c
+
+
+def _switch(state, entry: CacheEntry, computation_fn, c: Compilation) -> None:
+    """From the next call on, ``entry`` runs the fused tier: its traces first (what
+    ``last_traces`` shows), the callable last, in one assignment that calls read once."""
+    entry.computation_traces, entry.backward_traces = c.computations, c.backwards
+    entry.fusion_regions = c.fusion_regions
+    entry.tiering.stages = dict(c.stages)
+    entry.tiering.fused_from_call = state.hits + state.misses
+    entry.tiering.tier = "fused"
+    entry.computation_fn = computation_fn
 
 
 def capture(state, args, kwargs) -> Compilation:
@@ -69,12 +143,15 @@ def capture(state, args, kwargs) -> Compilation:
     # FSDP2's, which run eagerly around the program (jitted.py, _jit_fsdp).
     forward_only = getattr(state, "forward_only", False)
     target = state.module if state.module is not None and not forward_only else state.fn
-    with fusion.tagging_layers(state.module if _fusing(state) else None):
+    fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
+    warm = state.options.fuse is FuseMode.WAIT or torch.are_deterministic_algorithms_enabled()
+    with fusion.tagging_layers(state.module if fusing else None, warm=warm):
         program = capture_program(target, state.module, args, kwargs,
                                   state.options.cache is not CacheMode.SAME_INPUT,
                                   state.options.specialize_data)
     return Compilation(state, program, [program.prologue], [program.computation],
-                       [program.epilogue], stages=dict(program.stages))
+                       [program.epilogue], stages=dict(program.stages),
+                       executors=tuple(state.options.executors))
 
 
 def transforms_before_prologue(c: Compilation) -> None:
@@ -124,7 +201,7 @@ def reinplace_inputs(c: Compilation) -> None:
 
 def executor_claims(c: Compilation) -> None:
     c.records_autograd = c.backward is None and torch.is_grad_enabled()
-    executors = c.state.options.executors
+    executors = c.executors
     c.computations.append(executors_module.claim(c.computation, executors))
     c.time("executor claims", c.computation.seconds)
     if c.backward is not None:
@@ -133,9 +210,9 @@ def executor_claims(c: Compilation) -> None:
 
 def fuse_regions(c: Compilation) -> None:
     """The fusion executors' regions of the forward and backward traces (after the claims)."""
-    if not _fusing(c.state):
+    if not _fusing(c.executors):
         return
-    executors, counter = c.state.options.executors, [0]  # region names: unique in the entry
+    executors, counter = c.executors, [0]  # region names: unique in the entry
     forward = c.computation
     fused, c.fusion_regions = fusion.fuse(
         forward, executors, observable=_returned(forward), records_autograd=c.records_autograd,
@@ -198,18 +275,16 @@ def fast_prologue_stage(c: Compilation) -> None:
 # What runs after capture, in order; each stage records its traces and time in the Compilation.
 # The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
-          executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names,
           fast_prologue_stage)
+# Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
+TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names)
 
 
 def make_entry(c: Compilation) -> CacheEntry:
     """Code generation: the traces become Python functions, held by a new cache entry."""
     t0 = time.perf_counter()
     prologue_fn = c.prologues[-1].python_callable()
-    computation_fn = c.computation.python_callable()
-    if c.backward is not None:
-        computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
-                                                   c.split)
+    computation_fn = _computation_callable(c)
     epilogue_fn = c.epilogues[-1].python_callable()
     c.time("codegen", time.perf_counter() - t0)
     captured = c.program.computation
@@ -219,11 +294,24 @@ def make_entry(c: Compilation) -> CacheEntry:
                        alias_positions=positions if len(positions) > 1 else None,
                        written_positions=_written_positions(captured))
     entry.fusion_regions = c.fusion_regions  # keraunos.last_fusions, KERAUNOS_DEBUG=3, report
+    entry.fusion_note = c.fusion_note
     return entry
 
 
-def _fusing(state) -> bool:
-    return any(getattr(e, "is_fusion", False) for e in state.options.executors)
+def _computation_callable(c: Compilation):
+    computation_fn = c.computation.python_callable()
+    if c.backward is not None:
+        computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
+                                                   c.split)
+    return computation_fn
+
+
+def _fusing(executors) -> bool:
+    return any(getattr(e, "is_fusion", False) for e in executors)
+
+
+def _without_fusion(executors) -> tuple:
+    return tuple(e for e in executors if not getattr(e, "is_fusion", False))
 
 
 def _returned(trace: Trace) -> set[str]:

@@ -9,6 +9,12 @@ import os
 # Every call's result is searched for capture's FakeTensors (keraunos/capture/leaks.py): set
 # before keraunos is imported, which reads it once.
 os.environ.setdefault("KERAUNOS_CHECK_RESULTS", "1")
+# Fusion off unless a test asks for it: the default (fuse="background") would compile a fused
+# tier of every test's program on a background thread, competing for the two cores with the
+# tests themselves and switching programs mid-test. Tests of fusion pass fuse="wait" (the
+# fused program from the first call), tests of the tiers pass fuse="background"
+# (tests/test_tiers.py); tests of the default itself clear this (monkeypatch.delenv).
+os.environ.setdefault("KERAUNOS_FUSE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -113,7 +113,7 @@ FUSED_TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # Inductor reorders reductions
 def test_backend_with_fusion_trains_and_infers_through_graph_breaks_like_eager():
     """``backend(executors=["inductor", "torch"])``: the subgraphs between graph breaks get
     Inductor regions in their forward and backward traces, and give eager's results."""
-    compiled = _assert_trains_like_eager(kd.backend(executors=FUSED), **FUSED_TOLERANCE)
+    compiled = _assert_trains_like_eager(kd.backend(executors=FUSED, fuse="wait"), **FUSED_TOLERANCE)
     traces = kd.last_traces(compiled)
     assert any("inductor_region" in str(t.forward[-1]) for t in traces)
     assert any(t.backward and "inductor_region" in str(t.backward[-1]) for t in traces)
@@ -145,7 +145,7 @@ def test_backend_with_fusion_cuts_regions_at_layers_and_layers_share_one_kernel(
     identical layers make identical regions, compiled once (as under keraunos.jit)."""
     torch.manual_seed(0)
     model = Blocks()
-    be = kd.backend(executors=FUSED)
+    be = kd.backend(executors=FUSED, fuse="wait")
     compiled_model = copy.deepcopy(model)
     compiled = torch.compile(compiled_model, backend=be)
     x = torch.randn(2, 8, requires_grad=True)

@@ -44,7 +44,7 @@ def fusion_lines(trace):
 def gpt_inference():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).eval()
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     idx = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
         out = jitted(idx)
@@ -122,7 +122,7 @@ def gpt_training():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     idx = torch.randint(0, 256, (2, 8))
     return model, reference, jitted, idx
 
@@ -180,7 +180,7 @@ class Stack(nn.Module):
 def stack():
     torch.manual_seed(0)
     model = Stack(4)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     x = torch.randn(3, 16, requires_grad=True)
     out = jitted(x)
     return model, jitted, x, out
@@ -228,7 +228,7 @@ def test_incoming_gradient_with_other_strides(stack):
 def test_identical_model_reuses_kernels_across_jits(stack):
     torch.manual_seed(1)
     other = Stack(4)
-    jitted = keraunos.jit(other, executors=FUSED)
+    jitted = keraunos.jit(other, executors=FUSED, fuse="wait")
     x = torch.randn(3, 16, requires_grad=True)
     assert_close(jitted(x), other(x), **TOL)
     layers = [r for r in keraunos.last_fusions(jitted) if r.layer is not None]
@@ -250,7 +250,7 @@ def test_inplace_update_of_input_and_buffer_matches_eager():
             return (y * y).exp()
 
     eager, jit_model = Counter(), Counter()
-    jitted = keraunos.jit(jit_model, executors=FUSED)
+    jitted = keraunos.jit(jit_model, executors=FUSED, fuse="wait")
     for _ in range(2):
         x = torch.randn(3, 4)
         c1, c2 = torch.zeros(2, 4), torch.zeros(2, 4)
@@ -281,7 +281,7 @@ def test_kv_cache_written_in_place_matches_eager():
     torch.manual_seed(0)
     eager = CachedAttention().eval()
     jit_model = copy.deepcopy(eager)
-    jitted = keraunos.jit(jit_model, executors=FUSED)
+    jitted = keraunos.jit(jit_model, executors=FUSED, fuse="wait")
     with torch.no_grad():
         steps = [(torch.randn(1, 3, 16), torch.arange(3))] + [
             (torch.randn(1, 1, 16), torch.tensor([t])) for t in range(3, 6)]
@@ -305,7 +305,7 @@ def test_batchnorm_training_statistics_and_gradients_match_eager():
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 4))
     jit_model = copy.deepcopy(eager)
-    jitted = keraunos.jit(jit_model, executors=FUSED)
+    jitted = keraunos.jit(jit_model, executors=FUSED, fuse="wait")
     for _ in range(2):
         x = torch.randn(6, 8)
         out, ref = jitted(x), eager(x)
@@ -329,7 +329,7 @@ def test_regions_are_called_past_inductors_wrappers():
     eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.BatchNorm1d(8),
                           nn.Tanh())
     jit_model = copy.deepcopy(eager)
-    jitted = keraunos.jit(jit_model, executors=FUSED)
+    jitted = keraunos.jit(jit_model, executors=FUSED, fuse="wait")
     for grad in (False, False, True, False):
         x = torch.randn(6, 8)
         with torch.set_grad_enabled(grad):
@@ -340,7 +340,7 @@ def test_regions_are_called_past_inductors_wrappers():
              for fl in fusion_lines(keraunos.last_traces(jitted)[-1])}
     wrapped = [lines for lines, call in calls.items() if call.kernel_fn is call.kernel.compiled]
     assert any("batch_norm" in " ".join(lines) for lines in wrapped)
-    pure = keraunos.jit(lambda x: (x * 2).sin().cos() + 1, executors=FUSED)
+    pure = keraunos.jit(lambda x: (x * 2).sin().cos() + 1, executors=FUSED, fuse="wait")
     with torch.no_grad():
         for _ in range(2):
             x = torch.randn(4, 4)
@@ -353,7 +353,7 @@ def test_region_kernels_leave_layout_checks_to_the_prologue():
     """Inductor's code checks no input's sizes and strides on each call (``size_asserts`` off:
     40 us of a 300 us call of a two-layer model); the prologue does. An input of another layout
     is a cache miss and a new entry, never a kernel reading memory laid out otherwise."""
-    fn = keraunos.jit(lambda x, w: torch.tanh(x @ w).exp() + x, executors=FUSED)
+    fn = keraunos.jit(lambda x, w: torch.tanh(x @ w).exp() + x, executors=FUSED, fuse="wait")
     w = torch.randn(8, 8)
     for x in (torch.randn(8, 8), torch.randn(8, 8).t(), torch.randn(8, 16)[:, ::2]):
         with torch.no_grad():
@@ -372,7 +372,7 @@ def test_transposing_attributes_join_regions_and_tensor_attributes_stay_out():
 
     torch.manual_seed(0)
     x, w, v = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.randn(8, 16)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     with torch.no_grad():
         for _ in range(2):
             assert_close(jitted(x, w, v), f(x, w, v), **TOL)
@@ -392,7 +392,7 @@ def test_transposing_attributes_join_regions_and_tensor_attributes_stay_out():
 
     y = torch.randn(4, requires_grad=True)
     y.grad = torch.randn(4)
-    grad_of = keraunos.jit(g, executors=FUSED)
+    grad_of = keraunos.jit(g, executors=FUSED, fuse="wait")
     with torch.no_grad():
         assert_close(grad_of(y), g(y), **TOL)
     assert [b for b in keraunos.last_traces(grad_of)[-1].bound_symbols if b.symbol.name == "grad"]
@@ -404,7 +404,7 @@ def test_returned_views_share_memory_as_in_eager():
         return y, y.t(), y[0], x.view(-1)
 
     x = torch.randn(3, 4)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     out, ref = jitted(x), f(x)
     for a, b in zip(out, ref):
         assert_close(a, b, **TOL)
@@ -421,7 +421,7 @@ def test_output_strides_are_the_traced_ones():
         return y * 2, y.sum(0, keepdim=True)
 
     x = torch.randn(2, 3, 5)
-    out, ref = keraunos.jit(f, executors=FUSED)(x), f(x)
+    out, ref = keraunos.jit(f, executors=FUSED, fuse="wait")(x), f(x)
     for a, b in zip(out, ref):
         assert_close(a, b, **TOL)
         assert a.stride() == b.stride()
@@ -434,7 +434,7 @@ def test_random_ops_give_eager_values_and_leave_the_stream_where_eager_does():
         return torch.tanh(z + torch.rand_like(z))
 
     x = torch.randn(8, 8)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     for seed in (0, 1):
         torch.manual_seed(seed)
         out = jitted(x)
@@ -468,7 +468,7 @@ def test_attention_with_dropout_fuses_all_but_the_draws():
     torch.manual_seed(0)
     model = Attention()
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     for seed in (0, 1):
         x = torch.randn(2, 6, 16)
         model.zero_grad(), reference.zero_grad()
@@ -510,7 +510,7 @@ def test_in_place_add_to_scores_requiring_grad_fuses_in_the_forward():
     torch.manual_seed(0)
     model = Scores()
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     x = torch.randn(2, 4, 8)
     jitted(x).backward()
     reference(x).backward()
@@ -530,12 +530,12 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
         return torch.tanh(x * 2).exp() + 1
 
     x = torch.randn(4)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     with pytest.warns(UserWarning, match="cannot build cpu kernels here .*no C\\+\\+ compiler"):
         assert_close(jitted(x), f(x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning, not one per compilation
-        keraunos.jit(f, executors=FUSED)(x)
+        keraunos.jit(f, executors=FUSED, fuse="wait")(x)
     trace = keraunos.last_traces(jitted)[-1]
     assert not fusion_lines(trace) and "torch" in executors_of(trace)
     assert keraunos.last_fusions(jitted) == []
@@ -551,7 +551,7 @@ def test_thread_count_is_part_of_the_region_key():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            jitted = keraunos.jit(f, executors=FUSED)
+            jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
             assert_close(jitted(x), f(x), **TOL)
             kernels.append(keraunos.last_fusions(jitted)[0].kernel)
     finally:
@@ -600,7 +600,7 @@ def _litgpt_model(family: str, n_layer: int):
 def test_litgpt_adamw_losses_and_gradients_match_eager(family):
     model = _litgpt_model(family, n_layer=2)
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
     idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     for step in range(10):
@@ -643,7 +643,7 @@ def test_litgpt_backward_layers_make_identical_regions_with_none_between(family,
         formed.append((trace_name, region.layer, graph.python_code(root_module="self").src))
         return None  # the lines run on the torch executor
     monkeypatch.setattr(fusion, "_fuse_region", record)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     idx = torch.randint(0, 256, (2, 16))
     jitted(idx).sum().backward()
     backward = [(layer, code) for trace_name, layer, code in formed if trace_name == "backward"]
@@ -675,7 +675,7 @@ def test_litgpt_fused_training_saves_no_more_than_eager():
     # The llama2 config of the AdamW test above: its kernels are already in this process.
     model = _litgpt_model("llama2", n_layer=2)
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     idx = torch.randint(0, 256, (2, 16))
     jitted(idx)  # compile outside the measurement
     got, got_activations, out = saved_for_backward(lambda: jitted(idx), model.parameters())
@@ -705,7 +705,7 @@ def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypat
         return torch.sin(x * 3).exp() + 2
 
     x = torch.randn(5)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     with pytest.warns(UserWarning, match="Inductor could not compile .*lowering failed"):
         assert_close(jitted(x), f(x))
     assert not fusion_lines(keraunos.last_traces(jitted)[-1])
@@ -729,7 +729,7 @@ def test_kernels_g_plus_plus_fails_to_build_run_the_region_lines_with_a_warning(
         return torch.cos(x * 5).exp() - 1
 
     x = torch.randn(6)
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     with pytest.warns(UserWarning, match="could not build the kernels .*g\\+\\+ failed"):
         assert_close(jitted(x), f(x), rtol=0, atol=0)  # the torch executor's ops: exact
     assert len(fusion_lines(keraunos.last_traces(jitted)[-1])) == 1
@@ -766,7 +766,7 @@ def test_dynamo_front_end_fuses_too():
         return torch.tanh(x @ y).exp() * 2 - 1
 
     x, y = torch.randn(4, 8), torch.randn(8, 3)
-    backend = keraunos.dynamo.backend(executors=FUSED)
+    backend = keraunos.dynamo.backend(executors=FUSED, fuse="wait")
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     assert_close(compiled(x, y), f(x, y), **TOL)
     (subgraph,) = backend.subgraphs
@@ -782,7 +782,7 @@ def test_dynamo_route_recompiles_for_a_parameter_whose_layout_changed():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    backend = keraunos.dynamo.backend(executors=FUSED)
+    backend = keraunos.dynamo.backend(executors=FUSED, fuse="wait")
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(3, 8)
     with torch.no_grad():
@@ -801,7 +801,7 @@ def test_a_tensor_made_to_require_grad_inside_stays_a_leaf_of_autograd():
         return (torch.tanh(x * 2) * w).exp() + 1, w
 
     x = torch.randn(4)
-    (out, w), (ref, ref_w) = keraunos.jit(f, executors=FUSED)(x), f(x)
+    (out, w), (ref, ref_w) = keraunos.jit(f, executors=FUSED, fuse="wait")(x), f(x)
     assert_close(out, ref, **TOL)
     assert w.requires_grad and w.is_leaf and out.requires_grad == ref.requires_grad
     out.sum().backward()
@@ -814,7 +814,7 @@ def test_rounding_to_bfloat16_inside_a_region_rounds_as_in_eager():
         return ((x * 3).exp().to(torch.bfloat16).float() * 2 + 1).sum(0)
 
     x = torch.randn(64, 8)
-    assert_close(keraunos.jit(f, executors=FUSED)(x), f(x), **TOL)
+    assert_close(keraunos.jit(f, executors=FUSED, fuse="wait")(x), f(x), **TOL)
 
 
 # ----------------------------------------------------------------------------- OpInfo with fusion
@@ -867,7 +867,7 @@ def test_fusing_single_ops_in_one_thread_leaves_other_threads_alone():
     sweeper.start()
     try:
         assert inside.wait(60)
-        jitted = keraunos.jit(lambda x: torch.sin(x), executors=FUSED)
+        jitted = keraunos.jit(lambda x: torch.sin(x), executors=FUSED, fuse="wait")
         x = torch.randn(4)
         assert_close(jitted(x), torch.sin(x), rtol=0, atol=0)
         assert not fusion_lines(keraunos.last_traces(jitted)[-1])  # one op: not worth a compile
@@ -888,7 +888,7 @@ def test_symbolic_entry_is_fused_once_for_every_size():
         y = torch.tanh(x @ w) * 2
         return (y.view(x.shape[0], -1, 4).softmax(-1) + 1).sum(1)
 
-    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED, fuse="wait")
     w = torch.randn(8, 8)
     kernels = set()
     with torch.no_grad():
@@ -908,7 +908,7 @@ def test_symbolic_training_fuses_forward_and_backward_layers_once():
     torch.manual_seed(0)
     model = Stack(3)
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED, cache="symbolic values")
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait", cache="symbolic values")
     # Incoming gradients of strides 1, 2 and 0: checked against the traced layout, evaluated
     # for each call's sizes.
     for n, grad in ((3, torch.randn(3)), (5, torch.randn(10)[::2]), (9, torch.randn(1).expand(9))):
@@ -935,7 +935,7 @@ def test_automatic_dynamic_entry_is_fused():
     def f(x):
         return torch.sigmoid(x * 3).cumsum(0) - x.mean(0)
 
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     for n in (4, 6, 9, 13):
         x = torch.randn(n, 5)
         assert_close(jitted(x), f(x), **TOL)
@@ -959,7 +959,7 @@ def test_sizes_the_kernel_was_not_compiled_for_run_the_region_lines(monkeypatch)
     def f(x):
         return (torch.cos(x) * 4).exp().sum(-1)
 
-    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED, fuse="wait")
     x = torch.randn(5, 3)
     assert_close(jitted(x), f(x), **TOL)
     (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
@@ -987,7 +987,7 @@ def test_a_size_inductor_assumed_is_the_kernels_guard_not_the_entrys(monkeypatch
     def f(x):
         return (x.exp() * 2).sum(0)
 
-    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED)
+    jitted = keraunos.jit(f, cache="symbolic values", executors=FUSED, fuse="wait")
     x = torch.randn(64, 8)
     assert_close(jitted(x), f(x), **TOL)
     (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
@@ -1047,7 +1047,7 @@ def test_grad_mode_switched_inside_the_program_fuses_around_what_autograd_record
 
     x, w = torch.randn(4, 6), torch.randn(6, 3, requires_grad=True)
     w2 = w.detach().clone().requires_grad_()
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     with torch.no_grad():
         (y, b), (ref_y, ref_b) = jitted(x, w), f(x, w2)
     assert_close(y, ref_y, **TOL)
@@ -1066,7 +1066,7 @@ def test_grad_mode_switched_inside_the_program_fuses_around_what_autograd_record
 
 def test_litgpt_over_prompt_lengths_fuses_the_dynamic_entry_with_one_kernel_per_layer():
     model = _litgpt_model("llama2", n_layer=2).eval()
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     with torch.no_grad():
         for length in (8, 12, 16, 23, 5):
             idx = torch.randint(0, 256, (1, length))
@@ -1086,7 +1086,7 @@ def test_litgpt_generate_fuses_each_decode_layer_with_its_cache_writes():
     from litgpt.generate.base import generate
     model = _litgpt_model("llama2", n_layer=2).eval()
     reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     for length in (7, 11):
         prompt = torch.randint(0, 256, (length,))
         runs = []
@@ -1127,7 +1127,7 @@ def test_backward_region_reading_an_expanded_gradient_gets_its_values():
     ref = copy.deepcopy(model)
     x = torch.randn(2, 8, requires_grad=True)
     xe = x.detach().clone().requires_grad_()
-    jitted = keraunos.jit(model, executors=FUSED)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     for _ in range(2):  # the first call fixes layouts, the second runs the fixing path
         jitted(x).sum().backward()
         ref(xe).sum().backward()
@@ -1144,7 +1144,7 @@ def test_symbolic_region_with_a_zero_dim_output_matches_eager():
     def f(x):
         a = (x * 2).sin()
         return a.sum() * 3, a.cos() + 1
-    jitted = keraunos.jit(f, executors=FUSED)
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
     for n in (3, 4, 5, 6):
         x = torch.randn(n, 4)
         assert_close(jitted(x), f(x), **TOL)
@@ -1169,7 +1169,7 @@ def test_writes_in_regions_keep_eagers_order_and_sharing():
         return (row * 2).tanh() + x.cos()
     for fn, make in ((f, lambda: (torch.randn(4, 4), torch.randn(4, 4))),
                      (g, lambda: (lambda c: (c, c[0], torch.randn(4)))(torch.randn(4, 4)))):
-        jitted = keraunos.jit(fn, executors=FUSED)
+        jitted = keraunos.jit(fn, executors=FUSED, fuse="wait")
         for _ in range(3):
             args = make()
             twins = [a.clone() for a in args]
@@ -1204,7 +1204,7 @@ def test_a_tensor_made_written_and_handed_out_by_a_region_stays_inside():
 
     w = torch.randn(8, 4)
     for fn, inside in ((router, True), (with_view, False)):
-        jitted = keraunos.jit(fn, executors=FUSED)
+        jitted = keraunos.jit(fn, executors=FUSED, fuse="wait")
         for _ in range(2):
             x = torch.randn(6, 8)
             with torch.no_grad():

@@ -314,7 +314,7 @@ def test_fused_equal_outputs_come_back_as_tensors_of_their_own():
         t = b * 0.5 + a
         return t.clone(), t.clone()
 
-    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
     for _ in range(2):  # the first call finds the sharing, the later ones keep copying
         a, b = torch.randn(3, 4), torch.randn(3, 4)
         x, y = jitted(a, b)
@@ -335,7 +335,7 @@ def test_fused_output_that_views_a_written_copy_of_an_input_keeps_the_write():
         b.mul_(torch.nn.functional.relu(a.mean(-1, keepdim=True)))
         return b
 
-    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
     for _ in range(2):  # the first call decides the call path, the second takes it
         a = torch.randn(5, 4, requires_grad=True)
         b0 = torch.randn(4, 5)
@@ -355,7 +355,7 @@ def test_fused_clone_of_an_input_written_in_the_region_has_memory_of_its_own():
         a.masked_fill_(a > 0.5, 0.0)
         return a.clone(), a
 
-    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
     for shape, transpose in (((3, 4), False), ((3, 4), False), ((4, 3), True), ((4, 3), True)):
         base = torch.randn(shape)
         a, a_ref = (base.clone().t(), base.clone().t()) if transpose else (base.clone(),
@@ -376,7 +376,7 @@ def test_fused_writes_through_views_rebuilt_with_as_strided_stay_outside_regions
         a.addcmul_((a) * (a).sum(0), (a) * (a).sum(0), value=0.5)
         return a
 
-    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
     for seed in (747095, 1):
         torch.manual_seed(seed)
         base = torch.randn(5, 4)
@@ -399,7 +399,7 @@ def test_a_memory_written_twice_in_a_region_keeps_the_second_write_outside():
         a.addcmul_(t, t, value=0.5)
         return a
 
-    jitted = keraunos.jit(f, executors=["inductor", "torch"])
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
     for _ in range(2):
         a0, d0 = torch.randn(3, 4), torch.randn(4)
         a, a_ref = a0.clone(), a0.clone()

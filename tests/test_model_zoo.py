@@ -95,7 +95,7 @@ def test_llama_training_step_under_the_backend_with_fusion():
     import keraunos.dynamo
     torch._dynamo.reset()
     model, ref = make_models("llama")
-    be = keraunos.dynamo.backend(executors=["inductor", "torch"])
+    be = keraunos.dynamo.backend(executors=["inductor", "torch"], fuse="wait")
     compiled = torch.compile(model, backend=be)
     kwargs = inputs_of("llama", seed=3, mask=False, labels=True)
     assert_training_step_matches(compiled, model, ref, kwargs, tolerance=FUSED_TOLERANCE)

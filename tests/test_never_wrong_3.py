@@ -415,7 +415,7 @@ def test_a_gru_trains_like_eager_under_fusion():
     torch.manual_seed(0)
     model = nn.GRU(4, 5, batch_first=True)
     ref = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    jitted = keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
     for _ in range(2):
         _rnn_call_matches_eager(jitted, model, ref, torch.randn(2, 2, 4, requires_grad=True),
                                 grads=True)

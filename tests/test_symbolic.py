@@ -584,7 +584,7 @@ def test_hf_generate_with_fusion_compiles_as_few_entries_as_without():
     ShapeEnv found equal to another (cache_position's length and input_ids': s98 -> s27) gave a
     KeyError in the region's graph, so every step fell back to exact sizes and recompiled."""
     model, model_ref = _hf_model("llama")
-    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    jitted = keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
     compiles = _generate_compiles(model, model_ref, jitted, jitted.generate, (7, 11))
     assert compiles[0] <= 3 and compiles[1] == 0, compiles
     assert keraunos.last_fusions(jitted), "the decode entry has fused regions"
@@ -596,7 +596,7 @@ def test_hf_generate_with_static_cache_and_fusion_writes_the_cache_inside_region
     writes run inside the layer's region; tokens are eager's (``_generate_compiles`` compares
     them), and no more entries compile than without fusion."""
     model, model_ref = _hf_model("llama")
-    jitted = keraunos.jit(model, executors=["inductor", "torch"])
+    jitted = keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
     compiles = _generate_compiles(model, model_ref, jitted, jitted.generate, (7, 11),
                                   cache_implementation="static")
     assert compiles[0] <= 3 and compiles[1] == 0, compiles

@@ -52,7 +52,7 @@ class CompiledSubgraph:
     """What dynamo calls in place of one FX graph: the graph, jitted by keraunos."""
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, executors, transforms,
-                 graph_break: GraphBreak | None):
+                 graph_break: GraphBreak | None, fuse: str | None = None):
         self.gm = gm  # dynamo's graph, as it is: what the eager fallback runs
         if has_vmap_regions(gm):
             gm = rewrite_vmap_regions(copy.deepcopy(gm))
@@ -71,7 +71,8 @@ class CompiledSubgraph:
         # fallback="error": a graph keraunos cannot capture runs eagerly (_run_eagerly), never
         # through a torch.compile nested in dynamo's own.
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
-                          max_cache_entries=64 if self.dynamic else 8, fallback="error")
+                          max_cache_entries=64 if self.dynamic else 8, fallback="error",
+                          fuse=fuse)
         # What later calls run, once compiled: the entry's functions without keraunos's call
         # path around them (see lean_call). None until then, and for a dynamic graph.
         self.run = None
@@ -99,7 +100,9 @@ class CompiledSubgraph:
             _unwind_functorch(depth)
             return self._run_eagerly(args, error)
         if not self.dynamic and not state.options.profile and state.entries:
-            self.run = lean_call(state.entries[0], len(args), self.jitted)
+            tiering = state.entries[0].tiering
+            if tiering is None or tiering.done.is_set():  # lean_call binds the computation:
+                self.run = lean_call(state.entries[0], len(args), self.jitted)  # the final tier's
         return out
 
     def _run_eagerly(self, args, error: Exception):
@@ -254,8 +257,9 @@ class Backend:
     """
 
     def __init__(self, executors: Sequence | None = None,
-                 transforms: Sequence[Transform] | None = None):
+                 transforms: Sequence[Transform] | None = None, fuse: str | None = None):
         self.executors = list(executors) if executors is not None else None
+        self.fuse = fuse
         self.transforms = list(transforms or ())
         # Weakly: dynamo holds what it still runs; what torch._dynamo.reset() dropped is freed.
         self._subgraphs: list[weakref.ref] = []
@@ -273,22 +277,22 @@ class Backend:
         # example_inputs may be fake tensors and SymInts: keraunos compiles on the first real
         # call instead, from the values dynamo then passes.
         subgraph = CompiledSubgraph(gm, f"subgraph {self._compiled}", self.executors,
-                                    self.transforms, _graph_break_being_compiled())
+                                    self.transforms, _graph_break_being_compiled(), self.fuse)
         self._compiled += 1
         self._subgraphs.append(weakref.ref(subgraph))
         return subgraph
 
 
 def backend(executors: Sequence | None = None,
-            transforms: Sequence[Transform] | None = None) -> Backend:
+            transforms: Sequence[Transform] | None = None, fuse: str | None = None) -> Backend:
     """A ``torch.compile`` backend that runs each subgraph through keraunos with these
-    executors and transforms (the same options as ``keraunos.jit``).
+    executors, transforms and fuse mode (the same options as ``keraunos.jit``).
 
     >>> import torch, keraunos.dynamo
     >>> m = torch.compile(torch.nn.Linear(4, 4), backend=keraunos.dynamo.backend())
     >>> out = m(torch.randn(2, 4))
     """
-    return Backend(executors, transforms)
+    return Backend(executors, transforms, fuse)
 
 
 _DEFAULT = Backend()

@@ -103,7 +103,9 @@ def register(executor: Executor) -> Executor:
 register(TorchExecutor())
 register(PythonExecutor())
 
-DEFAULT_EXECUTORS = ("torch",)
+# Fusion by default, compiled in the background (tiers.py): the first calls run on the torch
+# executor, later ones on Inductor's regions; ``jit(..., fuse="off")`` leaves just "torch".
+DEFAULT_EXECUTORS = ("inductor", "torch")
 
 
 def resolve(executors) -> list[Executor]:

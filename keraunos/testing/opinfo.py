@@ -50,12 +50,14 @@ def _clone(tree):
 def _call_jitted(fn, sample_input, args, kwargs, executors=None):
     """``keraunos.jit`` of the op; values keraunos cannot take as arguments are closed over."""
     # fallback="error": the sweep measures capture, not the backend route a refusal falls to.
-    jf = keraunos.jit(fn, executors=executors, fallback="error")
+    # Without executors, the torch executor alone; with fusion, the fused program at once.
+    fuse = "wait" if executors else "off"
+    jf = keraunos.jit(fn, executors=executors, fallback="error", fuse=fuse)
     try:
         return jf(sample_input, *args, **kwargs)
     except keraunos.UnsupportedInputError:
         jf = keraunos.jit(lambda x: fn(x, *args, **kwargs), executors=executors,
-                          fallback="error")
+                          fallback="error", fuse=fuse)
         return jf(sample_input)
 
 

@@ -31,15 +31,16 @@ from .. import Executor
 from . import compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
-__all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers"]
+__all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers", "computes_in_region"]
 
 
 
 @contextlib.contextmanager
-def tagging_layers(module: torch.nn.Module | None):
+def tagging_layers(module: torch.nn.Module | None, warm: bool = True):
     """While capturing: each line tagged with its layer (``layers.tagging_layers``); when a
-    module's program is captured for fusion, Inductor's one-time set-up starts meanwhile."""
-    if module is not None:
+    module's program is captured for fusion on this thread (``warm``), Inductor's one-time
+    set-up starts meanwhile (in the background tier, the worker does it)."""
+    if module is not None and warm:
         compiler.start_warming()
     with layers.tagging_layers(module):
         yield
@@ -253,3 +254,25 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
                        subsymbols=list(r.lines), executor=InductorExecutor.name,
                        tags={MUTATION} if written_storages else set())
+
+
+# Ops Inductor hands to the library calls eager makes too (BLAS, oneDNN): no win from a region.
+_EXTERN = frozenset({"mm", "bmm", "addmm", "matmul", "linear", "conv1d", "conv2d", "conv3d",
+                     "convolution", "baddbmm", "addmv", "mv", "dot", "einsum",
+                     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu"})
+
+
+def computes_in_region(bsym: BoundSymbol) -> bool:
+    """A line a region would compute itself (``tiers.worth_fusing`` counts these): one the
+    fusion executor may claim, whose outputs are new memory (not views), and that is not a
+    matrix product or convolution."""
+    if not fusible(bsym):
+        return False
+    short = bsym.symbol.name.rsplit(".", 1)[-1].strip("_")  # x @ w: __matmul__
+    aten = bsym.symbol.name.split(".")
+    if short in _EXTERN or (len(aten) >= 2 and aten[-2] in _EXTERN):  # aten.mm.default
+        return False
+    read = {p.storage for p in bsym.input_proxies() if isinstance(p, TensorProxy)}
+    return any(p.storage is None or p.storage not in read for p in bsym.output_proxies()
+               if isinstance(p, TensorProxy))

@@ -548,7 +548,11 @@ _warned: set[str] = set()
 
 
 def warn_once(message: str) -> None:
-    """Warn once per process: a missing compiler concerns every compilation alike."""
+    """Warn once per process: a missing compiler concerns every compilation alike. Not while
+    the process exits: a fused tier compiling then fails for that reason alone (tiers.py)."""
+    from ... import tiers
+    if tiers.exiting():
+        return
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=2)

@@ -1,0 +1,185 @@
+"""Tiered compilation: eager's kernels at once, the fused program from the background.
+
+``keraunos.jit(model)`` fuses by default without making the first call wait for Inductor. On a
+cache miss whose program is worth fusing (``worth_fusing``), the entry is compiled twice from
+one capture:
+
+- **tier 0**, on the calling thread: the passes and the autograd split as always, then the
+  executor claims *without* the fusion executors. Every op runs eager's kernel; nothing of
+  Inductor runs (or is even imported) on this thread, so the first call costs what the torch
+  executor's costs.
+- **tier 1**, on one background thread (``_Worker``): the same traces claimed *with* the fusion
+  executors, their regions compiled by Inductor (its own worker processes build the C++
+  kernels, so g++ uses every core), and code generation. When it is done, ``switch`` makes the
+  entry call the fused program from then on.
+
+The switch is one attribute assignment (``entry.computation_fn``), and the call path reads that
+attribute once per call: a call runs one whole program, the old or the new, whatever other
+threads do. A computation with a backward is a ``torch.autograd.Function`` whose forward and
+backward were made together, so a forward that ran on tier 0 runs its backward on tier 0 even
+when the switch comes in between. Both tiers come from the same traces: the prologue (its
+checks), the epilogue, the saved tensors of the autograd split and the order of random draws are
+shared; regions never hold random ops (``regions.fusible``), so both tiers draw eager's values
+from eager's generator in eager's order.
+
+How fusion is compiled (``jit(..., fuse=...)``, default from ``KERAUNOS_FUSE``, else
+``"background"``):
+
+- ``"background"``: as above.
+- ``"wait"``: the first call compiles the fused program itself and runs it (no tier 0). Also what
+  ``"background"`` does while ``torch.use_deterministic_algorithms(True)`` is on: a run that
+  asks for determinism gets the same kernels on every call.
+- ``"off"``: no fusion: the fusion executors are dropped from the list.
+
+A process that exits while a fused program is being compiled does not wait for it: the worker is
+a daemon thread, jobs not started are dropped at exit, and Inductor writes its caches by
+renaming finished files (nothing half-written is ever read back).
+"""
+from __future__ import annotations
+
+import atexit
+import enum
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class FuseMode(enum.Enum):
+    """How the fused program of an entry is compiled (``keraunos.jit(..., fuse=...)``)."""
+
+    BACKGROUND = "background"  # tier 0 at once, the fused tier when it is ready
+    WAIT = "wait"              # the first call waits for the fused program
+    OFF = "off"                # no fusion
+
+
+def default_mode() -> str:
+    return os.environ.get("KERAUNOS_FUSE", "").strip() or FuseMode.BACKGROUND.value
+
+
+# A program is fused only when some trace of it (forward or backward) has at least this many
+# lines that a region would compute (pointwise ops, reductions, norms; not views, not the matrix
+# products Inductor hands to the same BLAS calls eager makes). Below it, the Python saved by a
+# region call does not pay for a compile of seconds: a one-op function, ``(x * 2 + 1).relu()``.
+MIN_FUSED_OPS = 6
+
+def worth_fusing(traces, computes: Callable) -> bool:
+    """Whether some trace has at least ``MIN_FUSED_OPS`` lines for which ``computes(line)``
+    (the fusion executor's ``fusion.computes_in_region``)."""
+    for trace in traces:
+        if trace is None:
+            continue
+        count = 0
+        for b in trace.bound_symbols:
+            if computes(b):
+                count += 1
+                if count >= MIN_FUSED_OPS:
+                    return True
+    return False
+
+
+@dataclass
+class Tiering:
+    """An entry's fused tier, while it compiles and after (``compile_stats``)."""
+
+    mode: FuseMode
+    tier: str = "torch"                  # what the entry runs now: "torch" or "fused"
+    done: threading.Event = field(default_factory=threading.Event)
+    started_at: float = field(default_factory=time.perf_counter)
+    seconds: float | None = None         # the fused compile's wall time, once done
+    fused_from_call: int | None = None   # calls of the callable before the switch
+    error: BaseException | None = None   # the fused compile failed: tier 0 stays
+    stages: dict = field(default_factory=dict)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+
+class _Worker:
+    """One daemon thread compiling fused tiers, one job at a time, oldest first. One thread: the
+    compiles' Python (lowering, code generation) shares the interpreter with the caller's calls,
+    and two at once would only take turns; Inductor's compile workers build the kernels in
+    parallel processes."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="keraunos-fusion",
+                                               daemon=True)
+                self.thread.start()
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        with IMPORT_LOCK:  # Inductor's modules, imported off the caller's thread (seconds)
+            from .executors.fusion import compiler
+            compiler.start_warming()
+        while True:
+            job = self.jobs.get()
+            if self.stopping:
+                continue  # the process is exiting: jobs not started are dropped
+            job()
+
+    def stop(self) -> None:
+        self.stopping = True
+
+
+_worker = _Worker()
+atexit.register(_worker.stop)
+
+
+def exiting() -> bool:
+    """The process is exiting: what fails in a fused compile now fails for that reason."""
+    return _worker.stopping or sys.is_finalizing()
+
+# Taken while torch._dynamo's and Inductor's modules are first imported: two threads importing
+# that circle of modules at once can meet one of them half initialized. The worker imports them
+# under it, and so does the caller's thread before it imports torch._dynamo itself (the dynamo
+# fallback).
+IMPORT_LOCK = threading.RLock()
+
+
+def schedule(tiering: Tiering, compile_fused: Callable[[], Callable], switch: Callable) -> None:
+    """Compile ``compile_fused()`` on the worker; ``switch(result)`` when it returns. A failure
+    leaves tier 0 in place (``tiering.error``; warned once per cause)."""
+    grad_mode = torch.is_grad_enabled()  # thread-local: the worker compiles in the caller's
+
+    def job():
+        try:
+            with torch.set_grad_enabled(grad_mode):
+                made = compile_fused()
+            switch(made)
+        except Exception as e:  # noqa: BLE001 - the torch tier keeps running
+            tiering.error = e
+            from .executors.fusion.compiler import warn_once
+            warn_once(f"keraunos: the fused program could not be compiled "
+                      f"({type(e).__name__}: {e}); the torch executor keeps running it.")
+        finally:
+            tiering.seconds = time.perf_counter() - tiering.started_at
+            tiering.done.set()
+    _worker.submit(job)
+
+
+def pending(entries) -> list[Tiering]:
+    return [t for e in entries if (t := getattr(e, "tiering", None)) is not None
+            and not t.done.is_set()]
+
+
+def wait_for_fusion(state, timeout: float | None = None) -> bool:
+    """Wait until every entry of ``state`` runs its final tier; False if ``timeout`` passed."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for t in pending(state.entries):
+        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        if not t.wait(left):
+            return False
+    return True
