@@ -27,11 +27,20 @@ def main(argv=None) -> int:
     parser.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     parser.add_argument("--executors", default=None,
                         help="jit with these, comma-separated (inductor,torch: with fusion)")
+    parser.add_argument("--fuse", default="wait", choices=("wait", "background"),
+                        help="with fusion: the fused program from the first call (wait), or the "
+                             "torch tier first and the switch after the first call (background)")
+    parser.add_argument("--min-fused-ops", type=int, default=None,
+                        help="fuse programs with fewer ops than tiers.MIN_FUSED_OPS too")
     args = parser.parse_args(argv)
+    if args.min_fused_ops is not None:
+        from ... import tiers
+        tiers.MIN_FUSED_OPS = args.min_fused_ops
     names = args.only or [f"{args.seed}:{i}" for i in range(args.programs)]
     report = run_campaign(names, jobs=args.jobs, shrink_budget=0 if args.no_shrink else args.shrink_budget,
                           per_kind=args.per_kind, progress=sys.stderr,
-                          executors=args.executors.split(",") if args.executors else None)
+                          executors=args.executors.split(",") if args.executors else None,
+                          fuse=args.fuse)
     print(report.summary())
     print(report.reproducers_text())
     return 1 if report.failures else 0

@@ -75,10 +75,21 @@ class Report:
 # ``--executors``: what the programs are jitted with (the worker processes are forked after
 # ``run_campaign`` sets it, so they see it too).
 _executors: list[str] | None = None
+# ``--fuse``: "wait" (the fused program from the first call) or "background" (the first calls
+# on the torch tier, then the switch: each call is followed by a wait for the fused tier, so
+# that every program's later calls run it and the switch falls between two compared calls).
+_fuse: str = "wait"
 
 
 def _jit(fn):
-    return keraunos.jit(fn) if _executors is None else keraunos.jit(fn, executors=_executors)
+    if _executors is None:
+        return keraunos.jit(fn, fuse="off")
+    return keraunos.jit(fn, executors=_executors, fuse=_fuse)
+
+
+def _after_call(jitted) -> None:
+    if _fuse == "background":
+        keraunos.wait_for_fusion(jitted, 600)
 
 
 def _fused() -> bool:
@@ -87,13 +98,15 @@ def _fused() -> bool:
 
 
 def _run_one(name: str) -> tuple[str, Outcome]:
-    return name, run_program(generate(name), _jit, compile_reference=_fused())
+    return name, run_program(generate(name), _jit, compile_reference=_fused(),
+                             after_call=_after_call)
 
 
 def _shrink_one(job) -> tuple[tuple, str]:
     name, outcome, budget = job
     program, result = shrink(generate(name), outcome, budget_s=budget,
-                             run=lambda p: run_program(p, _jit, compile_reference=_fused()))
+                             run=lambda p: run_program(p, _jit, compile_reference=_fused(),
+                                                       after_call=_after_call))
     return outcome.signature, program.reproducer(str(result))
 
 
@@ -102,13 +115,15 @@ def _init_worker() -> None:
 
 
 def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
-                 per_kind: int = 2, progress=None, executors: list[str] | None = None) -> Report:
+                 per_kind: int = 2, progress=None, executors: list[str] | None = None,
+                 fuse: str = "wait") -> Report:
     """Run the programs ``names``; shrink up to ``per_kind`` programs of each distinct failure
     (one kind of check can hide several causes). ``executors``: jit them with these (with
     ``inductor``, floats are compared at ``opinfo.FUSED``'s tolerance, as the OpInfo sweep with
     fusion is: Inductor's kernels round differently from eager's)."""
-    global _executors
+    global _executors, _fuse
     _executors = list(executors) if executors else None
+    _fuse = fuse
     if _executors and "inductor" in _executors:
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
     start = time.monotonic()

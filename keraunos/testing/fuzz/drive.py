@@ -71,11 +71,12 @@ class _Side:
 
 
 def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify: bool = True,
-                compile_reference: bool = False) -> Outcome:
+                compile_reference: bool = False, after_call: Callable | None = None) -> Outcome:
     """Drive ``program`` through its steps on ``make_jitted(f_or_model)`` and on the eager twin.
     ``classify``: a float value mismatch is checked against float64 eager (and, with
     ``compile_reference``, against ``torch.compile``) and becomes "rounding" when the jitted value
-    is as good as eager's (``classify.py``)."""
+    is as good as eager's (``classify.py``). ``after_call(jitted)`` runs after each compared call
+    (``--fuse background``: wait for the fused tier, so that the next calls run it)."""
     filename = f"keraunos_fuzz_{re.sub(r'[^0-9A-Za-z]', '_', program.name)}.py"
     source = program.source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -94,6 +95,8 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify
                     if isinstance(step, Call):
                         _call(step, eager, jitted)
                         calls += 1
+                        if after_call is not None:
+                            after_call(jitted.target)
                     else:
                         _both(lambda side: exec(step.render(), side.env()), eager, jitted, "change")
                 except Mismatch as m:
