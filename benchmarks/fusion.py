@@ -61,9 +61,9 @@ def _wrap(system: str, model):
     if system == "eager":
         return model
     if system == "keraunos":
-        return keraunos.jit(model)
+        return keraunos.jit(model, fuse="off")
     if system == "keraunos+inductor":
-        return keraunos.jit(model, executors=["inductor", "torch"])
+        return keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
     return torch.compile(model)
 
 

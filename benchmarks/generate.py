@@ -87,11 +87,11 @@ def hf_systems(kind: str, cache: str, with_compile: bool, fusion: bool = False) 
                                 max_new_tokens=n, min_new_tokens=n, **options)[0]
         return run
     eager = hf_model(kind)
-    jitted = keraunos.jit(copy.deepcopy(eager))
+    jitted = keraunos.jit(copy.deepcopy(eager), fuse="off")
     systems = {"eager": System(runner(eager.generate), lambda: 0),
                "keraunos": System(runner(jitted.generate), lambda: keraunos.cache_misses(jitted))}
     if fusion:
-        fused = keraunos.jit(copy.deepcopy(eager), executors=FUSED)
+        fused = keraunos.jit(copy.deepcopy(eager), executors=FUSED, fuse="wait")
         systems["keraunos+inductor"] = System(runner(fused.generate),
                                               lambda: keraunos.cache_misses(fused))
     if with_compile:
@@ -112,13 +112,13 @@ def litgpt_systems(with_compile: bool, fusion: bool = False) -> dict[str, System
         return run
     eager = litgpt_model()
     jitted_module = copy.deepcopy(eager)
-    jitted = keraunos.jit(jitted_module)
+    jitted = keraunos.jit(jitted_module, fuse="off")
     systems = {"eager": System(runner(eager, eager), lambda: 0),
                "keraunos": System(runner(jitted, jitted_module),
                                   lambda: keraunos.cache_misses(jitted))}
     if fusion:
         fused_module = copy.deepcopy(eager)
-        fused = keraunos.jit(fused_module, executors=FUSED)
+        fused = keraunos.jit(fused_module, executors=FUSED, fuse="wait")
         systems["keraunos+inductor"] = System(runner(fused, fused_module),
                                               lambda: keraunos.cache_misses(fused))
     if with_compile:
@@ -202,7 +202,7 @@ def memory_over_steps(steps: int) -> None:
                            block_size=steps + 32)
     eager = GPT(config).eval()
     jitted_module = copy.deepcopy(eager)
-    systems = {"eager": (eager, eager), "keraunos": (keraunos.jit(jitted_module), jitted_module)}
+    systems = {"eager": (eager, eager), "keraunos": (keraunos.jit(jitted_module, fuse="off"), jitted_module)}
     print(f"\nmemory over {steps} decode steps (litgpt KV cache of {steps + 32} positions)")
     print(f"  {'system':<10} {'blocks/step':>12} {'RSS bytes/step':>15} {'compiles':>9}")
     for name, (model, module) in systems.items():

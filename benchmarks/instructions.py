@@ -57,8 +57,8 @@ def _litgpt_step(label: str):
     from generate import litgpt_model
 
     import keraunos
-    makers = {"eager": lambda m: m, "jit": keraunos.jit,
-              "fused": lambda m: keraunos.jit(m, executors=FUSED), "inductor": torch.compile}
+    makers = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
+              "fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"), "inductor": torch.compile}
     if label not in makers:
         raise SystemExit(f"litgpt-decode has no system {label!r}: {sorted(makers)}")
     module = litgpt_model()
@@ -89,9 +89,9 @@ def _zoo_step(name: str, mode: str, label: str):
     torch._dynamo.reset()
     base, _ = make_models(name)
     model = copy.deepcopy(base)
-    make = {"eager": lambda m: m, "jit": keraunos.jit,
+    make = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
             "backend": lambda m: torch.compile(m, backend="keraunos"),
-            "fused": lambda m: torch.compile(m, backend=keraunos.dynamo.backend(executors=FUSED)),
+            "fused": lambda m: torch.compile(m, backend=keraunos.dynamo.backend(executors=FUSED, fuse="wait")),
             "inductor": torch.compile}[label]
     if mode == "train":
         model.train()

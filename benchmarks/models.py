@@ -68,15 +68,15 @@ def wrap_eager(model):
 
 
 def wrap_jit(model):
-    return keraunos.jit(model)
+    return keraunos.jit(model, fuse="off")
 
 
 def wrap_backend(model):
-    return torch.compile(model, backend="keraunos")
+    return torch.compile(model, backend=keraunos.dynamo.backend(fuse="off"))
 
 
 def wrap_backend_fused(model):
-    return torch.compile(model, backend=keraunos.dynamo.backend(executors=["inductor", "torch"]))
+    return torch.compile(model, backend=keraunos.dynamo.backend(executors=["inductor", "torch"], fuse="wait"))
 
 
 def wrap_dynamo_floor(model):

@@ -9,6 +9,8 @@ bookkeeping (``_jit_ddp``, ``_jit_fsdp``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import sys
@@ -23,6 +25,7 @@ from .cache import CacheMode
 from .capture.state import active_context
 from .jit import (Fallback, JitOptions, _fsdp_units, _JitState, _warn_at_user_line, call,
                   call_profiled)
+from .tiers import FuseMode
 from .transforms import Transform
 
 # ------------------------------------------------------------------------- public wrappers
@@ -460,15 +463,25 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         max_cache_entries=max_cache_entries, profile=profile, specialize_data=specialize_data,
         fallback=fallback, dynamic=dynamic, fuse=fuse)
     if _is_ddp(fn_or_module):
-        return _jit_ddp(fn_or_module, options)
+        return _jit_ddp(fn_or_module, _distributed(options))
     if isinstance(fn_or_module, torch.nn.Module) and _fsdp_units(fn_or_module):
-        return _jit_fsdp(fn_or_module, options)
+        return _jit_fsdp(fn_or_module, _distributed(options))
     if isinstance(fn_or_module, torch.nn.Module):
         jitted = JittedModule(fn_or_module, options)
         for t in options.transforms:
             t.transform_module(jitted)
         return jitted
     return JittedFunction(fn_or_module, options)
+
+
+def _distributed(options: JitOptions) -> JitOptions:
+    """DDP and FSDP2 wrappers run the torch executor unless fusion was asked to wait: a fused
+    tier switching in between the ranks' steps is not tested yet (each rank would switch at its
+    own call, with its own kernels), so the background default does not apply to them."""
+    if options.fuse is not FuseMode.BACKGROUND:
+        return options
+    return dataclasses.replace(options, fuse=FuseMode.OFF, executors=tuple(
+        e for e in options.executors if not getattr(e, "is_fusion", False)))
 
 
 def _is_ddp(module) -> bool:
