@@ -56,12 +56,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"keraunos.jit(GPT({config})) on idx {tuple(idx.shape)}: logits match eager "
           f"(max abs diff {(logits - expected).abs().max().item():.2e})")
     print(f"first call (capture, compile, run on the torch executor): {first_call * 1e3:.2f} ms")
+    print("=" * 30, "after the first call: compile stages, tier and cache", "=" * 30)
     print(keraunos.compile_stats(jmodel))
     # The fused program compiles in the background (fuse="background", the default); a program
     # never waits for it, this demo does so as to show it.
     start = time.perf_counter()
     keraunos.wait_for_fusion(jmodel)
-    print(f"\nthe fused program was ready {time.perf_counter() - start:.2f} s after the first "
+    print(f"\nthe fused program was ready {time.perf_counter() - start:.2f} s after that first "
           f"call returned; the next calls run it\n")
     with torch.no_grad():
         fused = jmodel(idx)
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'keraunos':>12}: {jitted * 1e6:9.1f} us per call ({jitted / eager:.2f}x eager's), "
           f"of which the cache lookup (prologue checks) took {stats.last_cache_lookup * 1e6:.1f} "
           f"us on the last call")
-    print(f"cache, after all {1 + WARMUP + args.calls} calls of the jitted model: "
+    print(f"cache, after all {2 + WARMUP + args.calls} calls of the jitted model: "
           f"{stats.cache_hits} hits, {stats.cache_misses} miss"
           f"{'es' if stats.cache_misses != 1 else ''} (the first call, which compiled; the "
           f"switch to the fused tier is no miss)")
