@@ -2,15 +2,25 @@
 per-call time after, each system cold in its own process (a fresh Inductor cache directory),
 then warm (a second process on the same directory: a restart).
 
-Run: python benchmarks/tiers.py [--layers L] [--width W] [--seq T] [--calls N] [--systems a,b]
+Run: ``keraunos bench tiers`` (or ``python benchmarks/tiers.py``) with ``[--model M] [--train]
+[--layers L] [--width W] [--seq T] [--calls N] [--systems a,b] [--chart PATH]``
+
+Models: ``gpt`` (``keraunos.examples.gpt.GPT``, ``--layers``/``--width``, input (1, ``--seq``));
+``llama32`` (the 32-layer Llama-3-8B-shaped litgpt GPT at tiny widths of ``keraunos bench``'s
+workload a, input (1, 8)); ``resnet18``, ``mobilenet_v3_small``, ``efficientnet_b0``
+(torchvision, random weights, a batch of 2 images of 64x64). ``--train`` times a training step
+(forward, a loss, backward, an SGD step) instead of a ``no_grad`` call.
 
 Systems: ``eager``; ``keraunos`` (the default: ``fuse="background"``); ``keraunos-wait``
 (``fuse="wait"``); ``keraunos-torch`` (``fuse="off"``); ``regional`` (``torch.compile`` of each
-block, as torch's docs recommend for repeated layers); ``compile`` (whole-model
-``torch.compile``). Columns: time to the first result (from the jit call), time until calls run
-fused (keraunos: ``wait_for_fusion`` returns; torch.compile: the first call), and the median of
-``--calls`` calls once fused. Ratios are to regional ``torch.compile`` measured in the same run.
-One intra-op thread; the model is ``keraunos.examples.gpt.GPT`` under ``no_grad``.
+block, as torch's docs recommend for repeated layers); ``regional-async`` (the same with
+``TORCHINDUCTOR_FX_COMPILE_MODE=async+subprocess``: each block runs eager's kernels until its
+Inductor graph, compiled in a subprocess, is ready; torch 2.13 calls it experimental);
+``compile`` (whole-model ``torch.compile``). Columns: time to the first result (from the jit
+call), time until calls run fused (keraunos: ``wait_for_fusion`` returns; torch.compile: the
+first call; regional-async: the first call, in a loop of calls, that ran no block eagerly), the
+same two after a restart, and the median of ``--calls`` calls once fused (of the restarted
+process). Ratios are to regional ``torch.compile`` measured in the same run. One intra-op thread.
 """
 from __future__ import annotations
 
@@ -23,92 +33,208 @@ import sys
 import tempfile
 import time
 
-SYSTEMS = ("eager", "keraunos", "keraunos-wait", "keraunos-torch", "regional", "compile")
+SYSTEMS = ("eager", "keraunos", "keraunos-wait", "keraunos-torch", "regional", "regional-async",
+           "compile")
+MODELS = ("gpt", "llama32", "resnet18", "mobilenet_v3_small", "efficientnet_b0")
+ASYNC_WAIT_S = 900  # regional-async: calls keep running eagerly at most this long
+COLUMNS = (("first", "first result"), ("fused", "all fused"), ("restart first", "restart first"),
+           ("restart fused", "restart fused"), ("call", "per call"))
 
 
-def child(system: str, layers: int, width: int, seq: int, calls: int) -> dict:
+def build(args):
+    """(model, its repeated blocks for regional compiling, the inputs)."""
+    import torch
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        from keraunos.examples.gpt import GPT, GPTConfig
+        model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=4,
+                              block_size=max(64, args.seq)))
+        return model, list(model.h), torch.randint(0, 256, (1, args.seq))
+    if args.model == "llama32":
+        import litgpt
+        from litgpt.model import GPT
+        model = GPT(litgpt.Config.from_name("Llama-3-8B", n_embd=128, intermediate_size=256,
+                                            padded_vocab_size=256, vocab_size=256,
+                                            block_size=64))
+        return model, list(model.transformer.h), torch.randint(0, 256, (1, 8))
+    from keraunos.testing.vision import import_torchvision
+    model = getattr(import_torchvision().models, args.model)()
+    if hasattr(model, "features"):  # mobilenet, efficientnet: a Sequential of stages
+        blocks = list(model.features)
+    else:  # resnet: its residual blocks
+        blocks = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
+                  for block in layer]
+    return model, blocks, torch.randn(2, 3, 64, 64)
+
+
+def child(system: str, args) -> dict:
     import torch
     import keraunos
-    from keraunos.examples.gpt import GPT, GPTConfig
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=layers, n_embd=width, n_head=4, block_size=max(64, seq))).eval()
-    idx = torch.randint(0, 256, (1, seq))
+    model, blocks, x = build(args)
+    model.train(args.train)
     start = time.perf_counter()
     if system == "eager":
         run = model
     elif system.startswith("keraunos"):
         fuse = {"keraunos": "background", "keraunos-wait": "wait", "keraunos-torch": "off"}[system]
         run = keraunos.jit(model, fuse=fuse)
-    elif system == "regional":
-        for block in model.h:
+    elif system in ("regional", "regional-async"):
+        for block in blocks:
             block.compile()
         run = model
     else:
         run = torch.compile(model)
-    with torch.no_grad():
-        run(idx)
-        first = time.perf_counter() - start
-        if system == "keraunos":
-            keraunos.wait_for_fusion(run)
-        fused = time.perf_counter() - start
-        for _ in range(5):
-            run(idx)
-        samples = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            run(idx)
-            samples.append(time.perf_counter() - t0)
+    if args.train:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def call():
+            optimizer.zero_grad(set_to_none=True)
+            run(x).float().square().mean().backward()
+            optimizer.step()
+    else:
+        def call():
+            with torch.no_grad():
+                run(x)
+    call()
+    first = time.perf_counter() - start
+    if system == "keraunos":
+        keraunos.wait_for_fusion(run)
+    elif system == "regional-async":
+        _call_until_compiled(call)
+    fused = time.perf_counter() - start
+    for _ in range(5):
+        call()
+    samples = []
+    for _ in range(args.calls):
+        t0 = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t0)
     return {"first": first, "fused": fused, "call": statistics.median(samples)}
 
 
-def measure(system: str, args, cache_dir: str) -> dict:
+def _call_until_compiled(call) -> None:
+    """Calls until a call runs no graph eagerly (async+subprocess: every block's compiled graph
+    arrived), as a program that keeps calling would."""
+    from torch._inductor.compile_fx_async import _AsyncFxCompile
+    deadline = time.perf_counter() + ASYNC_WAIT_S
+    while time.perf_counter() < deadline:
+        before = _AsyncFxCompile._stat_eager_runs
+        call()
+        if _AsyncFxCompile._stat_eager_runs == before:
+            return
+    raise RuntimeError(f"async+subprocess: calls still ran eagerly after {ASYNC_WAIT_S} s")
+
+
+def _child_argv(args) -> list[str]:
+    argv = ["--model", args.model, "--layers", str(args.layers), "--width", str(args.width),
+            "--seq", str(args.seq), "--calls", str(args.calls)]
+    return argv + (["--train"] if args.train else [])
+
+
+def measure(system: str, args, cache_dir: str) -> dict | None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "KERAUNOS_FUSE": ""}
-    done = subprocess.run([sys.executable, __file__, "--child", system, "--layers",
-                           str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
-                           "--calls", str(args.calls)], capture_output=True, text=True, env=env)
+    if system == "regional-async":
+        env["TORCHINDUCTOR_FX_COMPILE_MODE"] = "async+subprocess"
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", system,
+                           *_child_argv(args)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"{system} failed:\n{done.stderr[-3000:]}")
+        print(f"  {system} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.layers, args.width, args.seq, args.calls)))
-        return 0
+def measure_all(args) -> dict:
+    """system -> {column: seconds}, or None where the system failed."""
     rows = {}
     for system in args.systems.split(","):
         with tempfile.TemporaryDirectory(prefix="keraunos-tiers-") as cache_dir:
             cold = measure(system, args, cache_dir)
-            warm = measure(system, args, cache_dir)
-        rows[system] = (cold, warm)
+            warm = measure(system, args, cache_dir) if cold else None
+        rows[system] = warm and {"first": cold["first"], "fused": cold["fused"],
+                                 "restart first": warm["first"], "restart fused": warm["fused"],
+                                 "call": warm["call"]}
         print(f"  measured {system}", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: dict, title: str) -> str:
     anchor = rows.get("regional")
-    print(f"GPT {args.layers} layers, width {args.width}, (1, {args.seq}), no_grad, 1 thread; "
-          f"each system cold in its own process, then a warm restart on the same cache dir")
-    header = (f"{'system':<16}{'first result':>14}{'all fused':>12}{'restart first':>15}"
-              f"{'restart fused':>15}{'per call':>12}")
-    print(header + ("   (ratios to regional torch.compile)" if anchor else ""))
-    for system, (cold, warm) in rows.items():
-        def r(value, key, row):
-            if anchor is None:
-                return ""
-            base = anchor[0 if row is cold else 1][key]
-            return f" ({value / base:.2f}x)"
-        print(f"{system:<16}{cold['first']:>11.2f} s{r(cold['first'], 'first', cold)}"
-              f"{cold['fused']:>9.2f} s{r(cold['fused'], 'fused', cold)}"
-              f"{warm['first']:>12.2f} s{r(warm['first'], 'first', warm)}"
-              f"{warm['fused']:>12.2f} s{r(warm['fused'], 'fused', warm)}"
-              f"{warm['call'] * 1e6:>9.0f} us{r(warm['call'], 'call', warm)}")
-    return 0
+    lines = [title, f"{'system':<16}" + "".join(f"{label:>20}" for _, label in COLUMNS)
+             + ("   (ratios to regional torch.compile)" if anchor else "")]
+    for system, row in rows.items():
+        if row is None:
+            lines.append(f"{system:<16}{'failed (see above)':>20}")
+            continue
+        cells = []
+        for key, _ in COLUMNS:
+            value = f"{row[key] * 1e3:.1f} ms" if key == "call" else f"{row[key]:.2f} s"
+            ratio = f" ({row[key] / anchor[key]:.2f}x)" if anchor else ""
+            cells.append(f"{value + ratio:>20}")
+        lines.append(f"{system:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def chart(rows: dict, title: str, path: str) -> bool:
+    """Bars of each system's columns as ratios to regional torch.compile's."""
+    anchor = rows.get("regional")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no chart: it needs matplotlib (the bench extra)", file=sys.stderr)
+        return False
+    if anchor is None:
+        print("no chart: it draws ratios to regional torch.compile; add it to --systems",
+              file=sys.stderr)
+        return False
+    measured = [(s, r) for s, r in rows.items() if r is not None]
+    figure, axes = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(measured)
+    for i, (system, row) in enumerate(measured):
+        axes.bar([c + i * width for c in range(len(COLUMNS))],
+                 [row[key] / anchor[key] for key, _ in COLUMNS], width, label=system)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([c + 0.4 - width / 2 for c in range(len(COLUMNS))],
+                    [label for _, label in COLUMNS])
+    axes.set_ylabel("time / regional torch.compile's (lower is better)")
+    axes.set_title(title, fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="keraunos bench tiers",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="gpt")
+    parser.add_argument("--train", action="store_true", help="time a training step")
+    parser.add_argument("--layers", type=int, default=8, help="gpt only")
+    parser.add_argument("--width", type=int, default=128, help="gpt only")
+    parser.add_argument("--seq", type=int, default=32, help="gpt only")
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--chart", default="", help="also draw a PNG chart here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return 0
+    unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    shape = (f"{args.layers} layers, width {args.width}, (1, {args.seq})" if args.model == "gpt"
+             else "")
+    title = (f"{args.model} {shape} {'training step' if args.train else 'no_grad'}, 1 thread; "
+             f"each system cold in its own process, then a restart on the same cache dir")
+    rows = measure_all(args)
+    print(table(rows, title))
+    if args.chart and chart(rows, title, args.chart):
+        print(f"chart written to {args.chart}")
+    return 0 if all(row is not None for row in rows.values()) else 1
 
 
 if __name__ == "__main__":

@@ -100,15 +100,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_script():
-    """``benchmarks/fusion.py`` of the source tree keraunos runs from, loaded as a module."""
+def _bench_script(name: str = "fusion"):
+    """``benchmarks/<name>.py`` of the source tree keraunos runs from, loaded as a module."""
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fusion.py"
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
     if not path.is_file():
         raise SystemExit(f"keraunos bench: {path} is missing; the benchmarks ship with the "
                          f"source tree (run it from a clone of keraunos)")
-    spec = importlib.util.spec_from_file_location("keraunos_bench_fusion", path)
+    spec = importlib.util.spec_from_file_location(f"keraunos_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -116,6 +116,8 @@ def _bench_script():
 
 
 def bench(argv: list[str]) -> int:
+    if argv[:1] == ["tiers"]:  # keraunos bench tiers: benchmarks/tiers.py
+        return _bench_script("tiers").main(argv[1:])
     return _bench_script().main(argv)
 
 
@@ -136,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="eager vs keraunos vs keraunos+inductor vs torch.compile on "
                    "three litgpt workloads (a: inference, overhead-bound; b: inference, "
                    "compute-bound; c: a training step): a table and a PNG chart; keraunos bench "
-                   "--help says what each workload is", add_help=False)
+                   "--help says what each workload is; keraunos bench tiers [--help]: first result, all "
+                   "fused, restart and per call against regional and async torch.compile",
+                   add_help=False)
     args = parser.parse_args(argv)
     return run(args)
 

@@ -17,6 +17,13 @@ if ! .venv/bin/python -c "import keraunos, litgpt, pytest, xdist, expecttest, tr
     accelerate, lightning, matplotlib" 2>/dev/null; then
   "${PIP[@]}" install -c scripts/constraints.txt -e ".[test,bench]"
 fi
+# torchvision (the vision extra) beside the environment, not in it: the wheel pip picks beside
+# the CPU torch 2.13 is a CUDA build whose import fails, and lightning, torchmetrics and litgpt
+# import torchvision whenever it is installed. In .venv/vendor only keraunos.testing.vision finds
+# it (it defines the two missing operator schemas first; see that module).
+if [ ! -d .venv/vendor/torchvision ]; then
+  "${PIP[@]}" install --no-deps --target .venv/vendor torchvision==0.28.0
+fi
 # Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, only
 # when missing, only where apt-get can run as root. Any failure is reported and the tests skip.
 if ! command -v chromium >/dev/null 2>&1; then
