@@ -3,7 +3,7 @@ per-call time after, each system cold in its own process (a fresh Inductor cache
 then warm (a second process on the same directory: a restart).
 
 Run: ``keraunos bench tiers`` (or ``python benchmarks/tiers.py``) with ``[--model M] [--train]
-[--layers L] [--width W] [--seq T] [--calls N] [--systems a,b] [--chart PATH]``
+[--layers L] [--width W] [--seq T] [--calls N] [--device cuda] [--systems a,b] [--chart PATH]``
 
 Models: ``gpt`` (``keraunos.examples.gpt.GPT``, ``--layers``/``--width``, input (1, ``--seq``));
 ``llama32`` (the 32-layer Llama-3-8B-shaped litgpt GPT at tiny widths of ``keraunos bench``'s
@@ -15,7 +15,8 @@ Systems: ``eager``; ``keraunos`` (the default: ``fuse="background"``); ``kerauno
 (``fuse="wait"``); ``keraunos-torch`` (``fuse="off"``); ``regional`` (``torch.compile`` of each
 block, as torch's docs recommend for repeated layers); ``regional-async`` (the same with
 ``TORCHINDUCTOR_FX_COMPILE_MODE=async+subprocess``: each block runs eager's kernels until its
-Inductor graph, compiled in a subprocess, is ready; torch 2.13 calls it experimental);
+Inductor graph, compiled in a subprocess, is ready; torch 2.13 calls it experimental, and it
+raises on a miss of the FX graph cache, so it runs with that cache off: its restart recompiles);
 ``compile`` (whole-model ``torch.compile``). Columns: time to the first result (from the jit
 call), time until calls run fused (keraunos: ``wait_for_fusion`` returns; torch.compile: the
 first call; regional-async: the first call, in a loop of calls, that ran no block eagerly), the
@@ -72,7 +73,9 @@ def child(system: str, args) -> dict:
     import keraunos
     torch.set_num_threads(1)
     model, blocks, x = build(args)
-    model.train(args.train)
+    model.train(args.train).to(args.device)
+    x = x.to(args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     start = time.perf_counter()
     if system == "eager":
         run = model
@@ -92,10 +95,12 @@ def child(system: str, args) -> dict:
             optimizer.zero_grad(set_to_none=True)
             run(x).float().square().mean().backward()
             optimizer.step()
+            sync()
     else:
         def call():
             with torch.no_grad():
                 run(x)
+            sync()
     call()
     first = time.perf_counter() - start
     if system == "keraunos":
@@ -128,7 +133,7 @@ def _call_until_compiled(call) -> None:
 
 def _child_argv(args) -> list[str]:
     argv = ["--model", args.model, "--layers", str(args.layers), "--width", str(args.width),
-            "--seq", str(args.seq), "--calls", str(args.calls)]
+            "--seq", str(args.seq), "--calls", str(args.calls), "--device", args.device]
     return argv + (["--train"] if args.train else [])
 
 
@@ -136,6 +141,9 @@ def measure(system: str, args, cache_dir: str) -> dict | None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "KERAUNOS_FUSE": ""}
     if system == "regional-async":
         env["TORCHINDUCTOR_FX_COMPILE_MODE"] = "async+subprocess"
+        # With the FX graph cache on, torch 2.13's async mode raises on every cache miss
+        # (NotImplementedError: _AsyncOutputCode.set_triton_bundle): it runs with the cache off.
+        env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", system,
                            *_child_argv(args)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=128, help="gpt only")
     parser.add_argument("--seq", type=int, default=32, help="gpt only")
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--chart", default="", help="also draw a PNG chart here")
@@ -228,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     shape = (f"{args.layers} layers, width {args.width}, (1, {args.seq})" if args.model == "gpt"
              else "")
-    title = (f"{args.model} {shape} {'training step' if args.train else 'no_grad'}, 1 thread; "
+    title = (f"{args.model} {shape} {'training step' if args.train else 'no_grad'} on "
+             f"{args.device}, 1 thread; "
              f"each system cold in its own process, then a restart on the same cache dir")
     rows = measure_all(args)
     print(table(rows, title))
