@@ -7,7 +7,10 @@ Run: ``keraunos bench tiers`` (or ``python benchmarks/tiers.py``) with ``[--mode
 
 Models: ``gpt`` (``keraunos.examples.gpt.GPT``, ``--layers``/``--width``, input (1, ``--seq``));
 ``llama32`` (the 32-layer Llama-3-8B-shaped litgpt GPT at tiny widths of ``keraunos bench``'s
-workload a, input (1, 8)); ``resnet18``, ``mobilenet_v3_small``, ``efficientnet_b0``
+workload a, input (1, 8)); ``llama2-4`` (``benchmarks/train.py``'s 4-layer Llama-2-shaped
+model, width 256, input (1, 64)); ``tiny`` (``benchmarks/overhead.py``'s tiny function,
+``gelu(x @ y + 1).sum(-1)``, 4x8) and ``one-op`` (``x.exp()``, 4x8), whose blocks are the whole
+function; ``resnet18``, ``mobilenet_v3_small``, ``efficientnet_b0``
 (torchvision, random weights, a batch of 2 images of 64x64). ``--train`` times a training step
 (forward, a loss, backward, an SGD step) instead of a ``no_grad`` call.
 
@@ -34,17 +37,35 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 SYSTEMS = ("eager", "keraunos", "keraunos-wait", "keraunos-torch", "regional", "regional-async",
            "compile")
-MODELS = ("gpt", "llama32", "resnet18", "mobilenet_v3_small", "efficientnet_b0")
+MODELS = ("gpt", "llama32", "llama2-4", "resnet18", "mobilenet_v3_small", "efficientnet_b0",
+          "tiny", "one-op")
 ASYNC_WAIT_S = 900  # regional-async: calls keep running eagerly at most this long
 COLUMNS = (("first", "first result"), ("fused", "all fused"), ("restart first", "restart first"),
            ("restart fused", "restart fused"), ("call", "per call"))
 
 
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.y = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return F.gelu(x @ self.y + 1).sum(-1)
+
+
+class OneOp(nn.Module):
+    def forward(self, x):
+        return x.exp()
+
+
 def build(args):
     """(model, its repeated blocks for regional compiling, the inputs)."""
-    import torch
     torch.manual_seed(0)
     if args.model == "gpt":
         from keraunos.examples.gpt import GPT, GPTConfig
@@ -58,6 +79,17 @@ def build(args):
                                             padded_vocab_size=256, vocab_size=256,
                                             block_size=64))
         return model, list(model.transformer.h), torch.randint(0, 256, (1, 8))
+    if args.model == "llama2-4":
+        import litgpt
+        from litgpt.model import GPT
+        model = GPT(litgpt.Config.from_name("Llama-2-7b-hf", n_layer=4, n_embd=256, n_head=4,
+                                            n_query_groups=4, intermediate_size=1024,
+                                            padded_vocab_size=512, vocab_size=512,
+                                            block_size=128))
+        return model, list(model.transformer.h), torch.randint(0, 512, (1, 64))
+    if args.model in ("tiny", "one-op"):
+        model = Tiny() if args.model == "tiny" else OneOp()
+        return model, [model], torch.randn(4, 8)
     from keraunos.testing.vision import import_torchvision
     model = getattr(import_torchvision().models, args.model)()
     if hasattr(model, "features"):  # mobilenet, efficientnet: a Sequential of stages
@@ -69,7 +101,6 @@ def build(args):
 
 
 def child(system: str, args) -> dict:
-    import torch
     import keraunos
     torch.set_num_threads(1)
     model, blocks, x = build(args)

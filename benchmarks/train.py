@@ -5,6 +5,7 @@ Run: python benchmarks/train.py [--iters N] [--layers L] [--width W] [--skip-com
 All figures from this one run, one intra-op thread:
 - compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
 - steady-state median step time (of the last N steps);
+- each system's median step with all systems taking steps in turns (interleaved);
 - bytes saved for backward by one forward, counted with torch.autograd.graph.saved_tensors_hooks
   (unique storages, so a tensor saved twice counts once), for eager and keraunos.
 """
@@ -53,6 +54,18 @@ def time_2n(step, n: int):
     return compile_and_warmup, statistics.median(times[n:]), times[0]
 
 
+def interleaved_medians(steps: dict, rounds: int) -> dict:
+    """Each system's median step when all take steps in turns (one step each per round), so
+    that a busy machine slows them alike."""
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def saved_bytes(model, idx) -> int:
     storages: dict[int, int] = {}
 
@@ -84,6 +97,7 @@ def main():
         systems["torch.compile"] = torch.compile
     results = {}
     losses = {}
+    steps = {}
     for name, wrap in systems.items():
         model = copy.deepcopy(base)
         runner = wrap(model)
@@ -91,6 +105,7 @@ def main():
         step = step_fn(runner, optimizer, idx, targets)
         compile_time, median, first = time_2n(step, args.iters)
         losses[name] = step().item()
+        steps[name] = step
         results[name] = (compile_time, median, first)
         if name != "torch.compile":
             results[name] += (saved_bytes(runner, idx),)
@@ -104,6 +119,12 @@ def main():
         saved_ratio = f"{r[3] / eager[3]:8.2f}x" if len(r) > 3 else f"{'':>9}"
         print(f"  {name:<14} {r[0]:13.3f} s {r[1] * 1e3:12.2f} ms {r[1] / eager[1]:8.2f}x "
               f"{saved} {saved_ratio}")
+    interleaved = interleaved_medians(steps, args.iters)
+    base_name = "torch.compile" if "torch.compile" in interleaved else "eager"
+    print(f"  interleaved (every system's steps in turns, {args.iters} rounds, after the above), "
+          f"median step: " + ", ".join(
+              f"{k} {v * 1e3:.2f} ms ({v / interleaved[base_name]:.2f}x {base_name})"
+              for k, v in interleaved.items()))
     if "torch.compile" in results:
         print(f"  compile+warmup, keraunos / torch.compile: "
               f"{results['keraunos'][0] / results['torch.compile'][0]:.3f}")

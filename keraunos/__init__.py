@@ -109,9 +109,21 @@ def wait_for_fusion(jitted, timeout: float | None = None) -> bool:
     """Wait until the fused programs the cache entries of ``jitted`` are compiling in the
     background (``fuse="background"``) are ready and switched to; the next call runs fused.
     Returns False if ``timeout`` seconds passed first. For benchmarks and tests: a program
-    never needs to call it."""
+    never needs to call it. A program that fell back to ``torch.compile(backend="keraunos")``
+    waits for its subgraphs' fused programs."""
+    import time
     from .tiers import wait_for_fusion as wait
-    return wait(state_of(jitted), timeout)
+    state = state_of(jitted)
+    states = [state]
+    if getattr(state, "dynamo_compiled", None) is not None:
+        from .dynamo.backend import _subgraphs_of
+        states += [subgraph.jitted._keraunos for subgraph in _subgraphs_of(jitted)]
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for s in states:
+        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        if not wait(s, left):
+            return False
+    return True
 
 
 __all__ = [

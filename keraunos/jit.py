@@ -487,7 +487,8 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
         from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
     compiled = torch.compile(target, backend=backend(executors=state.options.executors,
-                                                     transforms=state.options.transforms))
+                                                     transforms=state.options.transforms,
+                                                     fuse=state.options.fuse))
     state.dynamo_compiled = compiled  # keraunos.dynamo.last_traces(jitted) finds it here
     lines = str(error).splitlines()
     where = lines[0].removeprefix("keraunos cannot capture ")

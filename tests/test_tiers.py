@@ -238,6 +238,39 @@ def test_tiny_functions_are_not_fused():
     assert state_of(one_op).entries[0].tiering is None
 
 
+def test_waiting_covers_the_subgraphs_of_a_program_that_fell_back_to_dynamo():
+    """A data-dependent branch sends the program to torch.compile(backend="keraunos"); its
+    subgraphs compile fused tiers in the background too, and wait_for_fusion waits for them."""
+    model, eager = _twins()
+    model.eval(), eager.eval()
+
+    def branchy(x):
+        h = model(x)
+        if h.sum() > 0:  # data-dependent: a graph break
+            return h * 2
+        return h - 1
+
+    def reference(x):
+        h = eager(x)
+        return h * 2 if h.sum() > 0 else h - 1
+
+    jitted = keraunos.jit(branchy, fuse="background")
+    x = torch.randn(4, 16)
+    gate = _Gate()
+    with pytest.warns(UserWarning, match="falls back to torch.compile"), torch.no_grad():
+        assert torch.equal(jitted(x), reference(x))  # tier 0 in every subgraph
+    from keraunos.dynamo.backend import _subgraphs_of
+    subgraphs = _subgraphs_of(jitted)
+    assert subgraphs and any(tiers.pending(s.jitted._keraunos.entries) for s in subgraphs)
+    gate.open()
+    assert keraunos.wait_for_fusion(jitted, WAIT_S)
+    assert not any(tiers.pending(s.jitted._keraunos.entries) for s in subgraphs)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(jitted(x), reference(x), **TOLERANCE)
+    assert keraunos.compile_stats(subgraphs[0].jitted).tier == "fused"  # the model's graph
+
+
 def test_the_default_is_fusion_in_the_background(monkeypatch):
     monkeypatch.delenv("KERAUNOS_FUSE", raising=False)
     options = state_of(keraunos.jit(lambda x: x + 1)).options
