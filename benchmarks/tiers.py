@@ -24,7 +24,8 @@ raises on a miss of the FX graph cache, so it runs with that cache off: its rest
 call), time until calls run fused (keraunos: ``wait_for_fusion`` returns; torch.compile: the
 first call; regional-async: the first call, in a loop of calls, that ran no block eagerly), the
 same two after a restart, and the median of ``--calls`` calls once fused (of the restarted
-process). Ratios are to regional ``torch.compile`` measured in the same run. One intra-op thread.
+process). Ratios are to regional ``torch.compile`` measured in the same run (or whole-model
+``torch.compile`` where regional is not among ``--systems``). One intra-op thread.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ SYSTEMS = ("eager", "keraunos", "keraunos-wait", "keraunos-torch", "regional", "
 MODELS = ("gpt", "llama32", "llama2-4", "resnet18", "mobilenet_v3_small", "efficientnet_b0",
           "tiny", "one-op")
 ASYNC_WAIT_S = 900  # regional-async: calls keep running eagerly at most this long
+NEVER_FUSED = ("eager", "keraunos-torch")  # their "fused" columns are shown as "-"
 COLUMNS = (("first", "first result"), ("fused", "all fused"), ("restart first", "restart first"),
            ("restart fused", "restart fused"), ("call", "per call"))
 
@@ -197,16 +199,27 @@ def measure_all(args) -> dict:
     return rows
 
 
+def _anchor(rows: dict):
+    """(the row ratios are to, its name): regional torch.compile's, else whole-model's."""
+    for system, name in (("regional", "regional torch.compile"), ("compile", "torch.compile")):
+        if rows.get(system) is not None:
+            return rows[system], name
+    return None, None
+
+
 def table(rows: dict, title: str) -> str:
-    anchor = rows.get("regional")
+    anchor, anchor_name = _anchor(rows)
     lines = [title, f"{'system':<16}" + "".join(f"{label:>20}" for _, label in COLUMNS)
-             + ("   (ratios to regional torch.compile)" if anchor else "")]
+             + (f"   (ratios to {anchor_name})" if anchor else "")]
     for system, row in rows.items():
         if row is None:
             lines.append(f"{system:<16}{'failed (see above)':>20}")
             continue
         cells = []
         for key, _ in COLUMNS:
+            if system in NEVER_FUSED and "fused" in key:
+                cells.append(f"{'-':>20}")
+                continue
             value = f"{row[key] * 1e3:.1f} ms" if key == "call" else f"{row[key]:.2f} s"
             ratio = f" ({row[key] / anchor[key]:.2f}x)" if anchor else ""
             cells.append(f"{value + ratio:>20}")
@@ -215,8 +228,8 @@ def table(rows: dict, title: str) -> str:
 
 
 def chart(rows: dict, title: str, path: str) -> bool:
-    """Bars of each system's columns as ratios to regional torch.compile's."""
-    anchor = rows.get("regional")
+    """Bars of each system's columns as ratios to regional torch.compile's (or whole-model's)."""
+    anchor, anchor_name = _anchor(rows)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -225,7 +238,7 @@ def chart(rows: dict, title: str, path: str) -> bool:
         print("no chart: it needs matplotlib (the bench extra)", file=sys.stderr)
         return False
     if anchor is None:
-        print("no chart: it draws ratios to regional torch.compile; add it to --systems",
+        print("no chart: it draws ratios to torch.compile; add regional or compile to --systems",
               file=sys.stderr)
         return False
     measured = [(s, r) for s, r in rows.items() if r is not None]
@@ -233,11 +246,12 @@ def chart(rows: dict, title: str, path: str) -> bool:
     width = 0.8 / len(measured)
     for i, (system, row) in enumerate(measured):
         axes.bar([c + i * width for c in range(len(COLUMNS))],
-                 [row[key] / anchor[key] for key, _ in COLUMNS], width, label=system)
+                 [float("nan") if system in NEVER_FUSED and "fused" in key
+                  else row[key] / anchor[key] for key, _ in COLUMNS], width, label=system)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks([c + 0.4 - width / 2 for c in range(len(COLUMNS))],
                     [label for _, label in COLUMNS])
-    axes.set_ylabel("time / regional torch.compile's (lower is better)")
+    axes.set_ylabel(f"time / {anchor_name}'s (lower is better)")
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=8)
     figure.tight_layout()

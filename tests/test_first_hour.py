@@ -215,6 +215,26 @@ def _bench():
     return cli._bench_script()
 
 
+def test_bench_tiers_table_gives_ratios_to_regional_compile_and_dashes_where_nothing_fuses(capsys):
+    from keraunos import cli
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "tiers", "--help"])
+    assert done.value.code == 0 and "regional-async" in capsys.readouterr().out
+    tiers = cli._bench_script("tiers")
+    row = {"first": 2.0, "fused": 4.0, "restart first": 1.0, "restart fused": 2.0, "call": 0.01}
+    rows = {"regional": row, "keraunos": {**row, "first": 0.5, "call": 0.005},
+            "eager": {**row, "call": 0.02}, "compile": None}
+    text = tiers.table(rows, "title")
+    lines = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert "(ratios to regional torch.compile)" in text
+    assert "0.50 s (0.25x)" in lines["keraunos"] and "5.0 ms (0.50x)" in lines["keraunos"]
+    assert lines["eager"].split().count("-") == 2  # eager never fuses: no "fused" times
+    assert "failed" in lines["compile"]
+    del rows["regional"]
+    rows["compile"] = row
+    assert "(ratios to torch.compile)" in tiers.table(rows, "title")
+
+
 def test_bench_help_says_what_each_workload_is(capsys):
     from keraunos import cli
     with pytest.raises(SystemExit) as done:
