@@ -1212,3 +1212,69 @@ def test_a_tensor_made_written_and_handed_out_by_a_region_stays_inside():
         fused = [b.symbol.name for line in fusion_lines(keraunos.last_traces(jitted)[-1])
                  for b in line.subsymbols]
         assert ("div_" in " ".join(fused)) is inside, fn.__name__
+
+
+class _InPlaceActivations(nn.Module):
+    """torchvision's blocks: conv, batch norm, then activations applied in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+        self.silu, self.hardswish = nn.SiLU(inplace=True), nn.Hardswish(inplace=True)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.silu(self.bn(self.conv(x)))
+        return self.relu(self.hardswish(h * 2 + 1)) - 1
+
+
+def test_in_place_activations_fuse_with_their_neighbours():
+    torch.manual_seed(0)
+    model = _InPlaceActivations()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    jitted = keraunos.jit(model.eval(), fuse="wait")
+    with torch.no_grad():
+        assert_close(jitted(x), eager.eval()(x), **TOL)
+    trace = str(keraunos.last_traces(jitted)[-1])
+    body = [line for line in trace.splitlines() if not line.lstrip().startswith("#")]
+    assert len(keraunos.last_fusions(jitted)) == 1  # two writes of one memory, in one region
+    assert not any("inplace=True" in line for line in body)
+    # Training: batch norm's running statistics written in place, the gradients through them.
+    jitted = keraunos.jit(model.train(), fuse="wait")
+    out, want = jitted(x), eager.train()(x)
+    assert_close(out, want, **TOL)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert_close(model.bn.running_mean, eager.bn.running_mean, **TOL)
+    assert_close(model.bn.running_var, eager.bn.running_var, **TOL)
+
+
+def test_in_place_activation_of_an_input_or_of_a_viewed_tensor_writes_what_eager_writes():
+    def of_input(x):
+        y = x * 3  # x's memory is the caller's: written in place, and seen by the caller
+        F.relu(x, inplace=True)
+        F.hardtanh(x, inplace=True)
+        return y + x
+
+    def viewed(x):
+        h = x * 2 - 1
+        v = h.view(-1)  # a view taken before the writes sees them
+        F.relu(h, inplace=True)
+        F.hardsigmoid(h, inplace=True)
+        return h.exp() + 1, v * 2
+
+    for fn in (of_input, viewed):
+        x = torch.randn(4, 6)
+        x_eager = x.clone()
+        jitted = keraunos.jit(fn, fuse="wait")
+        got = jitted(x)
+        want = fn(x_eager)
+        assert_close(got, want, **TOL)
+        assert_close(x, x_eager, **TOL)  # the input as eager left it
+        x, x_eager = torch.randn(4, 6), None
+        x_eager = x.clone()
+        assert_close(jitted(x), fn(x_eager), **TOL)  # the cached entry
+        assert_close(x, x_eager, **TOL)

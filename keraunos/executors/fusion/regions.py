@@ -137,7 +137,8 @@ _METADATA_WRITES = frozenset({
 
 def _fusible_write(bsym: BoundSymbol) -> bool:
     """An in-place method that a region may run: it writes the values of its first argument
-    (``k_cache.index_copy_(2, pos, k)``, ``count.add_(1)``) and hands it back; Inductor's graph
+    (``k_cache.index_copy_(2, pos, k)``, ``count.add_(1)``, or an activation's
+    ``F.silu(h, inplace=True)``, as ``nn.SiLU(inplace=True)`` calls it) and hands it back; Inductor's graph
     writes the same memory. Its other tensors must not share that memory (an overlapping write
     reads what it writes). A tensor that requires grad may be written in the forward trace of
     keraunos's autograd split (T5's ``scores += position_bias``): autograd records nothing there;
@@ -145,8 +146,9 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     may share the written memory is the region's rule (``_unsafe_writes``)."""
     symbol = bsym.symbol
     short = symbol.name.rsplit(".", 1)[-1]
-    if symbol.style != "method" or not short.endswith("_") or short.endswith("__") \
-            or short in _METADATA_WRITES:
+    inplace_function = symbol.style == "function" and bsym.kwargs.get("inplace") is True
+    if not inplace_function and (symbol.style != "method" or not short.endswith("_")
+                                 or short.endswith("__") or short in _METADATA_WRITES):
         return False
     target = bsym.args[0] if bsym.args else None
     if not isinstance(target, TensorProxy) or target.storage is None:
@@ -438,7 +440,7 @@ def _unsafe_writes(region: Region) -> list[int]:
     strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
                and b.symbol.name.rsplit(".", 1)[-1] == "as_strided"
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
-    unsafe, written = [], set()
+    unsafe, written, written_otherwise = [], set(), set()
     for k, b in enumerate(region.lines):
         w = writes(b)
         if w is None:
@@ -446,12 +448,24 @@ def _unsafe_writes(region: Region) -> list[int]:
         # An output may be memory the region makes and writes (``topk``'s values, then
         # ``div_``): it comes back with the written values, as the one tensor of that memory.
         handed_out = outputs.get(w.storage, 0)
+        # Activations applied in place one after another to memory the region made
+        # (``nn.Hardswish(inplace=True)`` then ``nn.ReLU(inplace=True)``) are a chain of
+        # pointwise values once functionalized: no input memory is written, nothing is reread.
+        chained = (_inplace_activation(b) and w.storage not in inputs_of
+                   and w.storage not in written_otherwise)
         if (w.storage is None or inputs_of.get(w.storage, 0) > 1
                 or (handed_out and (w.storage in inputs_of or handed_out > 1))
-                or w.storage in strided or w.storage in written):
+                or w.storage in strided or (w.storage in written and not chained)):
             unsafe.append(region.start + k)
         written.add(w.storage)
+        if not _inplace_activation(b):
+            written_otherwise.add(w.storage)
     return unsafe
+
+
+def _inplace_activation(bsym: BoundSymbol) -> bool:
+    """``F.relu(h, inplace=True)`` and the like: a pointwise function written in place."""
+    return bsym.symbol.style == "function" and bsym.kwargs.get("inplace") is True
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
