@@ -1,0 +1,92 @@
+"""torchvision's image models: per call (eval, no_grad) and per training step (forward, a loss,
+backward, an SGD step), eager vs keraunos's fused tier vs torch.compile, in one process, timed in
+turns (one call of each system per round), so that a busy machine slows them alike.
+
+Run: python benchmarks/vision.py [--models resnet18,mobilenet_v3_small,efficientnet_b0]
+[--rounds N] [--batch B] [--size S] [--modes eval,train]
+
+Random weights, a batch of ``--batch`` images of ``--size`` pixels, one intra-op thread. keraunos
+runs with ``fuse="wait"`` (the program the default switches to once fused; benchmarks/tiers.py
+times the switch). Prints each median and its ratio to torch.compile's. torchvision is imported
+by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed on these machines).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import keraunos
+from keraunos.testing.vision import import_torchvision
+
+SYSTEMS = ("eager", "keraunos", "torch.compile")
+
+
+def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
+    run = (model if system == "eager" else keraunos.jit(model, fuse="wait")
+           if system == "keraunos" else torch.compile(model))
+    if not train:
+        def call():
+            with torch.no_grad():
+                return run(x)
+        return call
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = run(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def measure(name: str, train: bool, rounds: int, x: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    base = getattr(import_torchvision().models, name)()
+    calls = {}
+    for system in SYSTEMS:
+        call = _caller(system, copy.deepcopy(base).train(train), x, train)
+        start = time.perf_counter()
+        call()  # compiles
+        print(f"  {name} {'train' if train else 'eval'}: {system} compiled in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        call()
+        calls[system] = call
+    samples = {system: [] for system in calls}
+    for _ in range(rounds):
+        for system, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            samples[system].append(time.perf_counter() - t0)
+    return {system: statistics.median(s) for system, s in samples.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet18,mobilenet_v3_small,efficientnet_b0")
+    parser.add_argument("--modes", default="eval,train")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    results = []
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            results.append((name, mode, measure(name, mode == "train", args.rounds, x)))
+    print(f"torch {torch.__version__}, 1 thread, ({args.batch}, 3, {args.size}, {args.size}), "
+          f"medians of {args.rounds} rounds in turns; ratios to torch.compile")
+    for name, mode, medians in results:
+        base = medians["torch.compile"]
+        print(f"  {name:<20} {mode:<6} " + "  ".join(
+            f"{system} {t * 1e3:8.2f} ms ({t / base:.2f}x)" for system, t in medians.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
