@@ -568,3 +568,34 @@ def test_detached_alias_of_an_input_written_with_grad_and_returned_is_refused(al
     g = lambda a, b: f(a, b).clone()  # noqa: E731 - the way out the message gives works
     torch.testing.assert_close(keraunos.jit(lambda a, b: f(a, b) * 1)(leaf.clone(), b.detach()),
                                g(leaf.clone(), b.detach()))
+
+
+@pytest.mark.parametrize("fuse", ["wait", "off"])
+def test_write_through_a_transposed_input_view_next_to_a_region_reaches_the_caller(fuse):
+    # Fuzzer 1000:1857 (with fusion): `b.clamp_(min=0.0)` with b = b_base.t() requiring grad. The
+    # program works on a flat copy of b's memory and views b from it; the copy's proxy did not
+    # share the view's memory, so a region made the view and handed it back as a tensor of its
+    # own, and the write went to that tensor, not to the copy: b_base kept its negative values.
+    offset = torch.linspace(-1.0, 1.0, 4)
+
+    def f(a, b):
+        t2 = a + offset
+        a.index_put_((torch.tensor([0, 1]),), t2.amax(0).to(a.dtype))
+        b.clamp_(min=0.0)
+
+    jitted = keraunos.jit(f, fuse=fuse)
+    for seed in (0, 1):  # the compiling call, then the cached entry
+        torch.manual_seed(seed)
+        leaf_a, leaf_b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+        a, b_base = leaf_a.clone(), leaf_b.clone()
+        a_eager, b_eager = leaf_a.clone(), leaf_b.clone()
+        jitted(a, b_base.t())
+        f(a_eager, b_eager.t())
+        torch.testing.assert_close(b_base, b_eager)
+        torch.testing.assert_close(a, a_eager)
+        assert (b_base >= 0).all()
+        (a.sum() + b_base.sum()).backward()
+        grads = (leaf_a.grad.clone(), leaf_b.grad.clone())
+        leaf_a.grad = leaf_b.grad = None
+        (a_eager.sum() + b_eager.sum()).backward()
+        torch.testing.assert_close(grads, (leaf_a.grad, leaf_b.grad))

@@ -249,6 +249,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
             base = TensorProxy(names.fresh(first.proxy.name + "_storage"), flat_fake,
                                set(first.proxy.tags), f"storage of {first.path}")
             clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
+            # The members are views of the copy: passes see them share its memory (a region
+            # that made a member from the copy would hand it back as memory of its own, and a
+            # later in-place write to it would miss the copy, fuzzer 1000:1857).
+            clone._storage = first.fake.untyped_storage()
+            clone.storage = clone._storage._cdata
             body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
                                     clone, tags={COPY_OF_WRITTEN_INPUT}))
             for m in members:
