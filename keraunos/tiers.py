@@ -38,6 +38,7 @@ renaming finished files (nothing half-written is ever read back).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import os
 import queue
@@ -128,10 +129,50 @@ class _Worker:
             job = self.jobs.get()
             if self.stopping:
                 continue  # the process is exiting: jobs not started are dropped
+            _keep_rng_state_off_the_worker()
             job()
 
     def stop(self) -> None:
         self.stopping = True
+
+
+def _on_worker() -> bool:
+    return threading.current_thread() is _worker.thread
+
+
+# torch's modules that bind ``preserve_rng_state`` by name (compile_fx and codegen/wrapper look it
+# up on ``torch._dynamo.utils`` at each call).
+_RNG_PRESERVERS = ("torch._dynamo.utils", "torch._functorch.aot_autograd",
+                   "torch._inductor.select_algorithm", "torch._inductor.cudagraph_trees",
+                   "torch._inductor.codegen.triton")
+
+
+def _keep_rng_state_off_the_worker() -> None:
+    """Make ``torch._dynamo.utils.preserve_rng_state()`` do nothing on the worker thread.
+
+    The generators are global to the process, and Inductor and AOTAutograd compile under
+    ``preserve_rng_state()``: it saves the generators' states when a compile starts and sets them
+    back when it ends. On the worker, that would rewind the caller's generator to where it was
+    when the compile began, undoing the ``torch.manual_seed`` and the draws of the calls made
+    meanwhile (the fuzzer's 2000:486: eager's inputs, drawn after a seed, came out different).
+    A compile on the worker draws nothing, so there is nothing to set back; every other thread
+    gets torch's own. Called before each job: the modules are imported on first use."""
+    for module_name in _RNG_PRESERVERS:
+        module = sys.modules.get(module_name)
+        original = getattr(module, "preserve_rng_state", None)
+        if original is None or getattr(original, "_keraunos_worker_guard", False):
+            continue
+
+        @contextlib.contextmanager
+        def preserve_rng_state(_original=original):
+            if _on_worker():
+                yield
+            else:
+                with _original():
+                    yield
+        preserve_rng_state._keraunos_worker_guard = True
+        preserve_rng_state.__wrapped__ = original
+        module.preserve_rng_state = preserve_rng_state
 
 
 _worker = _Worker()

@@ -306,3 +306,29 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
     left = float(done.stdout.split("leaving")[1])
     assert ended - left < 8.0, f"exit took {ended - left:.1f} s"
     assert "keraunos:" not in done.stderr, done.stderr
+
+
+def test_a_compile_on_the_worker_never_rewinds_the_callers_generator():
+    """Inductor compiles under ``preserve_rng_state()``, which sets the global generator back to
+    its state at the start of the compile. On the worker, that must not undo the seed and the
+    draws the caller's thread made meanwhile (fuzzer 2000:486)."""
+    import torch._dynamo.utils as dynamo_utils
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def compile_like_inductor():
+        with dynamo_utils.preserve_rng_state():  # as compile_fx calls it
+            started.set()
+            release.wait(WAIT_S)
+        finished.set()
+    tiers._worker.submit(compile_like_inductor)
+    assert started.wait(WAIT_S)
+    torch.manual_seed(5)
+    first = torch.randn(4)
+    release.set()
+    assert finished.wait(WAIT_S)
+    second = torch.randn(4)
+    torch.manual_seed(5)
+    assert torch.equal(first, torch.randn(4)) and torch.equal(second, torch.randn(4))
+    with dynamo_utils.preserve_rng_state():  # on any other thread it still preserves
+        drawn = torch.randn(3)
+    assert torch.equal(drawn, torch.randn(3))
