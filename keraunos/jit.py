@@ -480,11 +480,27 @@ def _inline_entry(state: _JitState) -> CacheEntry:
                       lambda result, _: result, [], [], [], [], [], None, {})
 
 
+def _no_dynamo_backend() -> Callable:
+    raise RuntimeError("keraunos: the torch.compile fallback is wired by `import keraunos`")
+
+
+# Returns ``keraunos.dynamo.backend``, the torch.compile route that programs capture refuses fall
+# back to. The package (``keraunos/__init__.py``, above both layers) sets it: the route compiles
+# its graphs with ``keraunos.jit``, so this layer cannot import it.
+_dynamo_backend: Callable[[], Callable] = _no_dynamo_backend
+
+
+def set_dynamo_backend(load: Callable[[], Callable]) -> None:
+    """Wire the fallback route: ``load()`` imports and returns ``keraunos.dynamo.backend``."""
+    global _dynamo_backend
+    _dynamo_backend = load
+
+
 def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     """An entry that runs the program through torch.compile with the keraunos backend, with
     this callable's executors and transforms; warns once, naming the line that forced it."""
     with IMPORT_LOCK:  # the fusion worker may be importing Inductor's circle of modules
-        from .dynamo import backend  # imports torch._dynamo: only paid by programs that fall back
+        backend = _dynamo_backend()  # imports torch._dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
     compiled = torch.compile(target, backend=backend(executors=state.options.executors,
                                                      transforms=state.options.transforms,

@@ -15,6 +15,8 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
 from .core.proxies import Proxy
+from .core.runner import trace_pass
+from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
 from .core.trace import Trace
 from .executors import fusion
@@ -24,8 +26,18 @@ from .passes import common_subexpression_elimination, dead_code_elimination, del
 from .passes.reinplace import can_reinplace, reinplace
 from .tiers import FuseMode, Tiering
 
-# The computation's optimization passes, in order (each ``trace -> trace``, see passes/runner.py).
+# The computation's optimization passes, in order (each ``trace -> trace``, see core/runner.py).
 OPTIMIZATIONS = (dead_code_elimination, common_subexpression_elimination, dead_code_elimination)
+
+
+@trace_pass("Common Subexpression Elimination (backward)")
+def _backward_cse(trace: Trace) -> list:
+    """CSE of the backward, where two lines may give the same gradient (``distinct_outputs``)."""
+    return common_subexpression_elimination.__wrapped__(trace, distinct_outputs=False)
+
+
+# The backward's optimization passes, in order, after the autograd split.
+BACKWARD_OPTIMIZATIONS = (_backward_cse, dead_code_elimination)
 
 
 @dataclass
@@ -145,10 +157,11 @@ def capture(state, args, kwargs) -> Compilation:
     target = state.module if state.module is not None and not forward_only else state.fn
     fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
     warm = state.options.fuse is FuseMode.WAIT or torch.are_deterministic_algorithms_enabled()
-    with fusion.tagging_layers(state.module if fusing else None, warm=warm):
-        program = capture_program(target, state.module, args, kwargs,
-                                  state.options.cache is not CacheMode.SAME_INPUT,
-                                  state.options.specialize_data)
+    if fusing and warm and state.module is not None:
+        fusion.start_warming()
+    program = capture_program(target, state.module, args, kwargs,
+                              state.options.cache is not CacheMode.SAME_INPUT,
+                              state.options.specialize_data)
     return Compilation(state, program, [program.prologue], [program.computation],
                        [program.epilogue], stages=dict(program.stages),
                        executors=tuple(state.options.executors))
@@ -179,13 +192,28 @@ def autograd_split(c: Compilation) -> None:
         return
     try:
         split = split_forward_backward(c.computation)
+        backwards = [split.backward]
+        for p in BACKWARD_OPTIMIZATIONS:
+            backwards.append(p(backwards[-1]))
+        placed = split.place_gradients(backwards[-1])
+        placement = placed is not backwards[-1]
+        if placement:
+            backwards.append(placed)
+        if split.symbolic:  # a symbolic size left as a constant would be wrong: no backward then
+            for trace in (split.forward, placed):
+                refuse_raw_symbols(trace)
     except Exception as e:  # noqa: BLE001 - any op the split cannot handle
         _warn_no_backward(c.state, e)
         return
+    split.backward = placed
     c.split = split
     c.computations.append(split.forward)
-    c.backwards.append(split.backward)
+    c.backwards += backwards
     c.time("autograd split", split.forward.seconds)
+    for p, trace in zip(BACKWARD_OPTIMIZATIONS, backwards[1:]):
+        c.time(p.label, trace.seconds)
+    if placement:
+        c.time("autograd split", placed.seconds)
 
 
 def reinplace_inputs(c: Compilation) -> None:

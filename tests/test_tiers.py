@@ -238,7 +238,7 @@ def test_tiny_functions_are_not_fused():
     assert state_of(one_op).entries[0].tiering is None
 
 
-def test_waiting_covers_the_subgraphs_of_a_program_that_fell_back_to_dynamo():
+def test_waiting_covers_thesubgraphs_of_a_program_that_fell_back_to_dynamo():
     """A data-dependent branch sends the program to torch.compile(backend="keraunos"); its
     subgraphs compile fused tiers in the background too, and wait_for_fusion waits for them."""
     model, eager = _twins()
@@ -259,8 +259,8 @@ def test_waiting_covers_the_subgraphs_of_a_program_that_fell_back_to_dynamo():
     gate = _Gate()
     with pytest.warns(UserWarning, match="falls back to torch.compile"), torch.no_grad():
         assert torch.equal(jitted(x), reference(x))  # tier 0 in every subgraph
-    from keraunos.dynamo.backend import _subgraphs_of
-    subgraphs = _subgraphs_of(jitted)
+    from keraunos.dynamo.backend import subgraphs_of
+    subgraphs = subgraphs_of(jitted)
     assert subgraphs and any(tiers.pending(s.jitted._keraunos.entries) for s in subgraphs)
     gate.open()
     assert keraunos.wait_for_fusion(jitted, WAIT_S)

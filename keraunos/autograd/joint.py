@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ..capture.symbolic import SymbolicValue
+from ..core.symbolic import SymbolicValue
 from ..core import glue
 from ..core.aten import AtenCall, AtenRecorder
 from ..core.effects import METADATA_WRITES

@@ -11,21 +11,21 @@ From the joint recording (``joint.py``):
 """
 from __future__ import annotations
 
-import time
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture.symbolic import as_code, expr_key, is_backed, layout_key, refuse_raw_symbols
+from ..core.symbolic import as_code, expr_key, is_backed, layout_key
 from ..core.aten import constant_line, is_lifted_constant
 from ..core import glue
 from ..core.proxies import NumberProxy, ObjectProxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
+from ..core.runner import trace_step
 from ..core.trace import Trace
-from ..passes import common_subexpression_elimination, dead_code_elimination
 from .joint import record_joint
 from .recompute import recompute_in_backward, recompute_views_in_backward
 
@@ -43,6 +43,12 @@ class Split:
     grad_metadata: list[tuple]
     # The forward returns its saved tensors, then the data-dependent sizes the backward needs.
     n_saved_tensors: int = 0
+    # Sizes are symbolic: a size left in either trace as a constant would be wrong
+    # (``refuse_raw_symbols``, after the backward's optimizations).
+    symbolic: bool = False
+    # backward -> backward whose returned gradients share no memory (after its optimizations:
+    # CSE would merge the copies it makes).
+    place_gradients: Callable[[Trace], Trace] | None = None
 
 
 class _Names:
@@ -138,8 +144,10 @@ class _SavedSizes:
         return lines
 
 
+@trace_step
 def split_forward_backward(computation: Trace) -> Split:
-    start = time.perf_counter()
+    """The forward and backward traces of ``computation``; the pipeline then optimizes the
+    backward and gives its gradients memory of their own (``Split.place_gradients``)."""
     joint = record_joint(computation)
     taken = {p.name for p in computation.params}
     for b in computation.bound_symbols:
@@ -270,22 +278,15 @@ def split_forward_backward(computation: Trace) -> Split:
         else:
             grads.append(None)
     backward_lines.append(glue.RETURN_GRADIENTS.bind(grads))
-    seconds = time.perf_counter() - start
-    forward = computation.derive(forward_lines, "Autograd Split (forward)", seconds)
+    forward = computation.derive(forward_lines, "Autograd Split (forward)")
     backward = Trace("backward", saved_proxies + size_proxies +
                      [namer.proxies[n] for n in grad_names],
-                     backward_lines, [f"Constructed by Autograd Split (backward) "
-                                      f"(took {seconds * 1e3:.2f} ms)"], seconds=seconds)
-    backward = dead_code_elimination(
-        common_subexpression_elimination(backward, distinct_outputs=False))
-    backward = _gradients_in_own_memory(backward, namer, joint.keep_alive[0])
-    if numbers:  # a symbolic size left as a constant would be wrong: no backward trace then
-        for trace in (forward, backward):
-            refuse_raw_symbols(trace)
+                     backward_lines, ["Constructed by Autograd Split (backward)"])
     dependencies = [joint.reached_from.get(i, set()) for i in range(len(joint.inputs))]
     metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
     return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
-                 len(saved_proxies))
+                 len(saved_proxies), bool(numbers),
+                 functools.partial(_gradients_in_own_memory, namer=namer, mode=joint.keep_alive[0]))
 
 
 def _memory_range(fake) -> tuple | None:
@@ -321,6 +322,7 @@ def _may_overlap(a: str, b: str, namer: _Namer) -> bool:
     return fa.numel() > 0 and fb.numel() > 0 and ra[1] < rb[2] and rb[1] < ra[2]
 
 
+@trace_step
 def _gradients_in_own_memory(backward: Trace, namer: _Namer, mode) -> Trace:
     """Distinct returned gradients never share memory: autograd keeps a gradient it is given as
     the leaf's ``.grad`` when nothing else holds it, so two views of one tensor (``b.view(4)``,
@@ -351,7 +353,7 @@ def _gradients_in_own_memory(backward: Trace, namer: _Namer, mode) -> Trace:
     if not clones:
         return backward
     return backward.derive(body + clones + [ret.replace(args=(grads,))],
-                           "Gradients in their own memory", 0.0)
+                           "Gradients in their own memory")
 
 
 def _tensor_with_size(x, namer: _Namer, available: set[int]) -> tuple[str, int]:

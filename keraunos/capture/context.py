@@ -32,17 +32,18 @@ from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import Guard, is_plain
 from .leaks import is_tensor_subclass_with_dispatch
+from .module_calls import ModuleCalls
 from .scope_containers import ScopeContainers
-from .provenance import Path, root
+from ..core.provenance import Path, root
 
 from .recording import (_recording_argument_class, _recording_module_class,
                         _recording_object_class, original_class)
 from ..core.glue import SET_GLOBAL_STATE
 from .state import global_state
-from .symbolic import (SYMBOLIC_TYPES, DynamicRequest, Symbols, SymbolicUnsupported,
-                       data_read_description, has_symbols, is_backed)
+from ..core.symbolic import SYMBOLIC_TYPES, SymbolicUnsupported, has_symbols, is_backed
+from ..core.symbolic import hint as size_hint
+from .symbolic import DynamicRequest, Symbols, data_read_description
 from .symbolic import _from_call
-from .symbolic import hint as size_hint
 
 
 @dataclass
@@ -83,6 +84,7 @@ class CaptureContext:
         self.storage_of: dict[str, int] = {}        # proxy name -> fake storage key
         self.fake_of: dict[str, FakeTensor] = {}     # proxy name -> fake
         self.bound_symbols: list[BoundSymbol] = []
+        self.module_calls = ModuleCalls(module)  # the module calls running: each line's stack
         self.guards: list[Guard] = []
         self._guarded: set = set()
         self.mutated_storages: set[int] = set()
@@ -539,14 +541,19 @@ class CaptureContext:
             self._register(fake, proxy)
         return proxy
 
+    def emit(self, bsym: BoundSymbol) -> None:
+        """Record a line of the computation, with the module calls it was made in."""
+        bsym.module_stack = self.module_calls.current
+        self.bound_symbols.append(bsym)
+
     def record_global_state(self, final: bool = False) -> None:
         """Record switches of grad mode and autocast the program makes (``with torch.no_grad()``,
         ``with torch.autocast(...)`` inside it), so the computation switches at the same points."""
         state = global_state() if not final else self.initial_state
         if state != self.state:
             changes = tuple((i, v) for i, (v, old) in enumerate(zip(state, self.state)) if v != old)
-            self.bound_symbols.append(BoundSymbol(SET_GLOBAL_STATE, (changes,), tags={MUTATION},
-                                                  source=None if final else user_source()))
+            self.emit(BoundSymbol(SET_GLOBAL_STATE, (changes,), tags={MUTATION},
+                                  source=None if final else user_source()))
             self.state = state
 
     def specialize_on_data(self, symbol, func, args, kwargs):
@@ -666,7 +673,7 @@ class CaptureContext:
             outputs = pytree.tree_map(
                 lambda t: self.output_proxy(t) if isinstance(t, torch.Tensor) else t, call.out)
             if is_lifted_constant(call):
-                self.bound_symbols.append(constant_line(call.args[0], outputs, source))
+                self.emit(constant_line(call.args[0], outputs, source))
                 continue
             call_args, call_kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
             tags = set()
@@ -677,7 +684,7 @@ class CaptureContext:
                         self.mutated_storages.add(t.untyped_storage()._cdata)
                         self.mutated_with_grad.setdefault(t.untyped_storage()._cdata,
                                                           torch.is_grad_enabled())
-            self.bound_symbols.append(BoundSymbol(
+            self.emit(BoundSymbol(
                 TorchSymbol(call.func, f"torch.ops.{call.func}", "function"), tuple(call_args),
                 dict(call_kwargs), outputs, source, tags))
         for t in pytree.tree_leaves(out):
@@ -695,8 +702,8 @@ class CaptureContext:
             with torch._C.DisableTorchFunction():  # a stand-in; callers may have no_dispatch() on
                 result = torch.empty(real.shape, dtype=real.dtype, device="meta")
                 outputs = self.output_proxy(result)
-        self.bound_symbols.append(BoundSymbol(symbol, tuple(args), dict(kwargs), outputs,
-                                              user_source(), {MUTATION, RANDOM}))
+        self.emit(BoundSymbol(symbol, tuple(args), dict(kwargs), outputs,
+                              user_source(), {MUTATION, RANDOM}))
         return result
 
     def backed(self, value) -> bool:
@@ -753,8 +760,8 @@ class CaptureContext:
         if opaque:
             tags |= {OPAQUE, MUTATION}  # unknown effects: never removed or merged
             comment = "opaque: no fake kernel; output metadata from a run on zeros"
-        self.bound_symbols.append(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
-                                              user_source(), tags, comment=comment))
+        self.emit(BoundSymbol(symbol, tuple(p_args), dict(p_kwargs), outputs,
+                              user_source(), tags, comment=comment))
 
 
 def _read_key(lines, target, method: str) -> tuple:

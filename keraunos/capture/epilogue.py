@@ -20,8 +20,8 @@ from ..core.symbols import BoundSymbol
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from ..core.trace import Trace
 from ..errors import CaptureError
-from .provenance import Path
-from .symbolic import SymbolicValue
+from ..core.provenance import Path
+from ..core.symbolic import SymbolicValue
 
 
 def template_of(value: Any, leaf, known: Callable[[Any], bool] = lambda obj: True,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .provenance import Path
+from ..core.provenance import Path
 
 # Values compared by equality (after an exact type check).
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size,

@@ -50,8 +50,7 @@ def _inside_recorded_call() -> bool:
     """True while a recorded torch call runs (the recording mode pops itself from the stack for
     that): a Function applied there is that op's own autograd (a torch.library custom op with
     register_autograd), recorded as the one op, so its backward is the op's formula, not lost."""
-    from .recorder import Recorder
-    return not any(isinstance(mode, Recorder)
+    return not any(getattr(mode, "records_torch_calls", False)
                    for mode in torch.overrides._get_current_function_mode_stack())
 
 

@@ -35,15 +35,15 @@ from .context import CaptureContext
 from .interceptors import intercepting_torch
 from .recorder import Recorder
 from .state import _active, requested_dynamic
-from .symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
-                       refuse_raw_symbols)
+from ..core.symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
+                             refuse_raw_symbols)
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
 from .leaks import capture_values_in
 from .prologue import MutableGroup, build_prologue
-from .provenance import root
+from ..core.provenance import root
 
 
 @dataclass
@@ -166,7 +166,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     log_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:
-        with ctx.fake_mode, Recorder(ctx), intercepting_torch():
+        with ctx.fake_mode, Recorder(ctx), intercepting_torch(), ctx.module_calls.recording(ctx):
             out = fn(*fake_args, **fake_kwargs)
         ctx.record_global_state()
     except GuardOnDataDependentSymNode as e:

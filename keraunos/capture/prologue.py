@@ -22,8 +22,8 @@ from ..core.symbols import BoundSymbol
 from ..core.tags import AFTER_STRUCTURE, MODULE_CHECK
 from ..core.trace import Trace
 from .guards import Guard
-from .provenance import Path
-from .symbolic import has_symbols
+from ..core.provenance import Path
+from ..core.symbolic import has_symbols
 
 
 @dataclass

@@ -14,12 +14,14 @@ from ..errors import CaptureError, DataDependentError, FunctionTransformError, u
 from .distributed import capture_collective, is_distributed_function
 from .interceptors import paused_watch
 from .naming import torch_symbol
-from .symbolic import hint as size_hint
+from ..core.symbolic import hint as size_hint
 
 
 class Recorder(TorchFunctionMode):
     """Records every torch call the program makes (the mode is off inside a call, so only the
     outermost, user-level call is recorded: ``F.layer_norm``, not what it calls)."""
+
+    records_torch_calls = True  # what interceptors look for on the mode stack
 
     def __init__(self, ctx):
         super().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .symbolic import print_expression
 from .tags import Tag
 
 _DTYPE_ABBREVIATIONS = {
@@ -73,7 +74,6 @@ def _size_text(size) -> str:
         return str(size)
     names = getattr(getattr(size.node, "shape_env", None), "keraunos_names", None)
     if names:  # the symbols capture named (see capture/symbolic.py)
-        from ..capture.symbolic import print_expression
         return print_expression(size.node.expr, names)
     return str(size)
 

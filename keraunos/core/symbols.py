@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from .code import Code
 from .proxies import Proxy
 from .tags import Tag
 
@@ -113,7 +114,9 @@ class BoundSymbol:
     # A glue line's typed record (``glue.Unpack``, ``glue.CheckTensor``, ...); None otherwise.
     fields: Any = None
     comment: str | None = None  # printed after the line: why it is there
-    layer: str | None = None    # the repeated module it came from (``h.3``), where fusion cuts
+    # The module calls the line was recorded in, outermost first: (qualified name, class) pairs,
+    # as torch.fx's ``nn_module_stack`` (``(("h.3", Block), ("h.3.attn", Attention))``).
+    module_stack: tuple = ()
 
     def input_proxies(self) -> list[Proxy]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
@@ -126,7 +129,7 @@ class BoundSymbol:
         fields = dict(symbol=self.symbol, args=self.args, kwargs=self.kwargs, outputs=self.outputs,
                       source=self.source, tags=set(self.tags), subsymbols=list(self.subsymbols),
                       executor=self.executor, fields=self.fields, comment=self.comment,
-                      layer=self.layer)
+                      module_stack=self.module_stack)
         fields.update(changes)
         return BoundSymbol(**fields)
 
@@ -136,10 +139,6 @@ class BoundSymbol:
             return mapping.get(x.name, x) if isinstance(x, Proxy) else x
         args, kwargs = pytree.tree_map(swap, (self.args, self.kwargs))
         return self.replace(args=args, kwargs=kwargs)
-
-
-class Code(str):
-    """Already-generated Python source, printed as is (inside containers, say)."""
 
 
 def direct_entry(fn: Any) -> Callable | None:

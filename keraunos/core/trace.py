@@ -67,6 +67,15 @@ class Trace:
             derived.lint()
         return derived
 
+    def untimed(self) -> bool:
+        """Made by ``derive`` without a time: the pass runner stamps it (``core/runner.py``)."""
+        return bool(self.header) and not self.header[-1].endswith(" ms)")
+
+    def stamp(self, seconds: float) -> None:
+        """The runner's time for the step that just made this trace."""
+        self.seconds = seconds
+        self.header[-1] += f" (took {seconds * 1e3:.2f} ms)"
+
     def lint(self) -> None:
         """Check that the trace is well formed (names bound before they are read, once, never
         read after their ``del``); raises ``TraceLintError`` saying where it is not. See

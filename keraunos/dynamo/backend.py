@@ -334,7 +334,7 @@ def _wrapped_chain(fn) -> list:
     return chain
 
 
-def _subgraphs_of(compiled) -> list[CompiledSubgraph]:
+def subgraphs_of(compiled) -> list[CompiledSubgraph]:
     """The subgraphs dynamo compiled for ``compiled``, found from its cache entries: each
     entry's bytecode names the compiled graphs, the resume functions after graph breaks and the
     global functions it calls, whose own cache entries are searched in turn."""
@@ -387,14 +387,14 @@ def last_traces(compiled) -> list[SubgraphTraces]:
     """Per subgraph that has run, in the order dynamo compiled them: the forward (computation),
     backward and prologue traces of its entry that ran last. ``compiled`` is what
     ``torch.compile(..., backend="keraunos")`` returned, or a ``Backend``."""
-    return [t for t in (s.traces() for s in _subgraphs_of(compiled)) if t is not None]
+    return [t for t in (s.traces() for s in subgraphs_of(compiled)) if t is not None]
 
 
 def graph_breaks(compiled) -> list[GraphBreak]:
     """The graph breaks dynamo made in ``compiled`` (what was compiled so far), with the user's
     file:line and dynamo's reason."""
     breaks = []
-    for s in _subgraphs_of(compiled):
+    for s in subgraphs_of(compiled):
         if s.graph_break is not None and s.graph_break not in breaks:
             breaks.append(s.graph_break)
     return breaks

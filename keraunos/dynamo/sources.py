@@ -1,5 +1,5 @@
 """Source lines of a subgraph's traces: the user's file and line, not dynamo's generated code;
-and the layer (a repeated module of a ``ModuleList``) each line came from, for fusion."""
+and the module calls each line came from (what fusion cuts regions at)."""
 from __future__ import annotations
 
 import linecache
@@ -28,39 +28,22 @@ def _module_path(path: str) -> str:
     return re.sub(r"^L\['[^']*'\]\.?", "", path)
 
 
-def layers_of_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """FX node name -> the layer it came from, found in dynamo's ``nn_module_stack``: the
-    outermost module of the node's stack that is an indexed child (``layers.3``) whose class
-    another child of the same parent shares and which has submodules of its own. The same rule
-    as ``keraunos.jit``'s capture uses (``fusion.layers.repeated_modules``), which sees the
-    modules themselves; here the GraphModule is flat and only the stacks say."""
-    stacks = [(n.name, list((n.meta.get("nn_module_stack") or {}).values()))
-              for n in gm.graph.nodes]
-    paths = {_module_path(str(path)): cls for _, stack in stacks for path, cls in stack}
-    children: dict[tuple[str, object], int] = {}
-    for path, cls in paths.items():
-        parent, _, key = path.rpartition(".")
-        if key.isdigit():
-            children[(parent, cls)] = children.get((parent, cls), 0) + 1
-    layers = set()
-    for path, cls in paths.items():
-        parent, _, key = path.rpartition(".")
-        if (key.isdigit() and children[(parent, cls)] > 1
-                and any(p.startswith(path + ".") for p in paths)):
-            layers.add(path)
+def module_stacks_of_nodes(gm: torch.fx.GraphModule) -> dict[str, tuple]:
+    """FX node name -> the module calls it was traced in, outermost first, from dynamo's
+    ``nn_module_stack``: (qualified name, class) pairs, as ``bsym.module_stack`` holds them."""
     result = {}
-    for name, stack in stacks:
-        found = next((p for p in (_module_path(str(path)) for path, _ in stack) if p in layers),
-                     None)
-        if found is not None:
-            result[name] = found
+    for n in gm.graph.nodes:
+        stack = tuple((_module_path(str(path)), cls)
+                      for path, cls in (n.meta.get("nn_module_stack") or {}).values())
+        if stack:
+            result[n.name] = stack
     return result
 
 
 class UserSourceLines(Transform):
     """Points each line of the computation at the user's line that dynamo traced it from, and
-    tags it with its layer (``bsym.layer``, what the fusion executor cuts regions at so that
-    identical layers share one kernel; see ``layers_of_nodes``).
+    gives it the module calls dynamo traced it in (``bsym.module_stack``, where the fusion
+    executor cuts regions so that identical layers share one kernel).
 
     Capture sees the GraphModule's generated code (``<eval_with_key>.N``), whose lines read
     ``name = op(...)``: the name is the FX node, and the node keeps dynamo's stack trace."""
@@ -68,7 +51,7 @@ class UserSourceLines(Transform):
     def __init__(self, gm: torch.fx.GraphModule):
         self.sources = {n.name: s for n in gm.graph.nodes
                         if (s := _user_source_of(n)) is not None}
-        self.layers = layers_of_nodes(gm)
+        self.module_stacks = module_stacks_of_nodes(gm)
 
     @property
     def name(self) -> str:
@@ -85,9 +68,8 @@ class UserSourceLines(Transform):
         node = self._node_name(bsym.source)
         if node is None:
             return bsym
-        layer = self.layers.get(node)
         return bsym.replace(source=self.sources.get(node, bsym.source),
-                            layer=bsym.layer if layer is None else layer)
+                            module_stack=self.module_stacks.get(node, bsym.module_stack))
 
     def transform_traces_pre_prologue(self, prologue: Trace, computation: Trace,
                                       epilogue: Trace) -> tuple[Trace, Trace, Trace]:

@@ -25,7 +25,7 @@ from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from .runner import trace_pass
+from ..core.runner import trace_pass
 
 
 def _key(value):

@@ -10,7 +10,7 @@ from ..core.glue import Glue
 from ..core.symbols import BoundSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from .runner import trace_pass
+from ..core.runner import trace_pass
 
 _KEEP = {MUTATION, RANDOM}
 

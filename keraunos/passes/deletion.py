@@ -5,7 +5,7 @@ from ..core import glue
 from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol
 from ..core.trace import Trace
-from .runner import trace_pass
+from ..core.runner import trace_pass
 
 
 @trace_pass("Delete Last Used")

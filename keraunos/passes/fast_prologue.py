@@ -15,15 +15,15 @@ that is both exact and cheapest.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from ..capture.provenance import root
+from ..core.provenance import root
 from ..core import glue
 from ..core.glue import CHECK, CHECK_TENSOR, UNPACK
 from ..core.proxies import Proxy
 from ..core.symbols import BoundSymbol, Code
 from ..core.tags import AFTER_STRUCTURE
+from ..core.runner import trace_step
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
 from .guard_trees import attribute_guards, tensor_guards
@@ -39,9 +39,9 @@ def _subject(b: BoundSymbol):
     return getattr(b.fields, "subject", None)
 
 
+@trace_step
 def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     """The fast prologue, and the trace of its module-structure walk (``None`` for functions)."""
-    start = time.perf_counter()
     bsyms = trace.bound_symbols
     ret = bsyms[-1]
     structural_vars: dict[str, Any] = {}  # var name -> path, of values the cached walk extracts
@@ -65,7 +65,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         else:
             rest.append(b)
     if not walk:
-        return _finish(trace, rest + late, checks, ret, None, [], [], start), None
+        return _finish(trace, rest + late, checks, ret, None, [], []), None
 
     # Which structural values the rest of the prologue needs.
     params = list(ret.args[0])
@@ -146,7 +146,7 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
                     f"checked by identity in one C++ call"] + _attribute_comments(entries)
         lines.append(_glue("check module attributes", check_attributes))
     lines += module_part + late
-    return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk, start), walk_trace
+    return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
 
 
 def _from_module(b: BoundSymbol) -> bool:
@@ -159,7 +159,7 @@ def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
             and b.args[0].name in attribute_parents)
 
 
-def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) -> Trace:
+def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trace:
     check_names = [b.args[0].name for b in checks]
     if checks:
         guards = tensor_guards(checks)
@@ -180,7 +180,7 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk, start) 
         spliced = _splice(input_names, static_names, statics_expr)
         return [f"return ({spliced + ',' if spliced else ''}), {w.value(tuple(pro_to_epi))}"]
     lines = lines + [_glue("return", returned)]
-    return trace.derive(lines, "Fast Prologue (python executor)", time.perf_counter() - start)
+    return trace.derive(lines, "Fast Prologue (python executor)")
 
 
 # The batched checks name what they check in comments, in the words of the unbatched prologue, so

@@ -33,7 +33,7 @@ from ..core.proxies import TensorProxy
 from ..core.symbols import BoundSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..core.trace import Trace
-from .runner import trace_pass
+from ..core.runner import trace_pass
 
 _aten = torch.ops.aten
 

@@ -8,12 +8,12 @@ eager does: the clone becomes an alias and the copy-back goes. A KV cache update
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
 from ..core import glue
 from ..core.tags import COPY_OF_WRITTEN_INPUT
+from ..core.runner import trace_step
 from ..core.trace import Trace
 
 
@@ -22,8 +22,8 @@ def can_reinplace(computation: Trace) -> bool:
         getattr(p, "requires_grad", False) for p in computation.params)
 
 
+@trace_step
 def reinplace(computation: Trace, epilogue: Trace) -> tuple[Trace, Trace]:
-    start = time.perf_counter()
     direct: set[str] = set()
     lines = []
     for b in computation.bound_symbols:
@@ -33,8 +33,6 @@ def reinplace(computation: Trace, epilogue: Trace) -> tuple[Trace, Trace]:
         lines.append(b)
     if not direct:
         return computation, epilogue
-    seconds = time.perf_counter() - start
     epilogue_lines = [b for b in epilogue.bound_symbols
                       if not (b.symbol is glue.COPY_BACK and b.args[1].name in direct)]
-    return (computation.derive(lines, "Reinplace", seconds),
-            epilogue.derive(epilogue_lines, "Reinplace", seconds))
+    return (computation.derive(lines, "Reinplace"), epilogue.derive(epilogue_lines, "Reinplace"))

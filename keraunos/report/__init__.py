@@ -27,7 +27,9 @@ import os
 import torch
 
 from .. import debug
+from ..inspection import compile_stats
 from ..jit import state_of
+from ..version import __version__
 from ..debug import format_duration
 from .highlight import highlight_lines
 from .page import CSS, JS
@@ -57,7 +59,6 @@ def report(jitted, path: str | os.PathLike = "report.html", *, args: tuple | Non
     cache figures (hits, misses, the last lookup) are taken before those calls, and the page says
     so.
     """
-    from .. import compile_stats  # the package's public function (it imports this module)
     state = state_of(jitted)
     stats = compile_stats(jitted)
     snapshot = dict(hits=state.hits, misses=state.misses, lookup=state.last_lookup,
@@ -122,7 +123,6 @@ def render(state, snapshot, timings: CallTimings | None, title: str | None) -> s
         sections.append(_entry_section(entry_id, i, record, snapshot, histories))
     payload = json.dumps(data).replace("</", "<\\/")
     generated = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    from .. import __version__
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

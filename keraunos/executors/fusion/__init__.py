@@ -16,8 +16,6 @@ failed, go to the next executor in the list.
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,24 +24,20 @@ from ...core import glue
 from ...core.proxies import TensorProxy
 from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
+from ...core.runner import trace_step
 from ...core.trace import Trace
-from .. import Executor
+from ..base import Executor
 from . import compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
-__all__ = ["InductorExecutor", "FusionRegion", "fuse", "tagging_layers", "computes_in_region"]
+__all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
 
 
 
-@contextlib.contextmanager
-def tagging_layers(module: torch.nn.Module | None, warm: bool = True):
-    """While capturing: each line tagged with its layer (``layers.tagging_layers``); when a
-    module's program is captured for fusion on this thread (``warm``), Inductor's one-time
-    set-up starts meanwhile (in the background tier, the worker does it)."""
-    if module is not None and warm:
-        compiler.start_warming()
-    with layers.tagging_layers(module):
-        yield
+def start_warming() -> None:
+    """Start Inductor's one-time set-up in the background, while a program is captured for
+    fusion on this thread (in the background tier, the worker does it)."""
+    compiler.start_warming()
 
 
 class InductorExecutor(Executor):
@@ -98,6 +92,7 @@ class FusionRegion:
 FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's fusion call)
 
 
+@trace_step
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
          records_autograd: bool = False,
@@ -109,7 +104,6 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
     records the torch ops they run; a compiled region would give outputs without a graph)."""
-    start = time.perf_counter()
     fusion = [e for e in executors if getattr(e, "is_fusion", False)]
     lines = list(trace.bound_symbols)
     claimed = [b.executor in {e.name for e in fusion} for b in lines]
@@ -121,7 +115,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
                    for b, c in zip(lines, claimed)]
     if not any(claimed):
         return trace.derive([_given_back(b, executors, fusion) for b in lines],
-                            "Fusion: no regions", time.perf_counter() - start), []
+                            "Fusion: no regions"), []
     regions = []
     problem = _why_not(lines, claimed)
     if problem is None:
@@ -140,7 +134,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     kept = [b.symbol.region for b in result if isinstance(b.symbol, FusionSymbol)]
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     label = f"{len(kept)} regions" if problem is None else f"no regions, {problem}"
-    return trace.derive(result, f"Fusion [{names}]: {label}", time.perf_counter() - start), kept
+    return trace.derive(result, f"Fusion [{names}]: {label}"), kept
 
 
 def _varying_with(always_checked, lines, regions) -> set[str]:

@@ -22,19 +22,21 @@ litgpt decode step's instructions, with six regions).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import itertools
 import shutil
 import subprocess
+import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from ...core.proxies import TensorProxy
+from ...core.runner import stopwatch
 from . import fx_graph, symbolic
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
@@ -85,13 +87,12 @@ class Kernel:
         """Wait for the kernels g++ is still building (raises what the build raised)."""
         if not self.pending:
             return
-        with self._lock:
-            start = time.perf_counter()
+        with self._lock, stopwatch() as elapsed:
             while self.pending:
                 wait, scope = self.pending[0]
                 wait(scope)  # puts the built kernels into the wrapper module's globals
                 self.pending.pop(0)
-            self.seconds += time.perf_counter() - start
+            self.seconds += elapsed()
 
 
     def direct(self, args, outs):
@@ -238,32 +239,33 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Ke
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    start = time.perf_counter()
-    gm = make_graph()  # compile_fx changes the graph it compiles: the one shown is another
-    shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
-    shape_env = fx_graph.shape_env(inputs)  # the capture's, when sizes are symbolic
-    if shape_env is not None and layout.unbound:
-        raise SymbolicUnguardable(f"sizes {sorted(map(str, layout.unbound))} "
-                                  f"that no input dimension gives")
-    compile_env = symbolic.private_copy(shape_env) if shape_env is not None else None
-    fake_mode = FakeTensorMode(shape_env=compile_env if compile_env is not None else ShapeEnv())
-    fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
-    fx_graph.propagate(gm, fakes, fake_mode, outputs)
-    before = _cache_counts(counters)
-    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
-            _collecting_from_inductor() as (sources, pending):
-        fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
-                        config_patches=dict(CONFIG_PATCHES))
-    # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
-    # each call checks them (``RegionCall``), and runs the region's own lines where one fails.
-    guards = symbolic.added_facts(compile_env) if compile_env is not None else []
-    after = _cache_counts(counters)
-    cache = ("AOTAutograd cache" if after[0] > before[0] else
-             "FX graph cache" if after[1] > before[1] else "compiled")
-    code = sources[-1] if sources else ""
-    path = PyCodeCache.write(code)[1] if code else None
+    with stopwatch() as elapsed:
+        gm = make_graph()  # compile_fx changes the graph it compiles: the one shown is another
+        shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
+        shape_env = fx_graph.shape_env(inputs)  # the capture's, when sizes are symbolic
+        if shape_env is not None and layout.unbound:
+            raise SymbolicUnguardable(f"sizes {sorted(map(str, layout.unbound))} "
+                                      f"that no input dimension gives")
+        compile_env = symbolic.private_copy(shape_env) if shape_env is not None else None
+        fake_mode = FakeTensorMode(
+            shape_env=compile_env if compile_env is not None else ShapeEnv())
+        fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
+        fx_graph.propagate(gm, fakes, fake_mode, outputs)
+        before = _cache_counts(counters)
+        with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+                _collecting_from_inductor() as (sources, pending):
+            fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
+                            config_patches=dict(CONFIG_PATCHES))
+        # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
+        # each call checks them (``RegionCall``), and runs the region's own lines where one fails.
+        guards = symbolic.added_facts(compile_env) if compile_env is not None else []
+        after = _cache_counts(counters)
+        cache = ("AOTAutograd cache" if after[0] > before[0] else
+                 "FX graph cache" if after[1] > before[1] else "compiled")
+        code = sources[-1] if sources else ""
+        path = PyCodeCache.write(code)[1] if code else None
     return Kernel(fn, shown, next(_kernel_numbers), region_name, code, path,
-                  time.perf_counter() - start, cache, guards, pending)
+                  elapsed(), cache, guards, pending)
 
 
 def _cache_counts(counters) -> tuple[int, int]:
@@ -545,13 +547,19 @@ def _relaid(t: torch.Tensor, shape, stride) -> torch.Tensor:
 
 
 _warned: set[str] = set()
+_exiting = False
+
+
+@atexit.register
+def _note_exiting() -> None:
+    global _exiting
+    _exiting = True
 
 
 def warn_once(message: str) -> None:
     """Warn once per process: a missing compiler concerns every compilation alike. Not while
     the process exits: a fused tier compiling then fails for that reason alone (tiers.py)."""
-    from ... import tiers
-    if tiers.exiting():
+    if _exiting or sys.is_finalizing():
         return
     if message not in _warned:
         _warned.add(message)

@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...capture.symbolic import SymbolicValue
+from ...core.symbolic import SymbolicValue
 from ...core.interpreter import Interpreter
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol

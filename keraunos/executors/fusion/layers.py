@@ -2,71 +2,36 @@
 
 Fusion cuts regions at layer boundaries so that identical layers make identical regions, which
 share one compiled kernel. The boundary is where the layer's ``forward`` starts and ends, which
-only the module calls themselves know: during capture, global module hooks note the position in
-the recording when a layer is entered and tag the lines recorded until it returns with
-``layer`` (its qualified name, ``h.3``). Passes copy ``layer`` with the line, so the tag
-reaches the trace the executors see. Lines that later passes make anew (ATen ops of a lowered
-line) carry no tag; :func:`layer_of_lines` fills such gaps from their neighbours.
+only the module calls themselves know: capture records with each line the module calls it was
+made in (``bsym.module_stack``, ``capture/module_calls.py``; on the torch.compile route, dynamo's
+``nn_module_stack``), passes copy it with the line, and a line's layer is the outermost call in
+its stack that is a layer (:func:`layers_of_stacks`). Lines that later passes make anew (ATen ops
+of a lowered line) carry no stack; :func:`layer_of_lines` fills such gaps from their neighbours.
 """
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
-from ...capture.state import active_context
 from ...core.symbols import TorchSymbol
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+def layers_of_stacks(lines) -> set[str]:
+    """The layers among the module calls of ``lines`` (their ``module_stack``s): a call of an
+    indexed child (``h.3``, ``layers.0``: a ``ModuleList`` or ``Sequential`` entry) whose class
+    another called child of the same parent shares, and which called submodules of its own (a
+    transformer block, not a lone ReLU of a ``Sequential``, which would cut every small op into
+    a region of its own)."""
+    paths = {path: cls for b in lines for path, cls in b.module_stack}
+    siblings: dict[tuple[str, type], int] = {}
+    for path, cls in paths.items():
+        parent, _, key = path.rpartition(".")
+        if key.isdigit():
+            siblings[(parent, cls)] = siblings.get((parent, cls), 0) + 1
+    return {path for path, cls in paths.items()
+            if path.rpartition(".")[2].isdigit() and siblings[(path.rpartition(".")[0], cls)] > 1
+            and any(p.startswith(path + ".") for p in paths)}
 
 
-def repeated_modules(module: torch.nn.Module | None) -> dict[int, str]:
-    """id -> qualified name of each layer: a child of a module container whose class another
-    child shares and which has submodules of its own (a transformer block, not a lone ReLU of a
-    ``Sequential``, which would cut every small op into a region of its own)."""
-    if module is None:
-        return {}
-    layers: dict[int, str] = {}
-    for name, container in module.named_modules():
-        if not isinstance(container, _CONTAINERS):
-            continue
-        children = list(container.named_children())
-        classes = [type(c) for _, c in children]
-        for key, child in children:
-            if classes.count(type(child)) > 1 and next(child.children(), None) is not None:
-                layers.setdefault(id(child), f"{name}.{key}" if name else key)
-    return layers
-
-
-@contextlib.contextmanager
-def tagging_layers(module: torch.nn.Module | None):
-    """While capturing, tag each recorded line with the outermost layer whose call recorded it."""
-    layers = repeated_modules(module)
-    if not layers:
-        yield
-        return
-    open_calls: list[tuple[int, int]] = []  # (id of the layer, lines recorded when it began)
-
-    def enter(mod, args):
-        ctx = active_context()
-        if ctx is not None and id(mod) in layers:
-            open_calls.append((id(mod), len(ctx.bound_symbols)))
-
-    def leave(mod, args, output):
-        ctx = active_context()
-        if ctx is None or id(mod) not in layers or not open_calls or open_calls[-1][0] != id(mod):
-            return
-        _, start = open_calls.pop()
-        for bsym in ctx.bound_symbols[start:]:  # an outer layer leaves last and wins
-            bsym.layer = layers[id(mod)]
-
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
-    post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
+def _layer_of(bsym, layers: set[str]) -> str | None:
+    """The outermost layer whose call recorded the line."""
+    return next((path for path, _ in bsym.module_stack if path in layers), None)
 
 
 def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[str | None]:
@@ -76,10 +41,12 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
     gradients reach (see ``_gradient_lines``); then an untagged run
     between two lines of the same layer belongs to that layer."""
     known = dict(layer_of_name or {})
+    # The backward's lines that carry a stack (recomputed forward lines) are the forward's layers.
+    layers = set(known.values()) if layer_of_name else layers_of_stacks(lines)
     gradients: set[str] = set()  # values computed from the incoming gradients
     tags = []
     for b in lines:
-        tag = b.layer
+        tag = _layer_of(b, layers)
         inputs = b.input_proxies()
         if tag is None and layer_of_name:
             found = {known.get(p.name) for p in inputs} - {None}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from ...capture.symbolic import SymbolicValue
+from ...core.symbolic import SymbolicValue
 from ...core.effects import draws_random, is_inplace_by_name
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol

@@ -159,7 +159,7 @@ def guard_function(conditions: list, layout: "Layout"):
     """A Python function of the bound sizes (in ``layout``'s order) that is true when every
     condition holds, and its source; None when a condition reads a size the region's inputs do
     not give."""
-    from ...capture.symbolic import print_expression
+    from ...core.symbolic import print_expression
     names = {symbol: f"v{k}" for k, (_, _, symbol) in enumerate(layout.binders)}
     if any(not e.free_symbols <= set(names) for e in conditions):
         return None
@@ -172,7 +172,7 @@ def guard_function(conditions: list, layout: "Layout"):
 
 def readable(conditions: list, names: dict) -> str:
     """The conditions in the trace's names (``s0``), without repeats."""
-    from ...capture.symbolic import print_expression
+    from ...core.symbolic import print_expression
     return " and ".join(dict.fromkeys(print_expression(e, names) for e in conditions))
 
 
@@ -215,7 +215,7 @@ class Layout:
         call); None when one reads a size that is not bound."""
         import math
 
-        from ...capture.symbolic import print_expression
+        from ...core.symbolic import print_expression
         names = {symbol: f"v{k}" for k, (_, _, symbol) in enumerate(self.binders)}
         exprs = [expr_of(v) for v in values]
         if any(not getattr(e, "free_symbols", set()) <= set(names) for e in exprs):

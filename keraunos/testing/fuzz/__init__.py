@@ -8,7 +8,8 @@
 ``python -m keraunos.testing.fuzz --programs 1000 --seed 0`` runs many and prints a summary and
 shrunk reproducers; docs/reliability.md describes the grammar, the state changes and the checks.
 """
-from .drive import STATUSES, Outcome, run_program
+from .drive import run_program
+from .side import STATUSES, Outcome
 from .generate import generate
 from .program import Call, Change, Program
 from .shrink import shrink

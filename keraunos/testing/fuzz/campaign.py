@@ -13,7 +13,8 @@ import keraunos
 
 from ..opinfo import FUSED
 from . import compare
-from .drive import Outcome, run_program
+from .drive import run_program
+from .side import Outcome
 from .generate import generate
 from .shrink import shrink
 

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import compare
 from .compare import Mismatch, flatten, module_state
-from .drive import Outcome, _globals, _Side, backward_one, call_one
+from .side import Outcome, Side, backward_one, call_one, globals_of
 from .program import Call, Program
 
 F32, F64 = torch.float32, torch.float64
@@ -165,7 +165,7 @@ class Promote(TorchFunctionMode):
 
 
 # --------------------------------------------------------------------- running one side
-def _snapshot(out, named, side: _Side) -> dict[str, torch.Tensor]:
+def _snapshot(out, named, side: Side) -> dict[str, torch.Tensor]:
     """Every compared tensor under the path the comparison names it by (``compare_tree``)."""
     found = dict(flatten(out))
     for name, t in named:
@@ -173,7 +173,7 @@ def _snapshot(out, named, side: _Side) -> dict[str, torch.Tensor]:
         if t.is_leaf:
             found[f"{name}.grad"] = t.grad
     found.update(module_state(side.model))
-    found.update(_globals(side))
+    found.update(globals_of(side))
     return {k: v.detach().clone() for k, v in found.items() if isinstance(v, torch.Tensor)}
 
 
@@ -182,7 +182,7 @@ def run_side(program: Program, filename: str, upto: int, after_backward: bool, m
     """Drive one side (eager under ``mode``, or ``make(f_or_model)``) through steps 0..``upto``
     like ``run_program`` does; the compared tensors after step ``upto``'s call or backward."""
     with mode:
-        side = _Side(program, filename, make)
+        side = Side(program, filename, make)
     for index, step in enumerate(program.steps[:upto + 1]):
         if not isinstance(step, Call):
             with mode:

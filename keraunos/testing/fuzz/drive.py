@@ -12,41 +12,16 @@ import linecache
 import re
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 import keraunos
 
+from .classify import classify_mismatch
 from .compare import Mismatch, compare_roles, compare_states, compare_tree, flatten, module_state
 from .program import Call, Program
-
-# "rounding": a float mismatch the classifier (classify.py) found to be float32 rounding of an
-# ill-conditioned program, not a wrong result: reported apart, not a failure.
-STATUSES = ("pass", "mismatch", "rounding", "internal error", "refusal")
-
-
-@dataclass
-class Outcome:
-    """What happened to one program: ``status`` is one of ``STATUSES``; ``check`` says which
-    comparison failed, the refusal's cause, or the exception; ``step`` is where."""
-
-    status: str
-    check: str = ""
-    detail: str = ""
-    step: int = -1
-    calls: int = 0              # calls compared before the program ended
-    ended_by_error: str = ""    # both sides raised the same exception (the program is invalid)
-
-    @property
-    def signature(self) -> tuple[str, str]:
-        return self.status, self.check
-
-    def __str__(self) -> str:
-        where = f" at step {self.step}" if self.step >= 0 else ""
-        text = f"{self.status}{where}: {self.check}" if self.check else self.status
-        return text + (f"\n{self.detail}" if self.detail else "")
+from .side import Outcome, Side, backward_one, call_one, globals_of, grad_outputs
 
 
 class _Stop(Exception):
@@ -55,19 +30,6 @@ class _Stop(Exception):
     def __init__(self, outcome: Outcome | None, ended_by_error: str = ""):
         self.outcome = outcome
         self.ended_by_error = ended_by_error
-
-
-class _Side:
-    def __init__(self, program: Program, filename: str, make_jitted: Callable | None):
-        self.ns: dict = {"__name__": "keraunos_fuzz_program", "__file__": filename}
-        exec(compile(program.source, filename, "exec"), self.ns)
-        torch.manual_seed(0)
-        plain = self.ns["Model"]() if program.kind == "module" else self.ns["f"]
-        self.model = plain if program.kind == "module" else None
-        self.target = make_jitted(plain) if make_jitted else plain
-
-    def env(self) -> dict:
-        return dict(self.ns, model=self.model, target=self.target, G=self.ns)
 
 
 def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify: bool = True,
@@ -86,10 +48,10 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                eager = _Side(program, filename, None)
+                eager = Side(program, filename, None)
             except Exception as e:  # noqa: BLE001 - an invalid program (the shrinker makes some)
                 return Outcome("pass", ended_by_error=f"build: {type(e).__name__}: {_first_line(e)}")
-            jitted = _two(lambda: _Side(program, filename, make_jitted))
+            jitted = _two(lambda: Side(program, filename, make_jitted))
             for index, step in enumerate(program.steps):
                 try:
                     if isinstance(step, Call):
@@ -102,7 +64,6 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify
                 except Mismatch as m:
                     outcome = Outcome("mismatch", m.check, m.detail, index, calls)
                     if classify and m.eager is not None:
-                        from .classify import classify_mismatch  # it imports this module
                         outcome = classify_mismatch(program, filename, outcome, m,
                                                     compile_reference)
                     return outcome
@@ -129,7 +90,7 @@ def _two(make):
         raise _Stop(_classify(None, e, "jit()")) from e
 
 
-def _both(action, eager: _Side, jitted: _Side, where: str):
+def _both(action, eager: Side, jitted: Side, where: str):
     """``action`` on each side; exceptions decide whether the program goes on."""
     results = []
     for side in (eager, jitted):
@@ -178,25 +139,9 @@ def _cause(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------- one call
-def call_one(step: Call, side: _Side):
-    """One call on one side: its output and the tensors it names (arguments and the tensors its
-    set-up made), in the order they are compared."""
-    env = side.env()
-    before = set(env)
-    torch.manual_seed(step.seed)
-    exec(step.full_source, env)
-    torch.manual_seed(step.seed)
-    with torch.set_grad_enabled(not step.no_grad):
-        out = side.target(*env["args"], **env["kwargs"])
-    named = {k: v for k, v in env.items() if k not in before and isinstance(v, torch.Tensor)}
-    for i, a in enumerate(env["args"]):
-        named.setdefault(f"args[{i}]", a)
-    for k, a in env["kwargs"].items():
-        named.setdefault(f"kwargs[{k!r}]", a)
-    return out, [(k, v) for k, v in named.items() if isinstance(v, torch.Tensor)]
 
 
-def _call(step: Call, eager: _Side, jitted: _Side) -> None:
+def _call(step: Call, eager: Side, jitted: Side) -> None:
     (e_out, e_named), (j_out, j_named) = _both(lambda side: call_one(step, side), eager, jitted,
                                                "call")
     compare_tree(e_out, j_out, "out", "output")
@@ -207,7 +152,7 @@ def _call(step: Call, eager: _Side, jitted: _Side) -> None:
     _compare_after(e_named, j_named, eager, jitted, "after backward")
 
 
-def _static(side: _Side) -> list[tuple[str, torch.Tensor]]:
+def _static(side: Side) -> list[tuple[str, torch.Tensor]]:
     """Tensors the program can reach besides its arguments: parameters, buffers, globals."""
     found = [(f"global {k}", v) for k, v in side.ns.items() if isinstance(v, torch.Tensor)]
     if side.model is not None:
@@ -216,34 +161,16 @@ def _static(side: _Side) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _compare_after(e_named, j_named, eager: _Side, jitted: _Side, when: str) -> None:
+def _compare_after(e_named, j_named, eager: Side, jitted: Side, when: str) -> None:
     for (name, e), (_, j) in zip(e_named, j_named):
         compare_tree(e, j, name, f"input {when}")
         if e.is_leaf:
             compare_tree(e.grad, j.grad, f"{name}.grad", f"gradient {when}")
     compare_states(module_state(eager.model), module_state(jitted.model), f"module {when}")
-    compare_states(_globals(eager), _globals(jitted), f"global {when}")
+    compare_states(globals_of(eager), globals_of(jitted), f"global {when}")
 
 
-def _globals(side: _Side) -> dict:
-    return {k: v for k, v in side.ns.items()
-            if k.isupper() and isinstance(v, (int, float, torch.Tensor))}
-
-
-def _grad_outputs(flat) -> list[torch.Tensor]:
-    return [v for _, v in flat if isinstance(v, torch.Tensor) and v.requires_grad
-            and v.is_floating_point()]
-
-
-def backward_one(flat) -> int:
-    """The backward of one side: of the sum of its floating outputs that require grad."""
-    outputs = _grad_outputs(flat)
-    if outputs:
-        sum(t.sum() for t in outputs).backward()
-    return len(outputs)
-
-
-def _backward(e_flat, j_flat, eager: _Side, jitted: _Side) -> None:
-    if not _grad_outputs(e_flat) and not _grad_outputs(j_flat):
+def _backward(e_flat, j_flat, eager: Side, jitted: Side) -> None:
+    if not grad_outputs(e_flat) and not grad_outputs(j_flat):
         return
     _both(lambda side: backward_one(e_flat if side is eager else j_flat), eager, jitted, "backward")

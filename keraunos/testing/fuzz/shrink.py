@@ -6,7 +6,8 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from .drive import Outcome, run_program
+from .drive import run_program
+from .side import Outcome
 from .program import Call, Program
 
 FIELDS = ("steps", "body", "returns", "init", "header", "sub_body", "sub_init")

@@ -1,0 +1,125 @@
+"""The executor protocol and the executors every compilation has: ``torch``, ``python``,
+``OperatorExecutor``s of yours; the registry and the claims (see the package docstring)."""
+from __future__ import annotations
+
+from ..core.glue import Glue
+from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.runner import trace_step
+from ..core.trace import Trace
+
+
+class Executor:
+    """Base class: ``name`` identifies it in ``jit(..., executors=[...])``."""
+
+    name = "executor"
+
+    def claims(self, bsym: BoundSymbol) -> bool:
+        raise NotImplementedError
+
+    def lower(self, bsym: BoundSymbol) -> BoundSymbol:
+        """The line as it runs under this executor (by default: as written)."""
+        return bsym
+
+    def __repr__(self) -> str:
+        return f"<executor {self.name}>"
+
+
+class OperatorExecutor(Executor):
+    """Runs the torch ops it has implementations for with callables of yours.
+
+    ``register_implementation(op, fn, checker=None)``: lines calling ``op`` (the object the
+    trace records: ``torch.nn.functional.gelu``, ``torch.Tensor.softmax``, an ATen overload in a
+    backward trace) call ``fn`` with the same arguments instead, when ``checker(*args,
+    **kwargs)`` (given the proxies: shapes, dtypes, devices) accepts them. The trace prints the
+    line as a call of ``<executor>_<op>``. ``fn`` must compute what ``op`` computes: the
+    backward keraunos derives is PyTorch's formula for ``op``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.implementations: dict[int, tuple] = {}  # id(op) -> (op, fn, checker)
+
+    def register_implementation(self, op, fn, *, checker=None) -> None:
+        self.implementations[id(op)] = (op, fn, checker)
+
+    def claims(self, bsym):
+        found = isinstance(bsym.symbol, TorchSymbol) and \
+            self.implementations.get(id(bsym.symbol.fn))
+        if not found:
+            return False
+        checker = found[2]
+        return checker is None or bool(checker(*bsym.args, **bsym.kwargs))
+
+    def lower(self, bsym):
+        symbol = bsym.symbol
+        _, fn, _ = self.implementations[id(symbol.fn)]
+        short = symbol.name.rsplit(".", 1)[-1].strip("_") or "op"  # a method's self is args[0]
+        return bsym.replace(symbol=TorchSymbol(fn, f"{self.name}_{short}", "opaque"))
+
+
+class TorchExecutor(Executor):
+    """Runs torch-level operations by calling the torch function itself: runs everything."""
+
+    name = "torch"
+
+    def claims(self, bsym):
+        return isinstance(bsym.symbol, TorchSymbol)
+
+
+class PythonExecutor(Executor):
+    """Runs glue: prologue unpacking and checks, epilogue write-backs, ``del`` and ``return``."""
+
+    name = "python"
+
+    def claims(self, bsym):
+        return isinstance(bsym.symbol, Glue)
+
+
+_registry: dict[str, Executor] = {}
+
+
+def register(executor: Executor) -> Executor:
+    _registry[executor.name] = executor
+    return executor
+
+
+register(TorchExecutor())
+register(PythonExecutor())
+
+# Fusion by default, compiled in the background (tiers.py): the first calls run on the torch
+# executor, later ones on Inductor's regions; ``jit(..., fuse="off")`` leaves just "torch".
+DEFAULT_EXECUTORS = ("inductor", "torch")
+
+
+def resolve(executors) -> list[Executor]:
+    """The executor list for ``jit``: names or ``Executor`` objects; ``python`` always comes last."""
+    result = []
+    for e in executors or DEFAULT_EXECUTORS:
+        if isinstance(e, str):
+            if e not in _registry:
+                raise ValueError(f"keraunos.jit: unknown executor {e!r}; registered executors are "
+                                 f"{sorted(_registry)} (add one with keraunos.executors.register)")
+            e = _registry[e]
+        if not isinstance(e, Executor):
+            raise TypeError(f"keraunos.jit: executors must be names or Executor objects, got {e!r}")
+        result.append(e)
+    if _registry["python"] not in result:
+        result.append(_registry["python"])
+    return result
+
+
+@trace_step
+def claim(trace: Trace, executors: list[Executor]) -> Trace:
+    """Give each line to the first executor that claims it."""
+    lines = []
+    for bsym in trace.bound_symbols:
+        for ex in executors:
+            if ex.claims(bsym):
+                lines.append(ex.lower(bsym.replace(executor=ex.name)))
+                break
+        else:
+            raise NotImplementedError(
+                f"keraunos: no executor among {[e.name for e in executors]} can run "
+                f"`{bsym.symbol.name}` (from {bsym.source}); add 'torch' to the executors list")
+    names = ", ".join(dict.fromkeys(b.executor for b in lines))
+    return trace.derive(lines, f"Executor Claims [{names}]")
+
