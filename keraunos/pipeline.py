@@ -15,11 +15,10 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
 from .core.proxies import Proxy
-from .core.runner import trace_pass
+from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
 from .core.trace import Trace
-from .executors import fusion
 from .passes.fast_prologue import fast_prologue
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
@@ -110,7 +109,9 @@ def _fuse_mode(c: Compilation) -> FuseMode | None:
     if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                             and torch.is_autocast_enabled("cuda")):
         return FuseMode.OFF
-    if not tiers.worth_fusing((c.computation, c.backward), fusion.computes_in_region):
+    fusers = executors_module.fusion_executors(c.executors)
+    if not tiers.worth_fusing((c.computation, c.backward),
+                              lambda b: any(e.computes_in_region(b) for e in fusers)):
         c.fusion_note = (f"not fused: fewer than {tiers.MIN_FUSED_OPS} ops a region would "
                          f"compute (fuse=\"wait\" fuses it anyway)")
         return FuseMode.OFF
@@ -131,7 +132,7 @@ def _fused_tier(c: Compilation):
     for stage in TIER_STAGES:
         stage(c)
     for region in c.fusion_regions:
-        region.kernel.ready()
+        region.ready()
     t0 = time.perf_counter()
     fn = _computation_callable(c)
     c.time("codegen", time.perf_counter() - t0)
@@ -158,7 +159,8 @@ def capture(state, args, kwargs) -> Compilation:
     fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
     warm = state.options.fuse is FuseMode.WAIT or torch.are_deterministic_algorithms_enabled()
     if fusing and warm and state.module is not None:
-        fusion.start_warming()
+        for executor in executors_module.fusion_executors(state.options.executors):
+            executor.start_warming()
     program = capture_program(target, state.module, args, kwargs,
                               state.options.cache is not CacheMode.SAME_INPUT,
                               state.options.specialize_data)
@@ -241,30 +243,32 @@ def fuse_regions(c: Compilation) -> None:
     if not _fusing(c.executors):
         return
     executors, counter = c.executors, [0]  # region names: unique in the entry
-    forward = c.computation
-    fused, c.fusion_regions = fusion.fuse(
-        forward, executors, observable=_returned(forward), records_autograd=c.records_autograd,
-        counter=counter)
-    if fused is not forward:
-        c.computations.append(fused)
-        c.time("fusion", fused.seconds)
-    backward = c.backward
-    if backward is not None:
+    for executor in executors_module.fusion_executors(executors):
+        fuse = trace_step(executor.fuse)  # the runner times every executor's traces
+        forward = c.computation
+        fused, regions = fuse(
+            forward, executors, observable=_returned(forward),
+            records_autograd=c.records_autograd, counter=counter)
+        c.fusion_regions += regions
+        if fused is not forward:
+            c.computations.append(fused)
+            c.time("fusion", fused.seconds)
+        backward = c.backward
+        if backward is None:
+            continue
         # The backward's Function lays each incoming gradient out as recorded before the trace
         # runs (autograd/function.py); only gradients of symbolic strides can still come with
         # others, and regions check those (and what is made from them) on every call.
         grads = {p.name for p in
                  backward.params[len(backward.params) - len(c.split.grad_metadata):]
                  if not all(type(v) is int for v in p.stride)}
-        names = fusion.layers.layers_of_names(
-            forward, fusion.layers.layer_of_lines(forward.bound_symbols))
-        fused, backward_regions = fusion.fuse(
+        fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=grads,
-            layer_of_name=names, counter=counter)
+            forward=forward, counter=counter)
+        c.fusion_regions += regions
         if fused is not backward:
             c.backwards.append(fused)
             c.time("fusion", fused.seconds)
-        c.fusion_regions += backward_regions
 
 
 def transforms_after_optimization(c: Compilation) -> None:

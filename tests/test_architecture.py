@@ -60,3 +60,25 @@ def test_operator_executor_gradients_are_pytorchs_formula_for_the_op():
     keraunos.jit(lambda t: torch.tanh(t * 2).sum(), executors=["plain_tanh", "torch"])(x).backward()
     torch.tanh(xe * 2).sum().backward()
     torch.testing.assert_close(x.grad, xe.grad)
+
+
+def test_the_layer_contract_holds_and_no_module_imports_in_a_cycle():
+    """docs/architecture.md's layer table, as pyproject.toml's import-linter contract: no upward
+    import; and no import cycle between any two modules of keraunos."""
+    import subprocess
+    import sys
+
+    import grimp
+
+    root = pathlib.Path(__file__).parent.parent
+    lint = pathlib.Path(sys.executable).parent / "lint-imports"
+    run = subprocess.run([str(lint), str(root / "pyproject.toml")], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 kept, 0 broken" in run.stdout
+
+    graph = grimp.build_graph("keraunos")
+    cycles = [(a, b) for a in sorted(graph.modules)
+              for b in graph.find_modules_directly_imported_by(a)
+              if graph.chain_exists(importer=b, imported=a)]
+    assert cycles == []

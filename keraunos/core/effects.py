@@ -1,7 +1,10 @@
-"""Which torch ops have effects a pass must respect: drawing random numbers, writing in place.
+"""Which torch ops have effects a pass must respect, and what a pass may do with such a line.
 
-Capture tags each recorded line with what is found here (``tags.RANDOM``, ``tags.MUTATION``), and
-the passes and the fusion executor read the tags or ask again.
+Capture tags each recorded line with what is found here (``tags.RANDOM``, ``tags.MUTATION``).
+What a pass may do with a tagged line is one table, ``EFFECTS``, asked through four questions
+that every pass uses: ``may_drop`` (DCE), ``may_merge`` (CSE, the peephole), ``may_move`` (a
+fusion region's hoisting and sinking) and ``may_fuse`` (a fusion executor's claim). A new effect
+is a tag (``tags.py``) and one entry here; a tag with no entry has no effect.
 
 - Random ops are known by the op objects themselves, found once in PyTorch's public namespaces
   (ATen overloads by their ``nondeterministic_seeded`` tag), not by how a trace prints them.
@@ -16,7 +19,60 @@ import functools
 
 import torch
 
+from dataclasses import dataclass
+
 from .symbols import TorchSymbol
+from .tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM, Tag
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What passes may do with a line that carries an effect's tag (all: no)."""
+
+    drop: bool = False   # removed when nothing reads its outputs
+    merge: bool = False  # merged with an identical line, or rewritten into one
+    move: bool = False   # run earlier or later than written
+    fuse: bool = False   # run inside a fused region
+
+
+EFFECTS: dict[Tag, Effect] = {
+    RANDOM: Effect(),    # draws from the generator: how often and in which order is the program's
+    MUTATION: Effect(),  # writes a tensor or global state (a fusion executor may still take a
+    #                      write it proves safe, see fusion/regions.py's _fusible_write)
+    OPAQUE: Effect(),    # an op no fake kernel describes: its effects are unknown
+    # The copy capture makes of an input the program writes (the epilogue copies it back): a
+    # plain value to DCE and CSE, but it stays where it is and outside regions.
+    COPY_OF_WRITTEN_INPUT: Effect(drop=True, merge=True),
+}
+
+
+def forbidding(bsym, what: str) -> set[Tag]:
+    """The tags of ``bsym`` whose effect forbids ``what`` (``"drop"``, ``"merge"``, ...)."""
+    return {t for t in bsym.tags if t in EFFECTS and not getattr(EFFECTS[t], what)}
+
+
+def _allows(bsym, what: str) -> bool:
+    return all(getattr(EFFECTS[t], what) for t in bsym.tags if t in EFFECTS)
+
+
+def may_drop(bsym) -> bool:
+    """Whether a pass may remove the line when nothing reads its outputs."""
+    return _allows(bsym, "drop")
+
+
+def may_merge(bsym) -> bool:
+    """Whether a pass may merge the line with an identical one (or fold it into another)."""
+    return _allows(bsym, "merge")
+
+
+def may_move(bsym) -> bool:
+    """Whether a pass may run the line earlier or later than written."""
+    return _allows(bsym, "move")
+
+
+def may_fuse(bsym) -> bool:
+    """Whether a fusion executor may run the line inside a region."""
+    return _allows(bsym, "fuse")
 
 # Where the random ops live, and their names there.
 _RANDOM_NAMESPACES = ("torch", "torch.Tensor", "torch.nn.functional", "torch.nn.init")

@@ -335,7 +335,8 @@ class FusionCall(Symbol):
     in the trace's namespace), with the region's own lines printed as comments below a header
     saying which layer it is and whose kernel it runs. Each region is its own symbol.
 
-    ``region``: an ``executors.fusion.FusionRegion``; ``call``: the callable that runs it."""
+    ``region``: a fusion executor's region (``executors.FusionExecutor`` says what it has;
+    ``executors.fusion.FusionRegion`` is Inductor's); ``call``: the callable that runs it."""
 
     def __init__(self, region, call):
         self.name = region.name
@@ -346,11 +347,9 @@ class FusionCall(Symbol):
         w.namespace[self.name] = self.call
         r = self.region
         where = f"layer {r.layer}, " if r.layer else ""
-        reuse = f"the kernel of {r.shared_with}" if r.shared_with else "compiled for this region"
         writes = f", writes {', '.join(r.written)} in place" if r.written else ""
-        lines = [f"# {self.name}: {where}{len(r.lines)} lines{writes}, kernel "
-                 f"k{r.kernel.number} ({reuse})"]
-        if self.call.guard_source:  # sizes Inductor assumed: other sizes run the lines below
+        lines = [f"# {self.name}: {where}{len(r.lines)} lines{writes}, {r.describe_kernel()}"]
+        if getattr(self.call, "guard_source", None):  # sizes assumed: others run the lines below
             lines.append(f"#   kernel where {self.call.guard_source}; else these lines:")
         sub = CodeWriter({})  # comments only: nothing may enter the trace's namespace
         sub.defined = set(w.defined)

@@ -17,11 +17,12 @@ leaves goes to the next executor in the list. A custom kernel plugs in like this
     >>> _ = keraunos.executors.register(mine)
     >>> f = keraunos.jit(torch.nn.functional.gelu, executors=["my_kernels", "torch"])
 """
-from .base import (DEFAULT_EXECUTORS, Executor, OperatorExecutor, PythonExecutor, TorchExecutor,
-                   claim, register, resolve)
+from .base import (DEFAULT_EXECUTORS, Executor, FusionExecutor, OperatorExecutor, PythonExecutor,
+                   TorchExecutor, claim, fusion_executors, give_back, register, resolve)
 from .fusion import InductorExecutor
 
-__all__ = ["DEFAULT_EXECUTORS", "Executor", "OperatorExecutor", "PythonExecutor", "TorchExecutor",
-           "InductorExecutor", "claim", "register", "resolve"]
+__all__ = ["DEFAULT_EXECUTORS", "Executor", "FusionExecutor", "OperatorExecutor", "PythonExecutor",
+           "TorchExecutor", "InductorExecutor", "claim", "fusion_executors", "give_back",
+           "register", "resolve"]
 
 register(InductorExecutor())

@@ -24,6 +24,59 @@ class Executor:
         return f"<executor {self.name}>"
 
 
+class FusionExecutor(Executor):
+    """An executor that fuses: it claims the lines it may run inside a region, and after the
+    claims the pipeline hands it each trace (the forward, then the backward) to turn runs of its
+    lines into one line each, calling what it compiled for the run.
+
+    What the pipeline calls (``pipeline.fuse_regions``, ``tiers``), per fusion executor in the
+    user's list:
+
+    - ``fuse(trace, executors, *, observable, always_checked, records_autograd, forward,
+      counter) -> (trace, regions)``: the new trace, and the regions it made (what
+      ``keraunos.last_fusions`` lists). Lines it claimed but put in no region go to the next
+      executor that claims them (``give_back``). ``observable``: names whose memory sharing the
+      caller sees; ``always_checked``: inputs whose strides vary between calls (the backward's
+      incoming gradients); ``records_autograd``: torch's autograd records the trace's ops (no
+      backward trace of ours); ``forward``: for the backward, the forward's final trace;
+      ``counter``: a one-item list numbering regions across the entry.
+    - ``computes_in_region(bsym)``: whether a region would compute this line itself (what the
+      rule for programs worth fusing counts, ``tiers.worth_fusing``).
+    - ``start_warming()``: a program is about to be captured for fusion on the caller's thread.
+
+    A region line's symbol is ``glue.FusionCall(region, call)``; the region has ``name``,
+    ``layer``, ``lines``, ``written``, ``describe_kernel()`` (the trace header's words for what
+    runs it) and ``ready()`` (returns once what it runs is built; the fused tier switches in
+    only then). ``source`` (one text about the region) is optional."""
+
+    is_fusion = True
+
+    def fuse(self, trace: Trace, executors: list[Executor], *, observable: set[str],
+             always_checked: set[str] = frozenset(), records_autograd: bool = False,
+             forward: Trace | None = None, counter: list[int] | None = None):
+        raise NotImplementedError
+
+    def computes_in_region(self, bsym: BoundSymbol) -> bool:
+        return self.claims(bsym)
+
+    def start_warming(self) -> None:
+        pass
+
+
+def give_back(bsym: BoundSymbol, executors: list[Executor]) -> BoundSymbol:
+    """A line a fusion executor claimed but put in no region, for the first executor after the
+    fusion executors that claims it."""
+    for e in executors:
+        if not getattr(e, "is_fusion", False) and e.claims(bsym):
+            return bsym.replace(executor=e.name)
+    raise NotImplementedError(f"keraunos: no executor after the fusion executors can run "
+                              f"`{bsym.symbol.name}`; add 'torch' to the executors list")
+
+
+def fusion_executors(executors) -> list[FusionExecutor]:
+    return [e for e in executors if getattr(e, "is_fusion", False)]
+
+
 class OperatorExecutor(Executor):
     """Runs the torch ops it has implementations for with callables of yours.
 

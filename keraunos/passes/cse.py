@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from ..core import glue
 from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, TorchSymbol
-from ..core.tags import MUTATION, RANDOM
+from ..core.effects import may_merge
+from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..core.runner import trace_pass
 
@@ -61,7 +62,7 @@ def common_subexpression_elimination(trace: Trace,
             bsym = bsym.substitute(renames)
         if bsym.symbol is glue.SET_GLOBAL_STATE:
             switched.update(bsym.args[0])
-        mergeable = (isinstance(bsym.symbol, TorchSymbol) and not bsym.tags & {MUTATION, RANDOM}
+        mergeable = (isinstance(bsym.symbol, TorchSymbol) and may_merge(bsym)
                      and not any(isinstance(p, TensorProxy) and p.storage in written
                                  for p in bsym.input_proxies() + bsym.output_proxies())
                      and not _narrows_a_gradient(bsym))

@@ -1,18 +1,18 @@
 """Dead-code elimination: drop lines whose results nobody uses.
 
-Lines tagged ``MUTATION`` (in-place writes, grad-mode switches) or ``RANDOM`` (they advance the
-generator, so later random values depend on them) are kept whatever their use.
+Lines whose effects forbid it (``effects.may_drop``: in-place writes, grad-mode switches, random
+draws, which later random values depend on) are kept whatever their use.
 """
 from __future__ import annotations
 
 from ..core.proxies import TensorProxy
 from ..core.glue import Glue
 from ..core.symbols import BoundSymbol
-from ..core.tags import MUTATION, RANDOM
+from ..core.effects import may_drop
+from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..core.runner import trace_pass
 
-_KEEP = {MUTATION, RANDOM}
 
 
 @trace_pass("Dead Code Elimination")
@@ -24,7 +24,7 @@ def dead_code_elimination(trace: Trace) -> list[BoundSymbol]:
     for index in range(len(trace.bound_symbols) - 1, -1, -1):
         bsym = trace.bound_symbols[index]
         new_outputs = [p.name for p in bsym.output_proxies()]
-        needed = (bsym.tags & _KEEP or isinstance(bsym.symbol, Glue) and not new_outputs
+        needed = (not may_drop(bsym) or isinstance(bsym.symbol, Glue) and not new_outputs
                   or any(name in live for name in new_outputs)
                   or bool(refreshing.get(index, set()) & written_later))
         if needed:

@@ -31,7 +31,8 @@ import torch
 from ..core import glue
 from ..core.proxies import TensorProxy
 from ..core.symbols import BoundSymbol
-from ..core.tags import MUTATION, RANDOM
+from ..core.effects import may_drop, may_merge
+from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..core.runner import trace_pass
 
@@ -71,7 +72,7 @@ def _same_data(lines: list[BoundSymbol], copies_allowed: bool) -> dict[str, Tens
     same: dict[str, TensorProxy] = {}
     for b in lines:
         op = _op(b)
-        if op is None or b.tags & {MUTATION, RANDOM} or not b.args:
+        if op is None or not may_merge(b) or not b.args:
             continue
         source, out = b.args[0], b.outputs
         if not (isinstance(source, TensorProxy) and isinstance(out, TensorProxy)):
@@ -154,7 +155,7 @@ def _without_unread_chains(lines: list[BoundSymbol]) -> list[BoundSymbol]:
     for b in reversed(lines):
         op = _op(b)
         droppable = ((op in ALIASING_CHAIN_OPS or op is _aten.pow.Tensor_Scalar)
-                     and not b.tags & {MUTATION, RANDOM})
+                     and may_drop(b))
         if droppable and not any(p.name in read for p in b.output_proxies()):
             continue
         kept.append(b)

@@ -24,9 +24,8 @@ from ...core import glue
 from ...core.proxies import TensorProxy
 from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
-from ...core.runner import trace_step
 from ...core.trace import Trace
-from ..base import Executor
+from ..base import Executor, FusionExecutor, give_back
 from . import compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
@@ -40,14 +39,29 @@ def start_warming() -> None:
     compiler.start_warming()
 
 
-class InductorExecutor(Executor):
+class InductorExecutor(FusionExecutor):
     """Fuses regions of the forward and backward traces with TorchInductor."""
 
     name = "inductor"
-    is_fusion = True
 
     def claims(self, bsym):
         return fusible(bsym)
+
+    def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
+             records_autograd=False, forward=None, counter=None):
+        layer_of_name = None
+        if forward is not None:  # the backward: its lines' layers are the forward's values'
+            layer_of_name = layers.layers_of_names(
+                forward, layers.layer_of_lines(forward.bound_symbols))
+        return fuse(trace, executors, observable=observable, always_checked=always_checked,
+                    layer_of_name=layer_of_name, records_autograd=records_autograd,
+                    counter=counter, executor=self)
+
+    def computes_in_region(self, bsym):
+        return computes_in_region(bsym)
+
+    def start_warming(self):
+        start_warming()
 
 
 @dataclass
@@ -65,6 +79,16 @@ class FusionRegion:
     shared_with: str | None = None  # the region the kernel was compiled for, when not this one
     lines: list[BoundSymbol] = field(default_factory=list)
     written: list[str] = field(default_factory=list)  # inputs it writes in place (a KV cache)
+
+    def describe_kernel(self) -> str:
+        """What runs the region, for the header of its line in the trace."""
+        reuse = f"the kernel of {self.shared_with}" if self.shared_with else \
+            "compiled for this region"
+        return f"kernel k{self.kernel.number} ({reuse})"
+
+    def ready(self) -> None:
+        """Return once the region's C++ kernels are built (raises what the build raised)."""
+        self.kernel.ready()
 
     @property
     def kernel_code(self) -> str:
@@ -92,10 +116,9 @@ class FusionRegion:
 FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's fusion call)
 
 
-@trace_step
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
-         records_autograd: bool = False,
+         executor: Executor, records_autograd: bool = False,
          counter: list[int] | None = None) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
@@ -104,9 +127,8 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
     records the torch ops they run; a compiled region would give outputs without a graph)."""
-    fusion = [e for e in executors if getattr(e, "is_fusion", False)]
     lines = list(trace.bound_symbols)
-    claimed = [b.executor in {e.name for e in fusion} for b in lines]
+    claimed = [b.executor == executor.name for b in lines]
     if not any(claimed):
         return trace, []
     if records_autograd or _switches_grad_mode(lines):  # lines may record autograd as they run
@@ -114,7 +136,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
                                  for p in b.input_proxies() + b.output_proxies())
                    for b, c in zip(lines, claimed)]
     if not any(claimed):
-        return trace.derive([_given_back(b, executors, fusion) for b in lines],
+        return trace.derive([_given_back(b, executors, executor) for b in lines],
                             "Fusion: no regions"), []
     regions = []
     problem = _why_not(lines, claimed)
@@ -130,7 +152,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
         made = _fuse_region(r, trace.name, counter, environment, always_checked, done)
         if made is not None:
             fused[r.start] = (made, r)
-    result = _assemble(lines, fused, executors, fusion)
+    result = _assemble(lines, fused, executors, executor)
     kept = [b.symbol.region for b in result if isinstance(b.symbol, FusionSymbol)]
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     label = f"{len(kept)} regions" if problem is None else f"no regions, {problem}"
@@ -153,7 +175,7 @@ def _varying_with(always_checked, lines, regions) -> set[str]:
     return varying
 
 
-def _assemble(lines, fused, executors, fusion) -> list[BoundSymbol]:
+def _assemble(lines, fused, executors, executor) -> list[BoundSymbol]:
     """The trace's lines with each fused region's run replaced by its one line."""
     result = []
     i = 0
@@ -163,16 +185,14 @@ def _assemble(lines, fused, executors, fusion) -> list[BoundSymbol]:
             result.append(bsym)
             i = region.stop
             continue
-        result.append(_given_back(lines[i], executors, fusion))
+        result.append(_given_back(lines[i], executors, executor))
         i += 1
     return result
 
 
-def _given_back(bsym, executors, fusion):
-    """A line a fusion executor claimed but no region took, for the next executor that claims it."""
-    if bsym.executor not in {e.name for e in fusion}:
-        return bsym
-    return bsym.replace(executor=_next_executor(bsym, executors, fusion))
+def _given_back(bsym, executors, executor):
+    """A line this executor claimed but no region took, for the next executor that claims it."""
+    return give_back(bsym, executors) if bsym.executor == executor.name else bsym
 
 
 def _why_not(lines, claimed) -> str | None:
@@ -197,14 +217,6 @@ def _switches_grad_mode(lines) -> bool:
     of ours: the lines under grad mode that read or make tensors requiring grad stay out of
     regions (autograd records them), the others may fuse; a switch is a line no region crosses."""
     return any(b.symbol is glue.SET_GLOBAL_STATE for b in lines)
-
-
-def _next_executor(bsym, executors, fusion) -> str:
-    for e in executors:
-        if e not in fusion and e.claims(bsym):
-            return e.name
-    raise NotImplementedError(f"keraunos: no executor after the fusion executors can run "
-                              f"`{bsym.symbol.name}`; add 'torch' to the executors list")
 
 
 def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):

@@ -35,10 +35,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...core.symbolic import SymbolicValue
-from ...core.effects import draws_random, is_inplace_by_name
+from ...core.effects import draws_random, forbidding, is_inplace_by_name, may_move
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
-from ...core.tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM
+from ...core.tags import MUTATION, OPAQUE
 from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
@@ -103,9 +103,10 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if symbol.style == "getter" and symbol.name not in _VIEW_GETTERS:
         return False
-    if bsym.tags & {RANDOM, OPAQUE, COPY_OF_WRITTEN_INPUT} or _draws_random(bsym):
+    forbidden = forbidding(bsym, "fuse")
+    if forbidden - {MUTATION} or _draws_random(bsym):
         return False
-    if (MUTATION in bsym.tags or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
+    if (forbidden or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
         return False
     short = symbol.name.rsplit(".", 1)[-1]
     if _depends_on_data(symbol) or "out" in bsym.kwargs or "generator" in bsym.kwargs:
@@ -347,8 +348,7 @@ def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
 def _movable(bsym: BoundSymbol) -> bool:
     """A line whose only effect is its outputs: it may run earlier than written."""
     return (isinstance(bsym.symbol, TorchSymbol)
-            and not bsym.tags & {RANDOM, MUTATION, OPAQUE, COPY_OF_WRITTEN_INPUT}
-            and not is_inplace_by_name(bsym.symbol) and not _draws_random(bsym))
+            and may_move(bsym) and not is_inplace_by_name(bsym.symbol) and not _draws_random(bsym))
 
 
 def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
