@@ -17,18 +17,24 @@ class CacheMode(enum.Enum):
     NO_CACHING = "no caching"            # compile on every call
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CacheEntry:
+    """One compiled program behind its prologue's checks: the three callables a hit runs, every
+    trace each stage made (``last_traces`` and friends), and what the call path keeps about it.
+    Built with keywords; the fields a hit path changes later say so."""
+
     prologue_fn: Callable
-    computation_fn: Callable
+    computation_fn: Callable  # replaced once, by the switch to the fused tier (tiers.py)
     epilogue_fn: Callable
-    prologue_traces: list[Trace]
-    computation_traces: list[Trace]
-    epilogue_traces: list[Trace]
-    backward_traces: list[Trace]
-    check_descriptions: list[str]
-    alias_pattern: tuple | None  # None: every tensor input has memory of its own
-    stages: dict[str, float]
+    prologue_traces: list[Trace] = field(default_factory=list)
+    computation_traces: list[Trace] = field(default_factory=list)
+    epilogue_traces: list[Trace] = field(default_factory=list)
+    backward_traces: list[Trace] = field(default_factory=list)
+    check_descriptions: list[str] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)
+    # The storage sharing of the tensor inputs it was compiled for (None: every tensor input has
+    # memory of its own); set by the first call (jit.py), which knows the real inputs.
+    alias_pattern: tuple | None = None
     hits: int = 0
     # Which inputs the alias check compares (None: at most one tensor), and which the program
     # writes to (only then, or when inputs shared memory, does sharing matter; None: unknown,

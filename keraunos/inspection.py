@@ -101,7 +101,7 @@ def wait_for_fusion(jitted, timeout: float | None = None) -> bool:
     from .tiers import wait_for_fusion as wait
     state = state_of(jitted)
     states = [state]
-    if getattr(state, "dynamo_compiled", None) is not None:
+    if state.dynamo_compiled is not None:
         from .dynamo.backend import subgraphs_of
         states += [subgraph.jitted._keraunos for subgraph in subgraphs_of(jitted)]
     deadline = None if timeout is None else time.perf_counter() + timeout

@@ -157,6 +157,16 @@ class _JitState:
         self.seen_sizes: dict = {}
         self.symbolic_fallbacks: list[str] = []  # why symbolic entries were compiled exactly
         self.warned_transform = False  # called under a torch.func transform: warned once
+        # A unit of a fully_shard'ed model: captured from its ``forward`` alone (its call hooks
+        # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
+        self.forward_only = False
+        self.last_used = 0.0
+        # The program fell back to torch.compile(backend="keraunos"): what it compiled.
+        self.dynamo_compiled = None
+        # Methods routed through the compiled forward (jitted.py): how deep such calls are
+        # nested, and the original's own ``forward`` attribute to put back after the outermost.
+        self.routing_depth = 0
+        self.saved_forward = None
 
     @property
     def name(self) -> str:
@@ -404,7 +414,7 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     inside ``torch.utils.checkpoint`` (non-reentrant) compiles in its forward, and the ops of
     compilation (the autograd split's own autograd runs) must not be packed as the checkpointed
     forward's saved tensors, nor hit the recomputation's early stop."""
-    if state.module is not None and not getattr(state, "forward_only", False):
+    if state.module is not None and not state.forward_only:
         _refuse_sharded_units_inside(state.module)
     stashed = []
     while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
@@ -476,8 +486,9 @@ def _eager_under_transform(state: _JitState) -> CacheEntry:
 def _inline_entry(state: _JitState) -> CacheEntry:
     """An entry that runs the original program, so that an outer capture records its ops."""
     target = state.module if state.module is not None else state.fn
-    return CacheEntry(lambda *a, **k: None, lambda args, kwargs: target(*args, **kwargs),
-                      lambda result, _: result, [], [], [], [], [], None, {})
+    return CacheEntry(prologue_fn=lambda *a, **k: None,
+                      computation_fn=lambda args, kwargs: target(*args, **kwargs),
+                      epilogue_fn=lambda result, _: result)
 
 
 def _no_dynamo_backend() -> Callable:
@@ -517,9 +528,9 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
                f"it in the prologue; keraunos.jit(..., fallback=\"error\") raises instead of "
                f"falling back.")
     _warn_at_user_line(message, stacklevel=5)
-    return CacheEntry(lambda *a, **k: ((a, k), None),
-                      lambda args, kwargs: compiled(*args, **kwargs),
-                      lambda result, _: result, [], [], [], [], [], None, {})
+    return CacheEntry(prologue_fn=lambda *a, **k: ((a, k), None),
+                      computation_fn=lambda args, kwargs: compiled(*args, **kwargs),
+                      epilogue_fn=lambda result, _: result)
 
 
 def _warn_at_user_line(message: str, stacklevel: int) -> None:

@@ -355,7 +355,7 @@ class _forward_routed:
     def __enter__(self):
         state, orig = self.jitted._keraunos, self.jitted._orig_mod
         with _routing_lock:
-            if getattr(state, "routing_depth", 0) == 0:
+            if state.routing_depth == 0:
                 state.saved_forward = orig.__dict__.get("forward")
                 forward = orig.forward
                 jitted = self.jitted
@@ -365,7 +365,7 @@ class _forward_routed:
                         return forward(*a, **k)
                     return jitted(*a, **k)  # with the wrapper's own hooks, if it has any
                 orig.__dict__["forward"] = functools.wraps(forward)(compiled_forward)
-            state.routing_depth = getattr(state, "routing_depth", 0) + 1
+            state.routing_depth += 1
 
     def __exit__(self, *exc):
         state, orig = self.jitted._keraunos, self.jitted._orig_mod
@@ -575,8 +575,6 @@ def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
         compiled_forward._keraunos_unit = state
         unit.__dict__["forward"] = compiled_forward
         states.append(state)
-    for state in states:
-        state.__dict__.setdefault("last_used", 0.0)
     jitted = JittedModule(model, options)
     object.__setattr__(jitted, "_keraunos", _UnitsState(model, options, states))
     object.__setattr__(jitted, "_call", lambda state, args, kwargs: model(*args, **kwargs))

@@ -86,9 +86,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
         c.executors = _without_fusion(c.executors)
     for stage in TIER_STAGES:
         stage(c)
-    entry = make_entry(c)
+    entry = make_entry(c, Tiering(mode) if mode is FuseMode.BACKGROUND else None)
     if mode is FuseMode.BACKGROUND:
-        entry.tiering = Tiering(mode)
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
                        lambda made: _switch(state, entry, *made))
     return entry
@@ -154,8 +153,7 @@ def capture(state, args, kwargs) -> Compilation:
     """The program as the user's code ran it: prologue, computation, epilogue traces."""
     # A unit of a fully_shard'ed model is captured from its forward: its call hooks are
     # FSDP2's, which run eagerly around the program (jitted.py, _jit_fsdp).
-    forward_only = getattr(state, "forward_only", False)
-    target = state.module if state.module is not None and not forward_only else state.fn
+    target = state.module if state.module is not None and not state.forward_only else state.fn
     fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
     warm = state.options.fuse is FuseMode.WAIT or torch.are_deterministic_algorithms_enabled()
     if fusing and warm and state.module is not None:
@@ -312,7 +310,7 @@ STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, 
 TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names)
 
 
-def make_entry(c: Compilation) -> CacheEntry:
+def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
     """Code generation: the traces become Python functions, held by a new cache entry."""
     t0 = time.perf_counter()
     prologue_fn = c.prologues[-1].python_callable()
@@ -321,12 +319,15 @@ def make_entry(c: Compilation) -> CacheEntry:
     c.time("codegen", time.perf_counter() - t0)
     captured = c.program.computation
     positions = tuple(range(len(captured.params)))
-    entry = CacheEntry(prologue_fn, computation_fn, epilogue_fn, c.prologues, c.computations,
-                       c.epilogues, c.backwards, c.program.check_descriptions, None, c.stages,
+    entry = CacheEntry(prologue_fn=prologue_fn, computation_fn=computation_fn,
+                       epilogue_fn=epilogue_fn, prologue_traces=c.prologues,
+                       computation_traces=c.computations, epilogue_traces=c.epilogues,
+                       backward_traces=c.backwards,
+                       check_descriptions=c.program.check_descriptions, stages=c.stages,
                        alias_positions=positions if len(positions) > 1 else None,
-                       written_positions=_written_positions(captured))
-    entry.fusion_regions = c.fusion_regions  # keraunos.last_fusions, KERAUNOS_DEBUG=3, report
-    entry.fusion_note = c.fusion_note
+                       written_positions=_written_positions(captured),
+                       fusion_regions=c.fusion_regions, fusion_note=c.fusion_note,
+                       tiering=tiering)
     return entry
 
 
