@@ -144,11 +144,37 @@ class _SavedSizes:
         return lines
 
 
-@trace_step
-def split_forward_backward(computation: Trace) -> Split:
-    """The forward and backward traces of ``computation``; the pipeline then optimizes the
-    backward and gives its gradients memory of their own (``Split.place_gradients``)."""
-    joint = record_joint(computation)
+class _Numbers:
+    """The forward's symbolic sizes and ints (``s0``, ...), by symbol, and those the backward
+    reads (inputs of the backward, returned by the forward)."""
+
+    def __init__(self, computation: Trace):
+        self.by_symbol = {p.symbol: p for p in computation.params if isinstance(p, NumberProxy)}
+        self.read: dict[str, NumberProxy] = {}
+
+    def __call__(self, x):
+        """A size of the backward as trace code over the forward's symbols."""
+        if not is_backed(x, self.by_symbol):
+            return x  # a size that depends on data: handled where it is read
+        value = as_code(x, self.by_symbol)
+        for p in getattr(value, "proxies", ()):
+            self.read[p.name] = p
+        return value
+
+
+@dataclass
+class _Named:
+    """Every value of the joint recording named: the torch-level trace's names, then a name for
+    each forward ATen value (with the torch-level line that made it)."""
+
+    namer: _Namer
+    torch_level: set[int]         # ids of values the torch-level trace names
+    forward_known: set[int]       # ids of every forward value
+    parent_of: dict[int, int]     # id of a forward ATen value -> index of its torch-level line
+    changing: set[str]            # names whose metadata the forward changes in place
+
+
+def _name_values(computation: Trace, joint) -> _Named:
     taken = {p.name for p in computation.params}
     for b in computation.bound_symbols:
         taken.update(p.name for p in b.output_proxies())
@@ -156,67 +182,101 @@ def split_forward_backward(computation: Trace) -> Split:
     for p, fake in zip(computation.params, joint.inputs):
         if isinstance(fake, torch.Tensor):
             namer.bind(fake, p.name)
-    # Symbolic sizes (s0, ...): inputs of the forward; the backward gets those it reads.
-    numbers = {p.symbol: p for p in computation.params if isinstance(p, NumberProxy)}
-    numbers_read: dict[str, NumberProxy] = {}
-
-    def number(x):
-        if not is_backed(x, numbers):
-            return x  # a size that depends on data: handled where it is read
-        value = as_code(x, numbers)
-        for p in getattr(value, "proxies", ()):
-            numbers_read[p.name] = p
-        return value
     for name, fake in joint.rebound:  # before an in-place metadata change: the same name
         namer.bind(fake, name)
     for name, fake in joint.env.items():
         if isinstance(fake, torch.Tensor):
             namer.bind(fake, name)
-    torch_level = set(namer.name_of)  # ids of values the torch-level trace names
-    # A name whose metadata the forward changes in place names one object at run time, with its
-    # last metadata when the forward returns it: the backward must not save it.
-    changing = {name for name, _ in joint.rebound}
-
-    # Every forward ATen value gets a name; remember which torch-level line made it.
+    torch_level = set(namer.name_of)
     parent_of: dict[int, int] = {}
     for call in joint.forward_calls:
         for t in _tensor_leaves(call.out):
             namer.name(t, "f")
             parent_of.setdefault(id(t), call.parent)
-    forward_known = set(namer.name_of)
+    # A name whose metadata the forward changes in place names one object at run time, with its
+    # last metadata when the forward returns it: the backward must not save it.
+    return _Named(namer, torch_level, set(namer.name_of), parent_of,
+                  {name for name, _ in joint.rebound})
 
+
+@trace_step
+def split_forward_backward(computation: Trace) -> Split:
+    """The forward and backward traces of ``computation``; the pipeline then optimizes the
+    backward and gives its gradients memory of their own (``Split.place_gradients``)."""
+    joint = record_joint(computation)
+    named = _name_values(computation, joint)
+    namer, numbers = named.namer, _Numbers(computation)
     # The backward: its inputs are the gradients and what it reads from the forward.
     grad_names = [namer.name(g, "grad") for g in joint.grad_outputs]
-    sizes = _SavedSizes(namer, torch_level)
+    sizes = _SavedSizes(namer, named.torch_level)
+    saved, backward_lines = _backward_lines(joint, named, sizes, numbers)
+    # Views of named values are recomputed; other saved values that exist only inside a
+    # torch-level op make that op run as its ATen ops.
+    saved, view_lines = recompute_views_in_backward(saved, joint, namer, named.torch_level,
+                                                    numbers)
+    lowered = {named.parent_of[id(namer.fakes[n])] for n in saved
+               if id(namer.fakes[n]) not in named.torch_level
+               and id(namer.fakes[n]) in named.parent_of}
+    forward_lines = _forward_lines(computation, joint, named, lowered, numbers.by_symbol)
+    # Cheap elementwise values are recomputed in the backward rather than saved.
+    saved, recomputed = recompute_in_backward(saved, joint, namer, named.parent_of, lowered,
+                                              numbers)
+    backward_lines = recomputed + view_lines + backward_lines  # views may read recomputed values
+
+    outputs = list(computation.bound_symbols[-1].args[0])
+    saved_proxies = [namer.proxies[n] for n in saved]
+    size_proxies = list(sizes.proxies.values()) + list(numbers.read.values())
+    forward_lines = sizes.place(forward_lines)
+    forward_lines.append(glue.RETURN_FORWARD.bind(outputs, saved_proxies + size_proxies))
+    backward_lines.append(glue.RETURN_GRADIENTS.bind(_returned_gradients(joint, namer)))
+    forward = computation.derive(forward_lines, "Autograd Split (forward)")
+    backward = Trace("backward", saved_proxies + size_proxies +
+                     [namer.proxies[n] for n in grad_names],
+                     backward_lines, ["Constructed by Autograd Split (backward)"])
+    dependencies = [joint.reached_from.get(i, set()) for i in range(len(joint.inputs))]
+    metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
+    return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
+                 len(saved_proxies), bool(numbers.by_symbol),
+                 functools.partial(_gradients_in_own_memory, namer=namer, mode=joint.keep_alive[0]))
+
+
+def _backward_lines(joint, named: _Named, sizes: _SavedSizes,
+                    numbers: _Numbers) -> tuple[list[str], list[BoundSymbol]]:
+    """The backward's ATen calls as lines, and the forward values they read (to be saved)."""
+    namer = named.namer
     saved: list[str] = []
-    backward_lines: list[BoundSymbol] = []
+    lines: list[BoundSymbol] = []
     produced: set[int] = {id(g) for g in joint.grad_outputs}
+
+    def saved_value(x, call) -> str:
+        if id(x) in named.forward_known:
+            name = namer.name_of[id(x)]
+        else:
+            name = namer.alias_of(x)
+            if name is None:
+                raise NotImplementedError(f"the backward of {call.func} reads a tensor "
+                                          f"the forward did not produce")
+        if name in named.changing:
+            raise NotImplementedError(
+                f"the backward of {call.func} reads {name}, whose metadata the forward "
+                f"changes in place ({name}.t_(), .unsqueeze_(), ...)")
+        if name not in saved:
+            saved.append(name)
+        return name
+
     for call in joint.backward_calls:
         if is_lifted_constant(call):
             produced.add(id(call.out))
-            backward_lines.append(constant_line(call.args[0], namer.proxies[namer.name(call.out, "b")]))
+            lines.append(constant_line(call.args[0], namer.proxies[namer.name(call.out, "b")]))
             continue
 
-        def arg(x):
+        def arg(x, call=call):
             if isinstance(x, torch.Tensor):
                 if id(x) in produced:
                     return namer.proxies[namer.name_of[id(x)]]
-                if id(x) in forward_known:
-                    name = namer.name_of[id(x)]
-                else:
-                    name = namer.alias_of(x)
-                    if name is None:
-                        raise NotImplementedError(f"the backward of {call.func} reads a tensor "
-                                                  f"the forward did not produce")
-                if name in changing:
-                    raise NotImplementedError(
-                        f"the backward of {call.func} reads {name}, whose metadata the forward "
-                        f"changes in place ({name}.t_(), .unsqueeze_(), ...)")
-                if name not in saved:
-                    saved.append(name)
-                return namer.proxies[name]
+                return namer.proxies[saved_value(x, call)]
             if isinstance(x, (torch.SymInt, torch.SymFloat)):
-                return number(x) if is_backed(x, numbers) else sizes.proxy(x)
+                return numbers(x) if is_backed(x, numbers.by_symbol) else sizes.proxy(x)
             return x
         args, kwargs = pytree.tree_map(arg, (call.args, call.kwargs))
         outputs = pytree.tree_map(
@@ -224,31 +284,33 @@ def split_forward_backward(computation: Trace) -> Split:
             call.out)
         produced.update(id(t) for t in _tensor_leaves(call.out))
         tags = {MUTATION} if call.func._schema.is_mutable else set()
-        backward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
-                                          outputs, tags=tags))
+        lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs), outputs,
+                                 tags=tags))
+    return saved, lines
 
-    # Views of named values are recomputed; other saved values that exist only inside a
-    # torch-level op make that op run as its ATen ops.
-    saved, view_lines = recompute_views_in_backward(saved, joint, namer, torch_level, number)
-    lowered = {parent_of[id(namer.fakes[n])] for n in saved
-               if id(namer.fakes[n]) not in torch_level and id(namer.fakes[n]) in parent_of}
-    forward_lines: list[BoundSymbol] = []
+
+def _forward_lines(computation: Trace, joint, named: _Named, lowered: set[int],
+                   numbers: dict) -> list[BoundSymbol]:
+    """The forward: the torch-level lines, except those in ``lowered``, which run as their ATen
+    calls (a value the backward saves exists only inside them)."""
+    namer = named.namer
+    lines: list[BoundSymbol] = []
     for index, bsym in enumerate(computation.bound_symbols[:-1]):
         if bsym.symbol is glue.SET_GLOBAL_STATE:
             continue  # Function.forward runs with grad mode off; the backward is ours
         if index not in lowered:
-            forward_lines.append(bsym)
+            lines.append(bsym)
             continue
         calls = [c for c in joint.forward_calls if c.parent == index]
         draws = _drawing_calls(calls) if RANDOM in bsym.tags else set()
         for call in calls:
             if is_lifted_constant(call):  # a list index inside __getitem__, say
-                forward_lines.append(constant_line(
+                lines.append(constant_line(
                     call.args[0], namer.proxies[namer.name_of[id(call.out)]], bsym.source))
                 continue
             args, kwargs = pytree.tree_map(
                 lambda x: namer.proxies[namer.name_of[id(x)]] if isinstance(x, torch.Tensor)
-                else (_size_expression(x, namer, forward_known, numbers)
+                else (_size_expression(x, namer, named.forward_known, numbers)
                       if isinstance(x, (torch.SymInt, torch.SymFloat)) else x),
                 (call.args, call.kwargs))
             outputs = pytree.tree_map(
@@ -259,17 +321,13 @@ def split_forward_backward(computation: Trace) -> Split:
                 tags.discard(RANDOM)  # the softmax and matmuls around dropout's draw
             if call.func._schema.is_mutable:
                 tags.add(MUTATION)
-            forward_lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
-                                             outputs, bsym.source, tags))
-    # Cheap elementwise values are recomputed in the backward rather than saved.
-    saved, recomputed = recompute_in_backward(saved, joint, namer, parent_of, lowered, number)
-    backward_lines = recomputed + view_lines + backward_lines  # views may read recomputed values
+            lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
+                                     outputs, bsym.source, tags))
+    return lines
 
-    outputs = list(computation.bound_symbols[-1].args[0])
-    saved_proxies = [namer.proxies[n] for n in saved]
-    size_proxies = list(sizes.proxies.values()) + list(numbers_read.values())
-    forward_lines = sizes.place(forward_lines)
-    forward_lines.append(glue.RETURN_FORWARD.bind(outputs, saved_proxies + size_proxies))
+
+def _returned_gradients(joint, namer: _Namer) -> list:
+    """The gradient of each input of the computation (None where it gets none)."""
     grads = []
     for i in range(len(joint.inputs)):
         if i in joint.needs_grad:
@@ -277,16 +335,7 @@ def split_forward_backward(computation: Trace) -> Split:
             grads.append(namer.proxies[namer.name_of[id(g)]] if g is not None else None)
         else:
             grads.append(None)
-    backward_lines.append(glue.RETURN_GRADIENTS.bind(grads))
-    forward = computation.derive(forward_lines, "Autograd Split (forward)")
-    backward = Trace("backward", saved_proxies + size_proxies +
-                     [namer.proxies[n] for n in grad_names],
-                     backward_lines, ["Constructed by Autograd Split (backward)"])
-    dependencies = [joint.reached_from.get(i, set()) for i in range(len(joint.inputs))]
-    metadata = [(tuple(g.shape), g.dtype, g.device) for g in joint.grad_outputs]
-    return Split(forward, backward, joint.differentiable, len(outputs), dependencies, metadata,
-                 len(saved_proxies), bool(numbers),
-                 functools.partial(_gradients_in_own_memory, namer=namer, mode=joint.keep_alive[0]))
+    return grads
 
 
 def _memory_range(fake) -> tuple | None:
