@@ -12,7 +12,7 @@ class CacheMode(enum.Enum):
     """How cache entries are checked against a call."""
 
     CONSTANT_VALUES = "constant values"  # numbers and shapes baked in, every one checked
-    SYMBOLIC_VALUES = "symbolic values"  # not implemented yet
+    SYMBOLIC_VALUES = "symbolic values"  # every size and int symbolic (docs/symbolic.md)
     SAME_INPUT = "same input"            # the user promises identical metadata: no checks
     NO_CACHING = "no caching"            # compile on every call
 

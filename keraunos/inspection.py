@@ -33,8 +33,8 @@ def last_epilogue_traces(jitted) -> list[Trace]:
 
 
 def last_backward_traces(jitted) -> list[Trace]:
-    """The backward traces of the cache entry that ran last (empty: autograd runs through
-    torch's own graph until keraunos builds backward traces)."""
+    """The backward traces of the cache entry that ran last, one per step (empty when it has no
+    backward: grad mode was off, or no input requires grad)."""
     return _last_entry(jitted).backward_traces
 
 
