@@ -46,26 +46,10 @@ class Recorder(TorchFunctionMode):
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
-        if symbol.name in _HOOKS:
-            raise CaptureError(
-                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` registers an autograd "
-                f"hook on a tensor inside the program; the compiled backward would not call it.\n"
-                f"  What to do: register the hook on the jitted function's output, or on a "
-                f"parameter, outside the jitted function.")
-        if func in _FORMATTING:
-            raise _formatting_error()
-        if symbol.name in _TO_PYTHON:
-            if ctx.specialize_data:
-                return ctx.specialize_on_data(symbol, func, args, kwargs)
-            raise _data_dependent_error(symbol, DataDependentOutputException(func))
-        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not ctx.backed(x)
-               for x in pytree.tree_leaves((args, kwargs))):
-            raise CaptureError(
-                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
-                f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
-                f"as a Python number.\n  What to do: keep working with the tensor itself, or "
-                f"compute that part outside the jitted function.")
-        if symbol.name == "__iter__":  # iterating a tensor is unbinding it
+        self._refuse_before_the_call(symbol, func, args, kwargs)
+        if id(func) in _TO_PYTHON:  # specialize_data=True (else refused above)
+            return ctx.specialize_on_data(symbol, func, args, kwargs)
+        if func is torch.Tensor.__iter__:  # iterating a tensor is unbinding it
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         versions = [_version(t) for t in tensors]
@@ -77,31 +61,73 @@ class Recorder(TorchFunctionMode):
         except CaptureError:
             raise
         except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
-            if _no_fake_kernel(e):
-                # No kernel can describe its output without running it: run it once for real,
-                # on zeros, for the output's metadata; the trace calls it like any other op.
-                out = ctx.run_opaque(func, args, kwargs)
-                ctx.record(symbol, args, kwargs, out, [], opaque=True)
-                return out
-            # A fake kernel can reject a call with another exception type than the real kernel
-            # (ValueError for an impossible view, where eager raises RuntimeError): the user's
-            # `except` must see eager's, so the real kernel is asked on zeros of the same layout.
-            real_error = _real_kernel_error(ctx, func, args, kwargs)
-            if real_error is None and any(
-                    t.requires_grad and t.untyped_storage()._cdata in ctx.metadata_changed_views
-                    for t in tensors if not _is_functorch_wrapped(t)):
-                # Only the fake tensors failed (the real kernel runs): see _metadata_change_error.
-                raise _metadata_change_error(symbol) from e
-            e = real_error or e
-            source = user_source()
-            if source is not None and hasattr(e, "add_note"):
-                e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
-            raise e from None
+            return self._failed_call(symbol, func, args, kwargs, tensors, e)
+        self._check_the_result(symbol, func, args, kwargs, tensors, out)
+        mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
+        if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
+            mutated = [tensors[0]]  # inference tensors keep no version counter
+        if _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs):
+            return out
+        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
+        if produces_tensor or mutated or is_inplace_by_name(symbol) or \
+                draws_random(symbol, args, kwargs):
+            ctx.record(symbol, args, kwargs, out, mutated)
+        return out
+
+    def _refuse_before_the_call(self, symbol, func, args, kwargs) -> None:
+        """What capture cannot record, refused with what to do: autograd hooks on tensors,
+        formatting a tensor, Python values read from tensor data, data-dependent sizes."""
+        if id(func) in _HOOKS:
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` registers an autograd "
+                f"hook on a tensor inside the program; the compiled backward would not call it.\n"
+                f"  What to do: register the hook on the jitted function's output, or on a "
+                f"parameter, outside the jitted function.")
+        if func in _FORMATTING:
+            raise _formatting_error()
+        if id(func) in _TO_PYTHON and not self.ctx.specialize_data:
+            raise _data_dependent_error(symbol, DataDependentOutputException(func))
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+               and not self.ctx.backed(x) for x in pytree.tree_leaves((args, kwargs))):
+            raise CaptureError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
+                f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
+                f"as a Python number.\n  What to do: keep working with the tensor itself, or "
+                f"compute that part outside the jitted function.")
+
+    def _failed_call(self, symbol, func, args, kwargs, tensors, e: Exception):
+        """The call raised on fake tensors: an op no fake kernel describes runs once for real
+        (opaque); otherwise the user gets the error eager would raise."""
+        ctx = self.ctx
+        if _no_fake_kernel(e):
+            # No kernel can describe its output without running it: run it once for real,
+            # on zeros, for the output's metadata; the trace calls it like any other op.
+            out = ctx.run_opaque(func, args, kwargs)
+            ctx.record(symbol, args, kwargs, out, [], opaque=True)
+            return out
+        # A fake kernel can reject a call with another exception type than the real kernel
+        # (ValueError for an impossible view, where eager raises RuntimeError): the user's
+        # `except` must see eager's, so the real kernel is asked on zeros of the same layout.
+        real_error = _real_kernel_error(ctx, func, args, kwargs)
+        if real_error is None and any(
+                t.requires_grad and t.untyped_storage()._cdata in ctx.metadata_changed_views
+                for t in tensors if not _is_functorch_wrapped(t)):
+            # Only the fake tensors failed (the real kernel runs): see _metadata_change_error.
+            raise _metadata_change_error(symbol) from e
+        e = real_error or e
+        source = user_source()
+        if source is not None and hasattr(e, "add_note"):
+            e.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
+        raise e from None
+
+    def _check_the_result(self, symbol, func, args, kwargs, tensors, out) -> None:
+        """After a call that ran: eager's error where a meta kernel was laxer than the real
+        one, transforms' wrapped tensors refused, views whose metadata changed noted."""
         if _meta_kernel_may_be_lax(symbol, tensors, args, kwargs):
             # Meta kernels let some calls through that the real kernel rejects (a float @ double
             # matmul, subtracting a bool); the user must get eager's error, even when nothing
             # uses the result (dead code elimination would drop the line that raises).
-            error = _real_kernel_error(ctx, func, args, kwargs)
+            error = _real_kernel_error(self.ctx, func, args, kwargs)
             if error is not None:
                 source = user_source()
                 if source is not None and hasattr(error, "add_note"):
@@ -113,17 +139,7 @@ class Recorder(TorchFunctionMode):
             raise _transform_error()
         if func in METADATA_WRITES and tensors and tensors[0]._is_view() and \
                 tensors[0].requires_grad:
-            ctx.metadata_changed_views.add(tensors[0].untyped_storage()._cdata)
-        mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
-        if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
-            mutated = [tensors[0]]  # inference tensors keep no version counter
-        if _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs):
-            return out
-        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
-        if produces_tensor or mutated or is_inplace_by_name(symbol) or \
-                draws_random(symbol, args, kwargs):
-            ctx.record(symbol, args, kwargs, out, mutated)
-        return out
+            self.ctx.metadata_changed_views.add(tensors[0].untyped_storage()._cdata)
 
 
 _is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
@@ -231,9 +247,14 @@ def _version(t: torch.Tensor):
         return None
 
 
-_HOOKS = {"register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
-_TO_PYTHON = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-              "numpy", "__array__"}
+# By the op objects (ids: some are unhashable descriptors) the torch function mode receives.
+_HOOKS = frozenset(map(id, (torch.Tensor.register_hook,
+                            torch.Tensor.register_post_accumulate_grad_hook,
+                            torch.Tensor.retain_grad)))
+_TO_PYTHON = frozenset(map(id, (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+                                torch.Tensor.__int__, torch.Tensor.__float__,
+                                torch.Tensor.__index__, torch.Tensor.__complex__,
+                                torch.Tensor.numpy, torch.Tensor.__array__)))
 
 
 _FORMATTING = (torch.Tensor.__repr__, torch.Tensor.__format__)
@@ -260,7 +281,7 @@ def _data_dependent_error(symbol: TorchSymbol | None, error: Exception,
     elif symbol is None:
         what = ("a value read from tensor data is used as a size or in a Python decision (a "
                 "slice bound, a shape, if, range, a comparison)")
-    elif symbol.name == "__index__":  # range(t), x[:t], torch.zeros(t): a size or an index
+    elif getattr(symbol, "fn", None) is torch.Tensor.__index__:  # range(t), x[:t], torch.zeros(t): a size or an index
         what = f"a tensor is used as a size or an index (`{symbol.name}`), which needs its data"
     else:
         what = (f"`{symbol.name}` turns tensor data into a Python value (for a decision, a size "
