@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import keraunos
+from helpers import assert_grads_match, check_grads
 
 # (the message regex cannot contain ":", the separator of warning filters, hence the ".")
 pytestmark = pytest.mark.filterwarnings("error:keraunos. no backward trace")
@@ -51,17 +52,6 @@ def backward_trace(jitted):
 
 def was_split(jitted) -> bool:
     return any("Autograd Split" in line for line in forward_trace(jitted).header)
-
-
-def assert_grads_match(model, ref):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        q = ref_params[name]
-        if q.grad is None:
-            assert p.grad is None, f"{name}: eager has no grad, keraunos has one"
-            continue
-        assert p.grad is not None, f"{name}: no grad"
-        assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 class MLP(nn.Module):
@@ -198,27 +188,14 @@ def test_function_backward_matches_eager():
         return (F.silu(x @ w + b) * x.sum(-1, keepdim=True)).softmax(-1)
 
     args = [leaf(4, 6), leaf(6, 6), leaf(6)]
-    ref_args = clones(*args)
-    jf = keraunos.jit(f)
-    out = jf(*args)
-    ref_out = f(*ref_args)
-    assert_close(out, ref_out)
-    g = torch.randn_like(ref_out)
-    out.backward(g)
-    ref_out.backward(g)
+    g = torch.randn(4, 6)  # the incoming gradient
+    jf = check_grads(f, *args, loss=lambda out: (out * g).sum())
     assert has_backward(jf)
-    for a, r in zip(args, ref_args):
-        assert_close(a.grad, r.grad)
 
 
 def test_module_backward_matches_eager():
-    model, ref = mlp_pair()
-    jmodel = keraunos.jit(model)
-    x = torch.randn(4, 16)
-    jmodel(x).pow(2).mean().backward()
-    ref(x).pow(2).mean().backward()
+    jmodel = check_grads(MLP(), torch.randn(4, 16), loss=lambda out: out.pow(2).mean())
     assert has_backward(jmodel)
-    assert_grads_match(model, ref)
 
 
 def test_module_backward_matches_eager_on_cache_hit():
@@ -235,13 +212,7 @@ def test_module_backward_matches_eager_on_cache_hit():
 
 
 def test_backward_to_input_of_module():
-    model, ref = mlp_pair()
-    jmodel = keraunos.jit(model)
-    x = leaf(4, 16)
-    (xe,) = clones(x)
-    jmodel(x).sum().backward()
-    ref(xe).sum().backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(MLP(), leaf(4, 16), require_all=True)
 
 
 def test_torch_autograd_grad_matches_eager():
@@ -351,20 +322,13 @@ def test_detach_inside_stops_gradient_like_eager():
     def f(x):
         return x * x.detach().sigmoid()
 
-    x = leaf(4, 4)
-    (xe,) = clones(x)
-    keraunos.jit(f)(x).sum().backward()
-    f(xe).sum().backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(f, leaf(4, 4))
 
 
 def test_inputs_not_requiring_grad_get_no_grad():
-    x, w = leaf(3, 4, requires_grad=False), leaf(4, 5)
-    xe, we = clones(x, w)
-    keraunos.jit(tanh_matmul)(x, w).backward()
-    tanh_matmul(xe, we).backward()
+    x = leaf(3, 4, requires_grad=False)
+    check_grads(tanh_matmul, x, leaf(4, 5))
     assert x.grad is None
-    assert_close(w.grad, we.grad)
 
 
 def test_only_some_of_several_inputs_require_grad():
@@ -373,16 +337,8 @@ def test_only_some_of_several_inputs_require_grad():
 
     args = [leaf(3, 3), leaf(3, 3, requires_grad=False), leaf(3, 3),
             leaf(3, 3, requires_grad=False), leaf(3, 3)]
-    ref_args = clones(*args)
-    jf = keraunos.jit(f)
-    jf(*args).backward()
-    f(*ref_args).backward()
+    jf = check_grads(f, *args)  # no grad for inputs 1 and 3, as in eager
     assert has_backward(jf)
-    for i, (a, r) in enumerate(zip(args, ref_args)):
-        if r.grad is None:
-            assert a.grad is None, f"input {i} got a grad"
-        else:
-            assert_close(a.grad, r.grad, msg=lambda m, i=i: f"input {i}: {m}")
 
 
 def test_input_requiring_grad_that_is_unused_gets_no_grad():
@@ -482,10 +438,7 @@ def test_same_tensor_passed_twice_gets_summed_grad():
         return (x * y.sin()).sum()
 
     x = leaf(5)
-    (xe,) = clones(x)
-    keraunos.jit(f)(x, x).backward()
-    f(xe, xe).backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(f, x, x)
 
 
 def test_tied_weights_get_summed_grad_like_eager():
@@ -500,13 +453,9 @@ def test_tied_weights_get_summed_grad_like_eager():
             return self.head(self.emb(idx).tanh())
 
     model = Tied()
-    ref = copy.deepcopy(model)
-    idx = torch.randint(0, 10, (2, 5))
-    jmodel = keraunos.jit(model)
-    jmodel(idx).pow(2).sum().backward()
-    ref(idx).pow(2).sum().backward()
+    jmodel = check_grads(model, torch.randint(0, 10, (2, 5)), loss=lambda out: out.pow(2).sum())
     assert has_backward(jmodel)
-    assert_close(model.emb.weight.grad, ref.emb.weight.grad)
+    assert [name for name, _ in model.named_parameters()] == ["emb.weight"]  # one, shared
 
 
 def test_output_not_depending_on_grad_inputs_does_not_require_grad():
@@ -521,13 +470,9 @@ def test_output_not_depending_on_grad_inputs_does_not_require_grad():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
 def test_backward_in_other_float_dtypes_matches_eager(dtype):
-    x, w = leaf(3, 4, dtype=dtype), leaf(4, 5, dtype=dtype)
-    xe, we = clones(x, w)
-    keraunos.jit(tanh_matmul)(x, w).backward()
-    tanh_matmul(xe, we).backward()
+    x = leaf(3, 4, dtype=dtype)
+    check_grads(tanh_matmul, x, leaf(4, 5, dtype=dtype))
     assert x.grad.dtype == dtype
-    assert_close(x.grad, xe.grad)
-    assert_close(w.grad, we.grad)
 
 
 def test_integer_inputs_embedding_and_cross_entropy_grads_match_eager():
@@ -535,10 +480,7 @@ def test_integer_inputs_embedding_and_cross_entropy_grads_match_eager():
         return F.cross_entropy(F.embedding(idx, table) @ table.t(), targets)
 
     idx, targets, table = torch.randint(0, 6, (5,)), torch.randint(0, 6, (5,)), leaf(6, 4)
-    (table_e,) = clones(table)
-    keraunos.jit(f)(idx, table, targets).backward()
-    f(idx, table_e, targets).backward()
-    assert_close(table.grad, table_e.grad)
+    check_grads(f, idx, table, targets)
 
 
 def test_multiple_outputs_from_split_get_grads():
@@ -546,29 +488,16 @@ def test_multiple_outputs_from_split_get_grads():
         a, b, c = torch.split(x @ w, [2, 3, 1], dim=-1)
         return a.sin(), b * 2, c
 
-    x, w = leaf(4, 5), leaf(5, 6)
-    xe, we = clones(x, w)
-    outs = keraunos.jit(f)(x, w)
-    refs = f(xe, we)
-    assert_close(outs, refs)
-    sum((o.pow(2) * (i + 1)).sum() for i, o in enumerate(outs)).backward()
-    sum((o.pow(2) * (i + 1)).sum() for i, o in enumerate(refs)).backward()
-    assert_close(x.grad, xe.grad)
-    assert_close(w.grad, we.grad)
+    check_grads(f, leaf(4, 5), leaf(5, 6),
+                loss=lambda outs: sum((o.pow(2) * (i + 1)).sum() for i, o in enumerate(outs)))
 
 
 def test_unused_output_of_chunk_gets_zero_grad_like_eager():
     def f(x):
         return (x.exp()).chunk(3, dim=0)
 
-    x = leaf(6, 2)
-    (xe,) = clones(x)
-    outs = keraunos.jit(f)(x)
-    refs = f(xe)
-    assert len(outs) == 3
-    outs[1].sum().backward()  # only the middle chunk reaches the loss
-    refs[1].sum().backward()
-    assert_close(x.grad, xe.grad)
+    # three chunks, as eager's; only the middle one reaches the loss
+    check_grads(f, leaf(6, 2), loss=lambda outs: outs[1].sum())
 
 
 def test_chunk_inside_function_grads_match_eager():
@@ -576,12 +505,7 @@ def test_chunk_inside_function_grads_match_eager():
         q, k = (x @ w).chunk(2, dim=-1)
         return (q.softmax(-1) * k).sum()
 
-    x, w = leaf(3, 4), leaf(4, 8)
-    xe, we = clones(x, w)
-    keraunos.jit(f)(x, w).backward()
-    f(xe, we).backward()
-    assert_close(x.grad, xe.grad)
-    assert_close(w.grad, we.grad)
+    check_grads(f, leaf(3, 4), leaf(4, 8))
 
 
 def test_inplace_add_on_intermediate_grads_match_eager():
@@ -590,16 +514,7 @@ def test_inplace_add_on_intermediate_grads_match_eager():
         y.add_(1)
         return y.sin().sum()
 
-    x = leaf(4, 3)
-    (xe,) = clones(x)
-    jf = keraunos.jit(f)
-    out = jf(x)
-    ref_out = f(xe)
-    assert_close(out, ref_out)
-    out.backward()
-    ref_out.backward()
-    assert has_backward(jf)
-    assert_close(x.grad, xe.grad)
+    assert has_backward(check_grads(f, leaf(4, 3)))
 
 
 def test_inplace_mul_by_input_on_intermediate_grads_match_eager():
@@ -608,16 +523,7 @@ def test_inplace_mul_by_input_on_intermediate_grads_match_eager():
         y.mul_(x)
         return y.sin().sum()
 
-    x = leaf(4, 3)
-    (xe,) = clones(x)
-    jf = keraunos.jit(f)
-    out = jf(x)
-    ref_out = f(xe)
-    assert_close(out, ref_out)
-    out.backward()
-    ref_out.backward()
-    assert has_backward(jf)
-    assert_close(x.grad, xe.grad)
+    assert has_backward(check_grads(f, leaf(4, 3)))
 
 
 def test_inplace_op_through_view_of_intermediate_grads_match_eager():
@@ -626,14 +532,7 @@ def test_inplace_op_through_view_of_intermediate_grads_match_eager():
         y[0].add_(1)
         return y.cos()
 
-    x = leaf(3, 3)
-    (xe,) = clones(x)
-    out = keraunos.jit(f)(x)
-    ref_out = f(xe)
-    assert_close(out, ref_out)
-    out.sum().backward()
-    ref_out.sum().backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(f, leaf(3, 3))
 
 
 def test_inplace_op_invalidating_a_saved_value_raises_at_backward_like_eager():
@@ -655,27 +554,14 @@ def test_output_that_is_an_input_view_gets_grad():
     def f(x):
         return x.view(-1), x.sum()
 
-    x = leaf(2, 3)
-    (xe,) = clones(x)
-    v, s = keraunos.jit(f)(x)
-    ve, se = f(xe)
-    (v * torch.arange(6.0)).sum().backward()
-    (ve * torch.arange(6.0)).sum().backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(f, leaf(2, 3), loss=lambda out: (out[0] * torch.arange(6.0)).sum())
 
 
 def test_output_that_is_an_input_gets_grad():
     def f(x, y):
         return x, (x * y).sum()
 
-    x, y = leaf(3), leaf(3)
-    xe, ye = clones(x, y)
-    a, b = keraunos.jit(f)(x, y)
-    ae, be = f(xe, ye)
-    (a.pow(2).sum() + b).backward()
-    (ae.pow(2).sum() + be).backward()
-    assert_close(x.grad, xe.grad)
-    assert_close(y.grad, ye.grad)
+    check_grads(f, leaf(3), leaf(3), loss=lambda out: out[0].pow(2).sum() + out[1])
 
 
 def test_output_that_is_a_view_of_an_intermediate_can_be_modified_in_place():
@@ -724,21 +610,14 @@ def test_tensor_hook_registered_inside_function_applies_like_eager():
         y.register_hook(lambda g: g * 10)
         return y.sin().sum()
 
-    x = leaf(3)
-    (xe,) = clones(x)
-    keraunos.jit(f)(x).backward()
-    f(xe).backward()
-    assert_close(x.grad, xe.grad)
+    check_grads(f, leaf(3))
 
 
 def test_hook_on_parameter_applies_like_eager():
     model, ref = mlp_pair()
     for m in (model, ref):
         m.fc1.weight.register_hook(lambda g: g * 2)
-    x = torch.randn(4, 16)
-    keraunos.jit(model)(x).sum().backward()
-    ref(x).sum().backward()
-    assert_grads_match(model, ref)
+    check_grads(model, torch.randn(4, 16), ref=ref)
 
 
 @pytest.mark.xfail(strict=True, raises=keraunos.CaptureError, reason=(
@@ -907,14 +786,7 @@ def test_functional_dropout_on_input_grads_match_eager():
     def f(x):
         return F.dropout(x.exp(), p=0.3, training=True).sum()
 
-    x = leaf(20, 5)
-    (xe,) = clones(x)
-    jf = keraunos.jit(f)
-    torch.manual_seed(3)
-    jf(x).backward()
-    torch.manual_seed(3)
-    f(xe).backward()
-    assert_close(x.grad, xe.grad)
+    jf = check_grads(f, leaf(20, 5), seed=3)  # the same dropout mask in both runs
     assert has_backward(jf)
 
 
@@ -930,19 +802,9 @@ class CheckpointedBlock(nn.Module):
 
 
 def test_activation_checkpoint_inside_module_grads_match_eager():
-    model = CheckpointedBlock()
-    ref = copy.deepcopy(model)
-    jmodel = keraunos.jit(model)
-    x = leaf(5, 8)
-    (xe,) = clones(x)
-    out = jmodel(x)
-    ref_out = ref(xe)
-    assert_close(out, ref_out)
-    out.pow(2).sum().backward()
-    ref_out.pow(2).sum().backward()
+    jmodel = check_grads(CheckpointedBlock(), leaf(5, 8), loss=lambda out: out.pow(2).sum(),
+                         require_all=True)
     assert has_backward(jmodel)
-    assert_grads_match(model, ref)
-    assert_close(x.grad, xe.grad)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -955,14 +817,7 @@ def test_autocast_region_inside_function_gets_backward_trace():
             y = x @ w
         return y.float().tanh().sum()
 
-    x, w = leaf(3, 4), leaf(4, 5)
-    xe, we = clones(x, w)
-    jf = keraunos.jit(f)
-    jf(x, w).backward()
-    f(xe, we).backward()
-    assert has_backward(jf)
-    assert_close(x.grad, xe.grad)
-    assert_close(w.grad, we.grad)
+    assert has_backward(check_grads(f, leaf(3, 4), leaf(4, 5)))
 
 
 def test_autocast_around_the_call_grads_match_eager():
@@ -989,17 +844,9 @@ class ReentrantCheckpointedBlock(CheckpointedBlock):
 @pytest.mark.xfail(strict=True, raises=keraunos.CaptureError, reason=(
     'not supported: checkpoint(use_reentrant=True) is a custom autograd.Function; keraunos refuses it with a CaptureError that suggests use_reentrant=False (which works)'))
 def test_reentrant_activation_checkpoint_inside_module_grads_match_eager():
-    model = ReentrantCheckpointedBlock()
-    ref = copy.deepcopy(model)
-    x = leaf(5, 8)
-    (xe,) = clones(x)
-    out = keraunos.jit(model)(x)
-    ref_out = ref(xe)
-    assert_close(out, ref_out)
-    out.pow(2).sum().backward()
-    ref_out.pow(2).sum().backward()
-    assert_grads_match(model, ref)
-    assert_close(x.grad, xe.grad)
+    check_grads(ReentrantCheckpointedBlock(), leaf(5, 8), loss=lambda out: out.pow(2).sum(),
+                require_all=True)
+
 
 
 def test_tensor_hook_inside_function_is_refused():
@@ -1051,17 +898,9 @@ def test_custom_op_with_registered_autograd_gets_a_backward_trace():
     def f(x):
         return torch.ops.keraunos_test.scaled_square(x.sin(), 3.0).sum()
 
-    x = torch.randn(5, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    jf = keraunos.jit(f)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither a CaptureError nor the fallback to torch autograd
-        loss = jf(x)
-        loss.backward()
-    ref = f(x_ref)
-    ref.backward()
-    assert_close(loss, ref)
-    assert_close(x.grad, x_ref.grad)
+        jf = check_grads(f, torch.randn(5, requires_grad=True))
     assert keraunos.last_backward_traces(jf)
 
 
@@ -1072,14 +911,9 @@ def test_backward_trace_when_indexing_with_a_list():
         key = qkv[:, :, [-2]]
         return (key.exp() * qkv).sum()
 
-    x = torch.randn(2, 3, 4, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    jf = keraunos.jit(f)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to torch's autograd
-        jf(x).backward()
-    f(x_ref).backward()
-    assert_close(x.grad, x_ref.grad)
+        jf = check_grads(f, torch.randn(2, 3, 4, requires_grad=True))
     assert keraunos.last_backward_traces(jf)
 
 
@@ -1119,5 +953,4 @@ def test_incoming_gradients_of_any_strides_give_eagers_gradients(executors):
         model.zero_grad(), reference.zero_grad()
         jitted(idx).backward(grad)
         reference(idx).backward(grad)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_grads_match(model, reference, rtol=1e-4, atol=1e-5)

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from helpers import assert_grads_match, check_grads
 import keraunos
 import keraunos.dynamo as kd
 
@@ -147,19 +148,12 @@ def test_backend_with_fusion_cuts_regions_at_layers_and_layers_share_one_kernel(
     model = Blocks()
     be = kd.backend(executors=FUSED, fuse="wait")
     compiled_model = copy.deepcopy(model)
-    compiled = torch.compile(compiled_model, backend=be)
     x = torch.randn(2, 8, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    out, want = compiled(x), model(x_ref)
-    torch.testing.assert_close(out, want, **FUSED_TOLERANCE)
     # Not out.sum(): its expanded gradient trips the fusion executor's restriding (see the
     # report of issue 12); a dense incoming gradient is what this test is about.
     weights = torch.randn(2)
-    (out * weights).sum().backward()
-    (want * weights).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, **FUSED_TOLERANCE)
-    for p, q in zip(compiled_model.parameters(), model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **FUSED_TOLERANCE)
+    check_grads(compiled_model, x, ref=model, loss=lambda out: (out * weights).sum(),
+                jit=torch.compile, backend=be, **FUSED_TOLERANCE)
     (subgraph,) = be.subgraphs
     for trace_name in ("computation", "backward"):
         layers = [r for r in keraunos.last_fusions(subgraph.jitted)
@@ -248,14 +242,8 @@ def test_configured_backend_runs_executors_and_transforms():
             return trace
 
     be = kd.backend(executors=["torch"], transforms=[Count()])
-    f = torch.compile(lambda x, w: torch.relu(x @ w), backend=be)
     x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
-    out = f(x, w)
-    torch.testing.assert_close(out, torch.relu(x @ w))
-    out.sum().backward()
-    w2 = w.detach().clone().requires_grad_()
-    torch.relu(x @ w2).sum().backward()
-    torch.testing.assert_close(w.grad, w2.grad)
+    check_grads(lambda x, w: torch.relu(x @ w), x, w, jit=torch.compile, backend=be)
     assert seen == ["computation", "backward"]
     assert "Executor Claims [torch" in "\n".join(kd.last_traces(be)[0].forward[-1].header)
 
@@ -390,8 +378,7 @@ def test_dynamic_module_trains_like_eager_and_keeps_its_metadata_check():
         torch.testing.assert_close(loss, expected)
         expected.backward()
         loss.backward()
-        for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad)
+        assert_grads_match(compiled_model, eager_model)
     (traces,) = kd.last_traces(compiled)  # a module without graph breaks: one subgraph
     assert traces.backward
     prologue = str(traces.prologue[-1])

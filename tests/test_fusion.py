@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from helpers import assert_grads_match, check_grads
 import keraunos
 import keraunos.dynamo
 from keraunos.examples.gpt import GPT, GPTConfig
@@ -138,8 +139,7 @@ def test_gpt_training_step_matches_eager(gpt_training):
         ref_loss.backward()
         assert_close(logits, ref_logits, **TOL)
         assert_close(loss, ref_loss, **TOL)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert_close(p.grad, q.grad, **TOL, msg=name)
+        assert_grads_match(model, reference, **TOL)
     assert keraunos.cache_misses(jitted) == 1
 
 
@@ -206,8 +206,7 @@ def test_modulelist_gradients_match_eager(stack):
     jitted(x1).backward(grad)
     reference(x2).backward(grad)
     assert_close(x1.grad, x2.grad, **TOL)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert_grads_match(model, reference, **TOL)
 
 
 def test_incoming_gradient_with_other_strides(stack):
@@ -221,8 +220,7 @@ def test_incoming_gradient_with_other_strides(stack):
         jitted(x1).backward(grad)
         reference(x2).backward(grad)
         assert_close(x1.grad, x2.grad, **TOL)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert_close(p.grad, q.grad, **TOL, msg=name)
+        assert_grads_match(model, reference, **TOL)
 
 
 def test_identical_model_reuses_kernels_across_jits(stack):
@@ -314,8 +312,7 @@ def test_batchnorm_training_statistics_and_gradients_match_eager():
         (ref * ref).sum().backward()
         for a, b in zip(jit_model.buffers(), eager.buffers()):
             assert_close(a, b, **TOL)
-        for (name, p), q in zip(jit_model.named_parameters(), eager.parameters()):
-            assert_close(p.grad, q.grad, **TOL, msg=name)
+        assert_grads_match(jit_model, eager, **TOL)
     assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
 
 
@@ -481,8 +478,7 @@ def test_attention_with_dropout_fuses_all_but_the_draws():
         expected.backward()
         assert_close(loss, expected, **TOL)
         assert_close(after, torch.rand(3))
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert_close(p.grad, q.grad, **TOL, msg=name)
+        assert_grads_match(model, reference, **TOL)
     trace = keraunos.last_traces(jitted)[-1]
     outside = [b.symbol.name for b in trace.bound_symbols if b.executor == "torch"]
     inside = " ".join(b.symbol.name for line in fusion_lines(trace) for b in line.subsymbols)
@@ -508,14 +504,7 @@ def test_in_place_add_to_scores_requiring_grad_fuses_in_the_forward():
             return (scores.softmax(-1) @ q).square().sum()
 
     torch.manual_seed(0)
-    model = Scores()
-    reference = copy.deepcopy(model)
-    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
-    x = torch.randn(2, 4, 8)
-    jitted(x).backward()
-    reference(x).backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_close(p.grad, q.grad, **TOL, msg=name)
+    jitted = check_grads(Scores(), torch.randn(2, 4, 8), executors=FUSED, fuse="wait", **TOL)
     trace = keraunos.last_traces(jitted)[-1]
     inside = " ".join(b.symbol.name for line in fusion_lines(trace) for b in line.subsymbols)
     assert "add_" in inside and "softmax" in inside
@@ -690,8 +679,7 @@ def test_litgpt_fused_training_saves_no_more_than_eager():
     grad = torch.randn_like(ref)
     out.backward(grad)
     ref.backward(grad)
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_close(p.grad, q.grad, **TOL, msg=pname)
+    assert_grads_match(model, reference, **TOL)
 
 
 def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypatch):
@@ -921,8 +909,7 @@ def test_symbolic_training_fuses_forward_and_backward_layers_once():
         out.backward(grad)
         ref.backward(grad)
         assert_close(x1.grad, x2.grad, **TOL)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert_close(p.grad, q.grad, **TOL, msg=name)
+        assert_grads_match(model, reference, **TOL)
     assert keraunos.cache_misses(jitted) == 1
     assert "s0" in str(keraunos.last_backward_traces(jitted)[-1])
     for trace_name in ("computation", "backward"):
@@ -1132,8 +1119,7 @@ def test_backward_region_reading_an_expanded_gradient_gets_its_values():
         jitted(x).sum().backward()
         ref(xe).sum().backward()
     assert_close(x.grad, xe.grad, **TOL)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert_close(p.grad, q.grad, **TOL)
+    assert_grads_match(model, ref, **TOL)
     assert keraunos.last_fusions(jitted)
 
 
@@ -1246,8 +1232,7 @@ def test_in_place_activations_fuse_with_their_neighbours():
     assert_close(out, want, **TOL)
     out.square().sum().backward()
     want.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert_grads_match(model, eager, **TOL)
     assert_close(model.bn.running_mean, eager.bn.running_mean, **TOL)
     assert_close(model.bn.running_var, eager.bn.running_var, **TOL)
 

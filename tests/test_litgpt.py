@@ -16,19 +16,17 @@ For every family we check, against an identical deep copy of the model run eager
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import keraunos
+from helpers import VOCAB, assert_grads_match, check_grads, litgpt_models, tokens
 
 litgpt = pytest.importorskip("litgpt")
 from litgpt import Config  # noqa: E402
 from litgpt.model import GPT  # noqa: E402
 
-VOCAB = 256
 B, T = 2, 12          # batch, prompt length
 MAX_SEQ = 32          # KV-cache length
 N_DECODE = 5          # single-token decode steps after the prefill
@@ -91,25 +89,9 @@ def make_config(family: str) -> Config:
     return Config.from_name(name, **COMMON, **overrides)
 
 
-def make_models(family: str, seed: int = 0):
+def make_models(family: str):
     """A random-weight GPT for `family` and an identical deep copy to run eagerly."""
-    torch.manual_seed(seed)
-    model = GPT(make_config(family))
-    # nn.Linear/nn.Embedding init is already random; norm weights start at exactly 1 and biases at
-    # 0, which would hide a dropped scale or shift, so randomize every 1-d parameter too.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("weight"):
-                    p.uniform_(0.5, 1.5)
-                else:
-                    p.normal_(0.0, 0.1)
-    return model, copy.deepcopy(model)
-
-
-def tokens(*shape, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, shape, generator=g)
+    return litgpt_models(make_config(family))
 
 
 def assert_buffers_equal(model, ref):
@@ -214,37 +196,21 @@ def test_kv_cache_generation_with_input_pos_maxp1(family):
     assert keraunos.cache_hits(jmodel) + keraunos.cache_misses(jmodel) == 2 * (N_DECODE + 1)
 
 
-def _assert_grads_equal(model, ref):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        q = ref_params[name]
-        assert q.grad is not None, f"eager has no grad for {name}"
-        assert p.grad is not None, f"no grad for {name}"
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
-
-
 @pytest.mark.parametrize("family", _family_params())
 def test_training_backward_matches_eager(family):
     model, ref = make_models(family)
-    model.train()
-    ref.train()
-    jmodel = keraunos.jit(model)
-    x = tokens(B, T, seed=4)
     targets = tokens(B, T, seed=5)
 
-    logits = jmodel(x)
-    ref_logits = ref(x)
-    torch.testing.assert_close(logits, ref_logits)
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1))
-    torch.testing.assert_close(loss, ref_loss)
-    loss.backward()
-    ref_loss.backward()
-    _assert_grads_equal(model, ref)
+    def loss(logits):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    # logits, loss and every parameter's gradient
+    jmodel = check_grads(model.train(), tokens(B, T, seed=4), ref=ref.train(), loss=loss,
+                         require_all=True)
 
     # a second step on the cached program accumulates the same gradients as eager
     x2 = tokens(B, T, seed=6)
-    F.cross_entropy(jmodel(x2).reshape(-1, VOCAB), targets.reshape(-1)).backward()
-    F.cross_entropy(ref(x2).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    loss(jmodel(x2)).backward()
+    loss(ref(x2)).backward()
     assert keraunos.cache_hits(jmodel) == 1 and keraunos.cache_misses(jmodel) == 1
-    _assert_grads_equal(model, ref)
+    assert_grads_match(model, ref, require_all=True)

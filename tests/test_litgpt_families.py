@@ -28,7 +28,6 @@ families also run generation with the window switched off.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import keraunos
+from helpers import VOCAB, assert_grads_match, check_grads, litgpt_models, tokens
 from keraunos import CaptureError
 
 litgpt = pytest.importorskip("litgpt")
@@ -45,7 +45,6 @@ from litgpt.model import GPT  # noqa: E402
 # (the message regex cannot contain ":", the separator of warning filters, hence the ".")
 pytestmark = pytest.mark.filterwarnings("error:keraunos. no backward trace")
 
-VOCAB = 256
 B, T = 2, 12          # batch, sequence length for forward and training
 P = 8                 # prompt length for generation (a sliding-window prefill must fit the window)
 WINDOW = 8            # the shrunk sliding window: shorter than T, so it masks something
@@ -110,25 +109,9 @@ def make_config(family: str, **extra) -> Config:
     return Config.from_name(name, **COMMON, **{**overrides, **extra})
 
 
-def make_models(family: str, seed: int = 0, **extra):
+def make_models(family: str, **extra):
     """A random-weight GPT for `family` and an identical deep copy to run eagerly."""
-    torch.manual_seed(seed)
-    model = GPT(make_config(family, **extra))
-    # nn.Linear/nn.Embedding init is already random; norm weights start at exactly 1 (or 0 with
-    # Gemma's unit offset) and biases at 0, which would hide a dropped scale or shift
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("weight"):
-                    p.uniform_(0.5, 1.5)
-                else:
-                    p.normal_(0.0, 0.1)
-    return model, copy.deepcopy(model)
-
-
-def tokens(*shape, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, shape, generator=g)
+    return litgpt_models(make_config(family, **extra))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -173,41 +156,25 @@ def test_sliding_window_masks_something(family):
         assert not torch.allclose(model(x), no_window(x))
 
 
-def _assert_grads_equal(model, ref):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        q = ref_params[name]
-        assert q.grad is not None, f"eager has no grad for {name}"
-        assert p.grad is not None, f"no grad for {name}"
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_backward_matches_eager(family):
     model, ref = make_models(family)
-    model.train()
-    ref.train()
-    jmodel = keraunos.jit(model)
-    x = tokens(B, T, seed=4)
     targets = tokens(B, T, seed=5)
 
-    logits = jmodel(x)
-    ref_logits = ref(x)
-    torch.testing.assert_close(logits, ref_logits)
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1))
-    torch.testing.assert_close(loss, ref_loss)
-    loss.backward()
-    ref_loss.backward()
+    def loss(logits):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    # logits, loss and every parameter's gradient
+    jmodel = check_grads(model.train(), tokens(B, T, seed=4), ref=ref.train(), loss=loss,
+                         require_all=True)
     assert keraunos.last_backward_traces(jmodel), "keraunos ran no backward trace of its own"
-    _assert_grads_equal(model, ref)
 
     # a second step on the cached program accumulates the same gradients as eager
     x2 = tokens(B, T, seed=6)
-    F.cross_entropy(jmodel(x2).reshape(-1, VOCAB), targets.reshape(-1)).backward()
-    F.cross_entropy(ref(x2).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    loss(jmodel(x2)).backward()
+    loss(ref(x2)).backward()
     assert keraunos.cache_hits(jmodel) == 1 and keraunos.cache_misses(jmodel) == 1
-    _assert_grads_equal(model, ref)
+    assert_grads_match(model, ref, require_all=True)
 
 
 def _generate_and_compare(model, ref, seed: int = 3, **options):

@@ -13,23 +13,20 @@ test nothing of keraunos' backward, so the warning is an error here.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
 import keraunos
+from helpers import VOCAB, check_grads, litgpt_models
 
 litgpt = pytest.importorskip("litgpt")
 from litgpt import Config  # noqa: E402
-from litgpt.model import GPT  # noqa: E402
 
 # (the message regex cannot contain ":", the separator of warning filters, hence the ".")
 pytestmark = pytest.mark.filterwarnings("error:keraunos. no backward trace")
 
-VOCAB = 256
 B, T = 2, 16
 STEPS = 10
 COMMON = dict(n_layer=2, n_embd=64, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=64)
@@ -61,15 +58,8 @@ def make_models(family: str):
     config = Config.from_name(name, **COMMON, **overrides)
     for attr, value in FEATURES[family].items():
         assert getattr(config, attr) == value, (family, attr)
-    torch.manual_seed(0)
-    model = GPT(config)
-    # norm weights start at 1 and biases at 0, which would hide a dropped scale or shift
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5) if pname.endswith("weight") else p.normal_(0.0, 0.1)
-    model.train()
-    return model, copy.deepcopy(model)
+    model, ref = litgpt_models(config)
+    return model.train(), ref.train()
 
 
 def batch(seed: int):
@@ -77,28 +67,17 @@ def batch(seed: int):
     return torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g)
 
 
-def loss_of(model, x, y):
-    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+def loss_of(logits, y):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_loss_and_every_grad_match_eager(family):
     model, ref = make_models(family)
-    jmodel = keraunos.jit(model)
     x, y = batch(1)
-    loss = loss_of(jmodel, x, y)
-    ref_loss = loss_of(ref, x, y)
-    assert_close(loss, ref_loss)
-    loss.backward()
-    ref_loss.backward()
+    # the logits, the loss and every parameter's gradient
+    jmodel = check_grads(model, x, ref=ref, loss=lambda logits: loss_of(logits, y), require_all=True)
     assert keraunos.last_backward_traces(jmodel), "keraunos built no backward trace"
-    ref_params = dict(ref.named_parameters())
-    names = [name for name, _ in model.named_parameters()]
-    assert names == list(ref_params)
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"no grad for {name}"
-        assert_close(p.grad, ref_params[name].grad,
-                     msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -112,7 +91,7 @@ def test_adamw_steps_match_eager(family):
         x, y = batch(100 + step)
         for m, o, record in ((jmodel, opt, losses), (ref, ref_opt, ref_losses)):
             o.zero_grad(set_to_none=True)
-            loss = loss_of(m, x, y)
+            loss = loss_of(m(x), y)
             loss.backward()
             o.step()
             record.append(loss.item())

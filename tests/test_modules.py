@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from helpers import assert_grads_match, check_grads
 import keraunos
 
 
@@ -258,8 +259,7 @@ def test_optimizer_on_jitted_parameters_matches_eager_training():
         ref_opt.zero_grad()
         loss.backward()
         ref_loss.backward()
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            assert_close(p.grad, q.grad, msg=n)
+        assert_grads_match(m, ref)
         opt.step()
         ref_opt.step()
     assert_close(dict(m.state_dict()), dict(ref.state_dict()))
@@ -268,13 +268,7 @@ def test_optimizer_on_jitted_parameters_matches_eager_training():
 
 
 def test_parameter_grads_match_eager():
-    m, ref = _pair(Blocks)
-    jm = keraunos.jit(m)
-    x = torch.randn(2, 8)
-    jm(x).sum().backward()
-    ref(x).sum().backward()
-    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-        assert_close(p.grad, q.grad, msg=n)
+    check_grads(Blocks(), torch.randn(2, 8))
 
 
 def test_dropout_in_training_matches_eager_under_seed():

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from helpers import check_grads
 import keraunos
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no network
@@ -330,13 +331,7 @@ def test_when_no_prologue_fits_the_programs_own_error_is_raised():
 def test_keraunos_jit_backward_of_linear_has_no_transpose_of_a_transpose():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
-    ref = copy.deepcopy(model)
-    x = torch.randn(3, 8)
-    jitted = keraunos.jit(model)
-    jitted(x).sum().backward()
-    ref(x).sum().backward()
-    for got, want in zip(model.parameters(), ref.parameters()):
-        assert_close(got.grad, want.grad)
+    jitted = check_grads(model, torch.randn(3, 8))
     backward = keraunos.last_backward_traces(jitted)[-1]
     transposes = [b for b in backward.bound_symbols
                   if getattr(b.symbol, "fn", None) is torch.ops.aten.t.default]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import keraunos.dynamo as kd
+from helpers import assert_grads_match, check_grads
 from keraunos.core.proxies import TensorProxy
 from keraunos.core.symbols import BoundSymbol, TorchSymbol
 from keraunos.core.tags import MUTATION
@@ -60,10 +61,6 @@ def _assert_runs_identically(before, after):
             assert torch.equal(g, w) and g.stride() == w.stride()
 
 
-def _grads_of(model):
-    return [p.grad for p in model.parameters()]
-
-
 def test_transpose_pairs_of_linear_backward_are_read_past():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
@@ -72,8 +69,7 @@ def test_transpose_pairs_of_linear_backward_are_read_past():
     compiled = torch.compile(model, backend="keraunos")
     compiled(x).sum().backward()
     ref(x).sum().backward()
-    for got, want in zip(_grads_of(model), _grads_of(ref)):
-        torch.testing.assert_close(got, want)
+    assert_grads_match(model, ref)
     before, after = _before_and_after(_backward_traces(compiled))
     made_by_t = {b.outputs.name for b in _ops(before, aten.t.default)}
     assert any(b.args[0].name in made_by_t for b in _ops(before, aten.t.default))  # t(t(...))
@@ -88,11 +84,7 @@ def test_power_of_one_in_the_derivative_of_a_square_is_read_past():
         return (x * w) ** 2
 
     x, w = torch.randn(4, 5), torch.randn(5, requires_grad=True)
-    w_ref = w.detach().clone().requires_grad_()
-    compiled = torch.compile(f, backend="keraunos")
-    compiled(x, w).sum().backward()
-    f(x, w_ref).sum().backward()
-    torch.testing.assert_close(w.grad, w_ref.grad)
+    compiled = check_grads(f, x, w, jit=torch.compile, backend="keraunos")
     before, after = _before_and_after(_backward_traces(compiled))
     assert any(b.args[1] == 1 for b in _ops(before, aten.pow.Tensor_Scalar))
     assert not any(b.args[1] == 1 for b in _ops(after, aten.pow.Tensor_Scalar))
@@ -119,12 +111,7 @@ def test_two_gradients_from_one_tensor_stay_two_objects():
 
     leaves = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
     c = torch.randn(3, 4)
-    refs = [t.detach().clone().requires_grad_() for t in leaves]
-    compiled = torch.compile(f, backend="keraunos")
-    compiled(*leaves, c).sum().backward()
-    f(*refs, c).sum().backward()
-    for got, want in zip(leaves, refs):
-        torch.testing.assert_close(got.grad, want.grad)
+    compiled = check_grads(f, *leaves, c, jit=torch.compile, backend="keraunos")
     _assert_accumulate_apart(leaves, lambda: compiled(*leaves, c).sum().backward())
     before, after = _before_and_after(_backward_traces(compiled))
     _assert_runs_identically(before, after)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import assert_grads_match
 import keraunos
 from keraunos import debug
 from keraunos.examples.gpt import GPT, GPTConfig
@@ -48,8 +49,7 @@ def gpt_report(tmp_path_factory):
     torch.testing.assert_close(loss, expected)
     loss.backward()
     expected.backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_grads_match(model, reference)
     path = tmp_path_factory.mktemp("report") / "report.html"
     with torch.no_grad():
         keraunos.report(jmodel, path, args=(idx,), calls=5)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from helpers import litgpt_models
 import keraunos
 from keraunos.examples.gpt import GPT, GPTConfig
 
@@ -267,12 +268,10 @@ LITGPT_PROMPTS = (7, 10, 13, 5, 16)
 
 def _litgpt_models(block_size: int = 128):
     litgpt = pytest.importorskip("litgpt")
-    from litgpt.model import GPT as LitGPT
-    torch.manual_seed(0)
     config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256, padded_vocab_size=256,
                            block_size=block_size)
-    model = LitGPT(config).eval()
-    return model, copy.deepcopy(model)
+    model, ref = litgpt_models(config, perturb=False)
+    return model.eval(), ref.eval()
 
 
 def _reset_kv_caches(*models):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from helpers import assert_grads_match
 import keraunos
 from keraunos.executors.fusion.compiler import toolchain_problem
 from keraunos.jit import state_of
@@ -117,8 +118,7 @@ def test_training_across_the_switch_gives_eagers_gradients():
     eager_loss, e = step(eager)
     e.backward()
     assert_close(loss, eager_loss)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert_close(p.grad, q.grad, msg=name)
+    assert_grads_match(model, eager)
     assert keraunos.last_backward_traces(jitted)
     for _ in range(2):                           # fused forward and backward
         loss, _ = step(jitted)
@@ -126,8 +126,7 @@ def test_training_across_the_switch_gives_eagers_gradients():
         eager_loss, e = step(eager)
         e.backward()
         assert_close(loss, eager_loss, **TOLERANCE)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert_close(p.grad, q.grad, **TOLERANCE, msg=name)
+        assert_grads_match(model, eager, **TOLERANCE)
     assert keraunos.compile_stats(jitted).tier == "fused"
     assert any(r.trace_name == "backward" for r in keraunos.last_fusions(jitted))
 

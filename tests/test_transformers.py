@@ -23,6 +23,7 @@ which would test nothing of keraunos' backward, so that warning is an error here
 """
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
@@ -31,6 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import helpers  # noqa: E402
 import keraunos  # noqa: E402
 from keraunos.testing.zoo import assert_same_grads, assert_same_output, eval_and_copy  # noqa: E402
 
@@ -180,9 +182,7 @@ def make_models(kind: str, attn: str, *, dropout: float = 0.0):
     return eval_and_copy(model)
 
 
-def tokens(*shape, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, shape, generator=g)  # 1..: no BERT pad token (id 0)
+tokens = functools.partial(helpers.tokens, vocab=VOCAB, low=1)  # 1..: no BERT pad token (id 0)
 
 
 def padding_mask(kind: str) -> torch.Tensor:
