@@ -30,11 +30,12 @@ from ..core.proxies import NameGenerator, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import MUTATION, OPAQUE, RANDOM, STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
-from .guards import Guard, is_plain
+from . import guards
+from .guards import DataRead, Guard, GuardKind, is_plain
 from .leaks import is_tensor_subclass_with_dispatch
 from .module_calls import ModuleCalls
 from .scope_containers import ScopeContainers
-from ..core.provenance import Path, root
+from ..core.provenance import ATTR, BUFFER, ITEM, PARAMETER, SUBMODULE, Path, root
 
 from .recording import (_recording_argument_class, _recording_module_class,
                         _recording_object_class, original_class)
@@ -129,14 +130,15 @@ class CaptureContext:
         for name, sub in module.named_modules(remove_duplicate=False):
             path = root("module")
             for part in name.split(".") if name else []:
-                path = Path(path, "submodule", part)
+                path = Path(path, SUBMODULE, part)
             self.module_paths.setdefault(id(sub), path)
-            for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+            for kind, table in ((PARAMETER, sub._parameters), (BUFFER, sub._buffers)):
                 for key, t in table.items():
                     if t is not None:
                         self.tensor_paths.setdefault(id(t), Path(path, kind, key))
 
-    def guard(self, kind: str, path: Path | None, expected: Any, expression: str | None = None):
+    def guard(self, kind: GuardKind, path: Path | None, expected: Any,
+              expression: str | None = None):
         key = (kind, path, expression)
         if key in self._guarded:
             return
@@ -162,7 +164,7 @@ class CaptureContext:
         known = self._input_by_real.get(id(real))
         if known is not None:
             if known.path != path:
-                self.guard("identity", path, known)  # the same tensor reached two ways
+                self.guard(guards.IDENTITY, path, known)  # the same tensor reached two ways
             return known.fake
         dynamic = self.dynamic.tensor_dims(real, path) if self.dynamic is not None else None
         with self.fake_mode, torch._C.DisableTorchFunction():  # conversion is not the program
@@ -175,9 +177,9 @@ class CaptureContext:
             if fake is None:
                 fake = self.fake_mode.from_tensor(real)
         hint = path.name_hint()
-        if path.parent is not None and path.parent.kind == "root" and path.parent.key == "args":
+        if path.parent is not None and path.parent.is_root and path.parent.key == "args":
             hint = self.arg_names.get(path.key, hint)
-        elif path.parent is not None and path.parent.kind == "root" and path.parent.key == "kwargs":
+        elif path.parent is not None and path.parent.is_root and path.parent.key == "kwargs":
             hint = str(path.key)
         proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
         if self.symbols is not None:
@@ -201,46 +203,46 @@ class CaptureContext:
                 self.dynamic.int_is_dynamic(value, path):
             symint, proxy = self.symbols.int_input(value, path)
             if proxy is not None:
-                self.guard("symbolic int", path, proxy)
+                self.guard(guards.SYMBOLIC_INT, path, proxy)
                 return symint
         # A list or dict that came with the call (an argument, or held by an object passed in: a
         # cache's list of layers) is a container the program may change, even while it holds only
         # plain values: the program gets a stand-in, and the epilogue replays its changes.
         held = type(value) in (list, dict) and _from_call(path)
-        if is_plain(value) and path.kind != "root" and not held:
-            self.guard("value", path, value)
+        if is_plain(value) and not path.is_root and not held:
+            self.guard(guards.VALUE, path, value)
             return value
         if type(value) in (tuple, list) or _is_namedtuple(value):
-            self.guard("length", path, (type(value), len(value)))
-            items = [self.value_input(v, Path(path, "item", i), tags) for i, v in enumerate(value)]
+            self.guard(guards.LENGTH, path, (type(value), len(value)))
+            items = [self.value_input(v, Path(path, ITEM, i), tags) for i, v in enumerate(value)]
             stand_in = type(value)(*items) if _is_namedtuple(value) else type(value)(items)
             if type(value) is list:
                 self.containers.append((path, stand_in, list(stand_in)))
             return stand_in
         if type(value) is dict:
-            self.guard("keys", path, (dict, tuple(value)))
-            stand_in = {k: self.value_input(v, Path(path, "item", k), tags)
+            self.guard(guards.KEYS, path, (dict, tuple(value)))
+            stand_in = {k: self.value_input(v, Path(path, ITEM, k), tags)
                         for k, v in value.items()}
             self.containers.append((path, stand_in, dict(stand_in)))
             return stand_in
-        if dataclasses.is_dataclass(value) and not isinstance(value, type) and path.kind != "attr":
-            self.guard("type", path, type(value))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and not path.is_attr:
+            self.guard(guards.TYPE, path, type(value))
             copy = object.__new__(type(value))
             for f in dataclasses.fields(value):
                 v = getattr(value, f.name)
-                object.__setattr__(copy, f.name, self.value_input(v, Path(path, "attr", f.name), tags))
+                object.__setattr__(copy, f.name, self.value_input(v, Path(path, ATTR, f.name), tags))
             return copy
         if path.is_module_derived() or path.key in ("globals", "closure"):
             # Anything else the module or function holds (a config object, a function) must be the
             # very same object; plain objects are also watched field by field as they are read.
-            self.guard("identity", path, value)
+            self.guard(guards.IDENTITY, path, value)
             self._watch_object(value, path)
             return value
-        if path.kind != "root" and _from_call(path) and self._watch_object(value, path,
+        if not path.is_root and _from_call(path) and self._watch_object(value, path,
                                                                          writable=True):
             # A plain object passed in (a KV cache): its class is checked, each attribute the
             # program reads is an input with its own checks, and its writes are replayed.
-            self.guard("type", path, original_class(value))
+            self.guard(guards.TYPE, path, original_class(value))
             return value
         raise UnsupportedInputError(_unsupported_input_message(path, value))
 
@@ -259,18 +261,18 @@ class CaptureContext:
         if fn is not None and code is not None:
             for name in code.co_names:
                 if fn.__globals__.get(name) is t:
-                    return Path(root("globals"), "item", name)
+                    return Path(root("globals"), ITEM, name)
             for i, cell in enumerate(fn.__closure__ or ()):
                 try:
                     if cell.cell_contents is t:
-                        return Path(Path(root("closure"), "item", i), "attr", "cell_contents")
+                        return Path(Path(root("closure"), ITEM, i), ATTR, "cell_contents")
                 except ValueError:
                     pass
         # A global or closure value of a helper the program called: read from there per call.
         for globals_path, helper_globals, names in self.helper_scopes:
             for name in names:
                 if helper_globals.get(name) is t:
-                    return Path(globals_path, "item", name)
+                    return Path(globals_path, ITEM, name)
         for path, cell in self.helper_cells:
             try:
                 if cell.cell_contents is t:
@@ -280,13 +282,13 @@ class CaptureContext:
         # Held by some other object: the program keeps reading this very tensor.
         key = f"<captured tensor {id(t):#x}>"
         self.root_objects[key] = t
-        return Path(None, "root", key)
+        return root(key)
 
     def saw_before_the_call(self, obj) -> bool:
         """Whether ``obj`` existed before the program ran, as far as capture can tell."""
         return (id(obj) in self._object_paths or id(obj) in self.module_paths
                 or any(v is obj for v in self.root_objects.values())
-                or any(g.kind == "identity" and g.expected is obj for g in self.guards))
+                or any(g.kind is guards.IDENTITY and g.expected is obj for g in self.guards))
 
     def guard_function_scope(self) -> None:
         """Python values the function reads from its globals and closure are compiled in as
@@ -305,7 +307,7 @@ class CaptureContext:
             if name in fn.__globals__:
                 self.scope_containers.watch(f"the global `{name}`", fn.__globals__[name])
             if name in fn.__globals__ and is_plain(fn.__globals__[name]):
-                self.guard("value", Path(root("globals"), "item", name), fn.__globals__[name])
+                self.guard(guards.VALUE, Path(root("globals"), ITEM, name), fn.__globals__[name])
         for i, cell in enumerate(fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
@@ -313,8 +315,8 @@ class CaptureContext:
                 continue
             self.scope_containers.watch(f"`{code.co_freevars[i]}` of the closure", value)
             if is_plain(value):
-                self.guard("value", Path(Path(root("closure"), "item", i), "attr", "cell_contents"),
-                           value)
+                self.guard(guards.VALUE,
+                           Path(Path(root("closure"), ITEM, i), ATTR, "cell_contents"), value)
 
     def guard_helper_scope(self, frame) -> None:
         """A Python function the program called (a helper, a submodule's forward): the plain
@@ -336,13 +338,13 @@ class CaptureContext:
                 self.scope_containers.watch(f"the global `{name}` of {code.co_name}",
                                             frame.f_globals[name])
             if name in frame.f_globals and is_plain(frame.f_globals[name]):
-                self.guard("value", Path(globals_path, "item", name), frame.f_globals[name])
+                self.guard(guards.VALUE, Path(globals_path, ITEM, name), frame.f_globals[name])
         if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
                                     for v in code.co_freevars):
             for cell in _closure_cells(code, frame):
                 key = f"<closure cell {id(cell):#x}>"
                 self.root_objects[key] = cell
-                path = Path(root(key), "attr", "cell_contents")
+                path = Path(root(key), ATTR, "cell_contents")
                 self.helper_cells.append((path, cell))
                 try:
                     self.scope_containers.watch(f"a closure variable of {code.co_name}",
@@ -350,7 +352,7 @@ class CaptureContext:
                 except ValueError:  # an empty cell
                     pass
                 if is_plain(cell.cell_contents):
-                    self.guard("value", path, cell.cell_contents)
+                    self.guard(guards.VALUE, path, cell.cell_contents)
 
     # ----------------------------------------------------------------------- module reads
     def module_path(self, module) -> Path:
@@ -358,8 +360,8 @@ class CaptureContext:
         if path is None:  # a module created during the program: treat as a captured constant
             key = f"<module {type(module).__name__} {id(module):#x}>"
             self.root_objects[key] = module
-            path = self.module_paths[id(module)] = Path(None, "root", key)
-        self.guard("type", path, original_class(module))
+            path = self.module_paths[id(module)] = root(key)
+        self.guard(guards.TYPE, path, original_class(module))
         return path
 
     def module_getattr(self, module, name: str) -> Any:
@@ -375,32 +377,32 @@ class CaptureContext:
         if derive is not None:
             return derive(self, module)
         mpath = self.module_path(module)
-        for kind, table in (("parameter", d["_parameters"]), ("buffer", d["_buffers"])):
+        for kind, table in ((PARAMETER, d["_parameters"]), (BUFFER, d["_buffers"])):
             if name in table:
                 value = table[name]
                 path = Path(mpath, kind, name)
                 if value is None:
-                    self.guard("value", path, None)
+                    self.guard(guards.VALUE, path, None)
                     return None
                 return self.tensor_input(value, path, (STATIC_MEMORY_LOCATION,))
         if name in d["_modules"]:
             sub = d["_modules"][name]
-            path = Path(mpath, "submodule", name)
+            path = Path(mpath, SUBMODULE, name)
             if sub is None:
-                self.guard("value", path, None)
+                self.guard(guards.VALUE, path, None)
             elif self.module_paths.get(id(sub)) != path:
-                self.guard("identity", path, sub)
+                self.guard(guards.IDENTITY, path, sub)
             return sub
         if name in d and name not in MODULE_INTERNALS:
-            return self.value_input(d[name], Path(mpath, "attr", name))
+            return self.value_input(d[name], Path(mpath, ATTR, name))
         if name in ("_modules", "_parameters", "_buffers"):
             # The program looks at the whole table (iterating a ModuleList, say): its keys matter.
-            self.guard("keys", Path(mpath, "attr", name), (dict, tuple(d[name])))
+            self.guard(guards.KEYS, Path(mpath, ATTR, name), (dict, tuple(d[name])))
         try:
             return object.__getattribute__(module, name)
         except AttributeError:
             # `getattr(self, "extra", None)`: the program depends on the attribute's absence.
-            self.guard("absent", Path(mpath, "attr", name), None)
+            self.guard(guards.ABSENT, Path(mpath, ATTR, name), None)
             raise
 
     def module_setattr(self, module, name: str, value: Any) -> None:
@@ -465,10 +467,10 @@ class CaptureContext:
             # The object resolves names itself (a config's attribute_map, say): read through it.
             value = cls.__getattribute__(obj, name)
             if name in d or is_plain(value):
-                return self.value_input(value, Path(self._object_paths[id(obj)], "attr", name))
+                return self.value_input(value, Path(self._object_paths[id(obj)], ATTR, name))
             return value
         if name in d:
-            return self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
+            return self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
         return object.__getattribute__(obj, name)
 
     def object_state_read(self, obj) -> None:
@@ -482,7 +484,7 @@ class CaptureContext:
         d = object.__getattribute__(obj, "__dict__")
         if id(obj) not in self.argument_objects:
             for name in list(d):
-                self.value_input(d[name], Path(path, "attr", name))
+                self.value_input(d[name], Path(path, ATTR, name))
             return
         cls = original_class(obj)
         for name in list(d) + [k for k in self._overlay.get(id(obj), ()) if k not in d]:
@@ -506,13 +508,13 @@ class CaptureContext:
             # Read inside the program: the recording mode must not see the metadata reads of
             # taking the value in (a real tensor would count as reached from nowhere).
             with torch._C.DisableTorchFunction():
-                value = self.value_input(d[name], Path(self._object_paths[id(obj)], "attr", name))
+                value = self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
             overlay[name] = value
             return value
         try:
             return object.__getattribute__(obj, name)  # methods, class attributes: type checked
         except AttributeError:
-            self.guard("absent attribute", Path(self._object_paths[id(obj)], "attr", name), None)
+            self.guard(guards.ABSENT_ATTRIBUTE, Path(self._object_paths[id(obj)], ATTR, name), None)
             raise
 
     def swap_module_classes(self, module: torch.nn.Module) -> None:
@@ -580,9 +582,9 @@ class CaptureContext:
         if symbolic is not None:
             self._data_reads[_read_key(lines, target, symbol.name)] = symbolic
             return symbolic
-        guard = Guard("data", None, value, expression=f"{target.name}.{symbol.name}()")
-        guard.lines, guard.target, guard.method, guard.source = lines, target, symbol.name, source
-        self.guards.append(guard)
+        self.guards.append(Guard(guards.DATA, None, value,
+                                 expression=f"{target.name}.{symbol.name}()",
+                                 read=DataRead(lines, target, symbol.name, source)))
         return value
 
     def _data_value(self, target, lines, func, args, kwargs):

@@ -145,9 +145,6 @@ def build_epilogue(ctx, out_template, flat_outputs, groups, writes,
             if all(v is not node for v in views):
                 node.name = ctx.names.fresh("view")
                 views.append(node)
-        elif isinstance(node, Build) and node.kind == "object":
-            for c in node.children.values():
-                mark_inputs(c)
         elif isinstance(node, Build):
             children = node.children.values() if isinstance(node.children, dict) else node.children
             for c in children:

@@ -32,6 +32,7 @@ from .recorder import _data_dependent_error
 from .ambient import AmbientSnapshot
 from .state import global_state, restore_global_state
 from .context import CaptureContext
+from .guards import AMBIENT
 from .interceptors import intercepting_torch
 from .recorder import Recorder
 from .state import _active, requested_dynamic
@@ -157,7 +158,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()
-    ctx.guard("ambient", None, AmbientSnapshot.now())  # grad mode, autocast, ...: ambient.py
+    ctx.guard(AMBIENT, None, AmbientSnapshot.now())  # grad mode, autocast, ...: ambient.py
     state_before = global_state()
     if module is not None:
         ctx.swap_module_classes(module)

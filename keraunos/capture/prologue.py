@@ -7,9 +7,6 @@ this cache entry". The module, the function's globals and closure are names in i
 """
 from __future__ import annotations
 
-import copy
-import functools
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +39,9 @@ class MutableGroup:
 
 
 class _Builder:
+    """The prologue as it is written. Each guard's kind writes its checks through ``var``,
+    ``check`` and ``number`` (``capture/guards.py``)."""
+
     def __init__(self, ctx, check_values: bool):
         self.ctx = ctx
         self.check_values = check_values
@@ -62,7 +62,7 @@ class _Builder:
         known = self.vars.get(path)
         if known is not None:
             return known
-        if path.kind == "root":
+        if path.is_root:
             if path.key in self.roots:
                 return self.roots[path.key]
             name = f"_captured{len(self.namespace)}"
@@ -80,99 +80,22 @@ class _Builder:
         self.bsyms.append(glue.UNPACK.bind(parent, outputs=proxy, path=path))
         return proxy
 
+    def number(self, description: str) -> int:
+        """The index of a new check: what the prologue returns when it fails."""
+        self.descriptions.append(description)
+        return len(self.descriptions) - 1
+
     def check(self, description: str, condition, from_module: bool, guard: Guard | None = None,
               subject: Path | None = None, uses: tuple = ()) -> None:
         """A check line; ``uses``: the variables (proxies) its condition reads."""
-        index = len(self.descriptions)
-        self.descriptions.append(description)
+        index = self.number(description)
         tags = {MODULE_CHECK} if from_module else set()
         self.bsyms.append(glue.CHECK.bind(*uses, tags=tags, condition=condition, index=index,
                                           description=description, guard=guard, subject=subject))
 
-    def ambient_checks(self, snapshot) -> None:
-        """Grad mode, autocast and the rest of ``capture/ambient.py``'s list, as at capture: the
-        settings dynamo's C++ guard covers in one call of it, the others one line each."""
-        if snapshot.cxx_guard is not None:
-            name = f"_global_state{len(self.namespace)}"
-            self.namespace[name] = snapshot.cxx_guard
-            self.check(snapshot.cxx_description(), lambda w: f"not {name}.check()", False)
-        for ambient, value in snapshot.python_checked():
-            self.check(snapshot.description(ambient, value),
-                       lambda w, a=ambient, v=value: f"{a.expression} is not {w.value(v)}"
-                       if isinstance(v, (bool, torch.dtype)) or v is None
-                       else f"{a.expression} != {w.value(v)}", False)
-
     def guard(self, g: Guard) -> None:
-        if g.kind == "data":
-            return  # after the tensors are extracted: see data_guard
-        if g.kind == "ambient":
-            self.ambient_checks(g.expected)
-            return
-        if g.kind == "global":
-            expected = g.expected
-            self.check(g.description, lambda w: f"{g.expression} is not {w.value(expected)}"
-                       if isinstance(expected, (bool, torch.dtype)) or expected is None
-                       else f"{g.expression} != {w.value(expected)}", False)
-            return
-        if g.kind == "absent attribute":  # of a plain object passed in
-            parent = self.var(g.path.parent)
-            name = g.path.key
-            self.check(g.description, lambda w: f"{name!r} in {parent.name}.__dict__", False,
-                       guard=g, uses=(parent,))
-            return
-        if g.kind == "absent":
-            parent = self.var(g.path.parent)
-            name = g.path.key
-            self.check(g.description, lambda w: " or ".join(
-                f"{name!r} in {parent.name}.{table}"
-                for table in ("__dict__", "_parameters", "_buffers", "_modules")),
-                g.from_module, guard=g, subject=g.path, uses=(parent,))
-            return
-        if g.kind == "symbolic int":  # the int is the symbol: s0 = args[1]
-            p = self.var(g.path, g.expected)
-            self.check(g.description, lambda w: f"type({p.name}) is not int", False, uses=(p,))
-            return
-        p = self.var(g.path)
-        v = p.name
-        check = functools.partial(self.check, guard=g, subject=g.path, uses=(p,))
-        if g.kind == "value":
-            check(g.description, lambda w: _value_condition(v, g.expected, w), g.from_module)
-        elif g.kind == "identity":
-            other = g.expected
-            if hasattr(other, "proxy") and hasattr(other, "fake"):  # another tensor input
-                first = self.var(other.path, other.proxy)
-                index = len(self.descriptions)
-                self.descriptions.append(g.description)
-                self.bsyms.append(glue.CHECK_ALIAS.bind(
-                    p, first, tags={MODULE_CHECK} if g.from_module else (), index=index,
-                    description=g.description, paths=(g.path, other.path)))
-            else:
-                check(g.description, lambda w: f"{v} is not {w.constant(other, 'obj')}",
-                           g.from_module)
-        elif g.kind == "type":
-            cls = g.expected
-            check(g.description, lambda w: f"type({v}) is not {w.constant(cls, cls.__name__)}",
-                       g.from_module)
-        elif g.kind == "length":
-            python_type, n = g.expected
-            if g.path.kind == "root":
-                check(g.description, lambda w: f"len({v}) != {n}", False)
-            else:
-                check(g.description, lambda w: f"type({v}) is not "
-                           f"{w.constant(python_type, python_type.__name__)} or len({v}) != {n}",
-                           g.from_module)
-        elif g.kind == "keys":
-            _, keys = g.expected
-            if g.path.kind == "root" and not keys:
-                check(g.description, lambda w: f"{v}", False)
-            elif g.path.kind == "root" or g.path.key in ("_modules", "_parameters", "_buffers"):
-                check(g.description, lambda w: f"list({v}) != {w.value(list(keys))}",
-                      g.from_module)
-            else:
-                check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
-                      f"{w.value(list(keys))}", g.from_module)
-        else:
-            raise AssertionError(g.kind)
+        """The lines that check ``g``: its kind writes them (``capture/guards.py``)."""
+        g.kind.check(self, g)
 
 
 def bind_symbols(b: _Builder, ctx, check_values: bool) -> None:
@@ -243,10 +166,9 @@ def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
     fake, code = entry.fake, ctx.symbols.code
     expected = glue.TensorMetadata(tuple(map(code, fake.shape)), tuple(map(code, fake.stride())),
                                    entry.real.dtype, entry.real.device, entry.real.requires_grad)
-    index = len(b.descriptions)
-    b.descriptions.append(f"tensor {entry.path} has shape {_show(expected.shape)} and stride "
-                          f"{_show(expected.stride)} (its dtype, device and requires_grad are "
-                          f"checked with the other tensors' in one call)")
+    index = b.number(f"tensor {entry.path} has shape {_show(expected.shape)} and stride "
+                     f"{_show(expected.stride)} (its dtype, device and requires_grad are "
+                     f"checked with the other tensors' in one call)")
     bound = frozenset(binding.dim for binding in ctx.symbols.bindings.values()
                       if binding.tensor is entry.proxy and binding.prop == "size")
     b.bsyms.append(glue.CHECK_SYMBOLIC_TENSOR.bind(entry.proxy, expected=expected, index=index,
@@ -257,71 +179,21 @@ def _show(values: tuple) -> str:
     return "(" + ", ".join(map(str, values)) + ("," if len(values) == 1 else "") + ")"
 
 
-def data_guard(b: _Builder, g: Guard) -> None:
-    """Recompute a value read from tensor data, with the ops that made it, and check it."""
-    for line in g.lines:
-        b.bsyms.append(line.replace(tags=line.tags | {AFTER_STRUCTURE}))
-    expected = g.expected
-    b.check(g.description, lambda w: f"{g.target.name}.{g.method}() != {w.value(expected)}"
-            if is_plain_value(expected) else
-            f"{g.target.name}.{g.method}() != {w.constant(expected, 'expected')}", False,
-            uses=(g.target,))
-    b.bsyms[-1].tags.add(AFTER_STRUCTURE)
-
-
-def is_plain_value(v) -> bool:
-    return v is None or type(v) in (bool, int, float, str)
-
-
-def _value_condition(v: str, expected: Any, w) -> str:
-    if expected is None or type(expected) is bool:
-        return f"{v} is not {expected!r}"
-    if isinstance(expected, torch.dtype):
-        return f"{v} is not {w.value(expected)}"
-    if type(expected) is float and expected != expected:
-        return f"type({v}) is not float or {v} == {v}"  # nan: the only value unequal to itself
-    if type(expected) is float and expected == 0.0:
-        # -0.0 == 0.0, but x * -0.0 is not x * 0.0: the sign must match too.
-        sign = "<" if math.copysign(1.0, expected) > 0 else ">"
-        return (f"type({v}) is not float or {v} != 0.0 or "
-                f"{w.constant(math.copysign, 'copysign')}(1.0, {v}) {sign} 0.0")
-    if type(expected) in (int, float, str):
-        return f"type({v}) is not {type(expected).__name__} or {v} != {w.value(expected)}"
-    # Containers and complex numbers: exact equality, with signed zeros and nans told apart.
-    return (f"type({v}) is not {w.constant(type(expected), type(expected).__name__)} or not "
-            f"{w.constant(same_value, 'same_value')}({v}, "
-            f"{w.constant(copy.deepcopy(expected), 'expected')})")
-
-
-def same_value(a, b) -> bool:
-    """``a == b``, where ``-0.0`` differs from ``0.0`` and ``nan`` equals ``nan``, at any depth."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        return a.hex() == b.hex() or a != a and b != b
-    if type(a) is complex:
-        return same_value(a.real, b.real) and same_value(a.imag, b.imag)
-    if type(a) in (tuple, list):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
-    return a == b
-
-
 def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
                    pro_to_epi: list[Any], check_values: bool) -> tuple[Trace, list[str]]:
     b = _Builder(ctx, check_values)
     if check_values:
         for g in ctx.guards:
-            b.guard(g)
+            if not g.kind.after_inputs:
+                b.guard(g)
     for entry in ctx.inputs:
         b.var(entry.path, entry.proxy)
     if ctx.symbols is not None:
         bind_symbols(b, ctx, check_values)
     if check_values:
         for g in ctx.guards:
-            if g.kind == "data":
-                data_guard(b, g)
+            if g.kind.after_inputs:  # it reads the tensors: after they are extracted
+                b.guard(g)
     for g in groups:
         if g.whole_storage:
             first = g.members[0]
@@ -355,9 +227,8 @@ def build_prologue(ctx, params: list[TensorProxy], groups: list[MutableGroup],
                 continue
             expected = glue.TensorMetadata(tuple(real.shape), tuple(real.stride()), real.dtype,
                                            real.device, real.requires_grad)
-            index = len(b.descriptions)
-            b.descriptions.append(f"tensor {entry.path} has the shape, stride, dtype, device and "
-                                  f"requires_grad it was compiled for")
+            index = b.number(f"tensor {entry.path} has the shape, stride, dtype, device and "
+                             f"requires_grad it was compiled for")
             b.bsyms.append(glue.CHECK_TENSOR.bind(entry.proxy, tags=entry.proxy.tags,
                                                   expected=expected, index=index,
                                                   path=str(entry.path), real=weakref.ref(real)))

@@ -10,9 +10,29 @@ the attribute hooks: the stand-in counts that as a read of every attribute, and 
 object as its real class would, so that a copy is an object of the real class."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .state import _active
 
-_recording_classes: dict[tuple[type, str], type] = {}
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a kind of stand-in records: the ``CaptureContext`` method its attribute reads go
+    through, the one its writes go through (``None``: writes are the real class's own), and
+    whether copying, pickling or ``vars()`` count as a read of every attribute (modules are
+    walked by their tables instead)."""
+
+    name: str
+    read: str
+    write: str | None
+    whole_state_read: bool
+
+
+MODULE = Recorded("module", "module_getattr", "module_setattr", whole_state_read=False)
+OBJECT = Recorded("object", "object_getattr", None, whole_state_read=True)  # a config, say
+ARGUMENT = Recorded("argument", "object_getattr", "object_setattr", whole_state_read=True)
+
+_recording_classes: dict[tuple[type, Recorded], type] = {}
 
 ORIGINAL = "_keraunos_original_class"  # on a stand-in class: the class it stands in for
 
@@ -23,13 +43,12 @@ def original_class(obj) -> type:
     return cls.__dict__.get(ORIGINAL, cls)
 
 
-def _recording_class(cls: type, kind: str) -> type:
-    """A subclass of ``cls`` whose attribute reads (and, for modules, writes) go through the
-    active capture: ``CaptureContext.module_getattr``/``object_getattr``/``module_setattr``."""
-    sub = _recording_classes.get((cls, kind))
+def _recording_class(cls: type, recorded: Recorded) -> type:
+    """A subclass of ``cls`` whose attribute reads (and writes, where ``recorded`` names a method
+    for them) go through the active capture's methods ``recorded`` names."""
+    sub = _recording_classes.get((cls, recorded))
     if sub is None:
-        read = "module_getattr" if kind == "module" else "object_getattr"
-        whole_state_read = kind != "module"  # modules are walked by their tables instead
+        read, write, whole_state_read = recorded.read, recorded.write, recorded.whole_state_read
 
         def __getattribute__(self, name):
             ctx = getattr(_active, "ctx", None)
@@ -40,8 +59,6 @@ def _recording_class(cls: type, kind: str) -> type:
                     ctx.object_state_read(self)  # vars(obj), obj.__dict__: all of it is read
                 return cls.__getattribute__(self, name)
             return getattr(ctx, read)(self, name)
-
-        write = "module_setattr" if kind == "module" else "object_setattr"
 
         def __setattr__(self, name, value):
             ctx = getattr(_active, "ctx", None)
@@ -59,11 +76,11 @@ def _recording_class(cls: type, kind: str) -> type:
 
         namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__,
                      "__qualname__": cls.__qualname__, ORIGINAL: cls}
-        if kind in ("module", "argument"):
+        if write is not None:
             namespace["__setattr__"] = __setattr__
         if whole_state_read:
             namespace["__reduce_ex__"] = __reduce_ex__
-        sub = _recording_classes[(cls, kind)] = type(cls.__name__, (cls,), namespace)
+        sub = _recording_classes[(cls, recorded)] = type(cls.__name__, (cls,), namespace)
     return sub
 
 
@@ -78,13 +95,13 @@ def _reduce_as(obj, cls: type, stand_in: type, protocol: int):
 
 
 def _recording_module_class(cls: type) -> type:
-    return _recording_class(cls, "module")
+    return _recording_class(cls, MODULE)
 
 
 def _recording_object_class(cls: type) -> type:
-    return _recording_class(cls, "object")
+    return _recording_class(cls, OBJECT)
 
 
 def _recording_argument_class(cls: type) -> type:
     """For plain objects passed to the program: reads and writes recorded."""
-    return _recording_class(cls, "argument")
+    return _recording_class(cls, ARGUMENT)

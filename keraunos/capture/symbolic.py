@@ -53,10 +53,7 @@ def mark_static(t: torch.Tensor, dim: int | list[int]) -> None:
 
 def _from_call(path: Path) -> bool:
     """Whether the path starts at the call's arguments (not the module, globals or closure)."""
-    p = path
-    while p.parent is not None:
-        p = p.parent
-    return p.kind == "root" and p.key in ("args", "kwargs")
+    return path.origin.key in ("args", "kwargs")
 
 
 # What Hugging Face ``generate()`` varies between its calls of the model's forward, by keyword
@@ -87,7 +84,7 @@ def _generate_role(path: Path) -> tuple[str, bool] | None:
     p = path
     while p.parent is not None and p.parent.parent is not None:
         p, steps = p.parent, steps + 1
-    if p.parent is None or p.parent.kind != "root" or p.parent.key != "kwargs":
+    if p.parent is None or not p.parent.is_root or p.parent.key != "kwargs":
         return None
     return str(p.key), steps == 0
 
@@ -120,7 +117,7 @@ class DynamicRequest:
             return set()
         name, itself = role
         # Qwen2 passes a dict of masks ({"full_attention": mask}): each is a mask.
-        if itself or (name == "attention_mask" and path.kind == "item"
+        if itself or (name == "attention_mask" and path.is_item
                       and _generate_role(path.parent)[1]):
             dims = GENERATE_SEQUENCE_DIMS.get(name, ())
             # A 2-D attention mask is (batch, sequence): only its last dimension is the sequence.
@@ -165,7 +162,7 @@ class DynamicRequest:
         return dynamic
 
     def int_is_dynamic(self, value: int, path: Path) -> bool:
-        if not _from_call(path) or path.kind == "root":
+        if not _from_call(path) or path.is_root:
             return False
         before = self.seen.get(path)
         changed = before is not None and (before[0] is None or before[0] != value)

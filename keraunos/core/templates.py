@@ -75,7 +75,7 @@ class ObjectRef:
     """An object that came with the call (a cache object), put somewhere by the program: the
     epilogue refers to the object the prologue finds at ``path``, never the capture's."""
 
-    path: Any  # a capture.provenance.Path
+    path: Any  # a core.provenance.Path
     name: str | None = None
 
 
@@ -100,22 +100,45 @@ def template_code(node: Any, w) -> str:
 
 
 def _build_code(node: Build, w) -> str:
-    def typ():
-        return w.constant(node.python_type, node.python_type.__name__)
-    if node.kind in ("tuple", "list"):
-        return w.value(node.python_type(Code(template_code(c, w)) for c in node.children))
-    if node.kind == "object":
-        w.namespace["new_object"] = new_object
-        items = ", ".join(f"{w.value(k)}: {template_code(c, w)}" for k, c in node.children.items())
-        return f"new_object({typ()}, {{{items}}})"
-    if node.kind == "structseq":
-        return f"{typ()}((" + "".join(f"{template_code(c, w)}, " for c in node.children) + "))"
-    if node.kind == "namedtuple":
-        return f"{typ()}(" + ", ".join(template_code(c, w) for c in node.children) + ")"
-    if node.kind == "dataclass":
-        return f"{typ()}(" + ", ".join(f"{k}={template_code(c, w)}"
-                                       for k, c in node.children.items()) + ")"
+    return _REBUILD.get(node.kind, _rebuild_mapping)(node, w)
+
+
+def _type_name(node: Build, w) -> str:
+    return w.constant(node.python_type, node.python_type.__name__)
+
+
+def _rebuild_sequence(node: Build, w) -> str:  # a tuple or a list
+    return w.value(node.python_type(Code(template_code(c, w)) for c in node.children))
+
+
+def _rebuild_object(node: Build, w) -> str:
+    w.namespace["new_object"] = new_object
+    items = ", ".join(f"{w.value(k)}: {template_code(c, w)}" for k, c in node.children.items())
+    return f"new_object({_type_name(node, w)}, {{{items}}})"
+
+
+def _rebuild_structseq(node: Build, w) -> str:
+    return f"{_type_name(node, w)}((" + "".join(
+        f"{template_code(c, w)}, " for c in node.children) + "))"
+
+
+def _rebuild_namedtuple(node: Build, w) -> str:
+    return f"{_type_name(node, w)}(" + ", ".join(template_code(c, w) for c in node.children) + ")"
+
+
+def _rebuild_dataclass(node: Build, w) -> str:
+    return f"{_type_name(node, w)}(" + ", ".join(f"{k}={template_code(c, w)}"
+                                                 for k, c in node.children.items()) + ")"
+
+
+def _rebuild_mapping(node: Build, w) -> str:  # a dict, or a dict subclass
     items = ", ".join(f"{w.value(k)}: {template_code(c, w)}" for k, c in node.children.items())
     if node.python_type is dict:
         return "{" + items + "}"
-    return f"{typ()}({{{items}}})"
+    return f"{_type_name(node, w)}({{{items}}})"
+
+
+# How each kind of ``Build`` node is rebuilt; any other kind is a mapping.
+_REBUILD = {"tuple": _rebuild_sequence, "list": _rebuild_sequence, "object": _rebuild_object,
+            "structseq": _rebuild_structseq, "namedtuple": _rebuild_namedtuple,
+            "dataclass": _rebuild_dataclass}

@@ -15,6 +15,7 @@ that is both exact and cheapest.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.provenance import root
@@ -39,79 +40,62 @@ def _subject(b: BoundSymbol):
     return getattr(b.fields, "subject", None)
 
 
+@dataclass
+class _Parts:
+    """The readable prologue's lines, sorted by where the fast prologue puts them."""
+
+    walk: list[BoundSymbol] = field(default_factory=list)    # unpacks and checks of the tree
+    rest: list[BoundSymbol] = field(default_factory=list)    # the call's and module attributes'
+    checks: list[BoundSymbol] = field(default_factory=list)  # tensor metadata: one C++ call
+    late: list[BoundSymbol] = field(default_factory=list)    # need every tensor (data reads)
+    structural_vars: dict[str, Any] = field(default_factory=dict)  # var name -> path, walked
+
+
+def _sort_lines(trace: Trace) -> _Parts:
+    parts = _Parts()
+    if trace.namespace.get("module") is not None:
+        parts.structural_vars["module"] = root("module")
+    for b in trace.bound_symbols[:-1]:
+        path = _subject(b)
+        if AFTER_STRUCTURE in b.tags:
+            parts.late.append(b)
+        elif b.symbol is CHECK_TENSOR:
+            parts.checks.append(b)
+        elif path is not None and all(
+                p.is_structural() for p in getattr(b.fields, "paths", (path,))):
+            parts.walk.append(b)
+            if b.symbol is UNPACK:
+                parts.structural_vars[b.outputs.name] = path
+        else:
+            parts.rest.append(b)
+    return parts
+
+
 @trace_step
 def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     """The fast prologue, and the trace of its module-structure walk (``None`` for functions)."""
-    bsyms = trace.bound_symbols
-    ret = bsyms[-1]
-    structural_vars: dict[str, Any] = {}  # var name -> path, of values the cached walk extracts
-    if trace.namespace.get("module") is not None:
-        structural_vars["module"] = root("module")
-    walk: list[BoundSymbol] = []
-    rest: list[BoundSymbol] = []
-    checks: list[BoundSymbol] = []
-    late: list[BoundSymbol] = []  # checks of values read from tensor data: need every tensor
-    for b in bsyms[:-1]:
-        path = _subject(b)
-        if AFTER_STRUCTURE in b.tags:
-            late.append(b)
-        elif b.symbol is CHECK_TENSOR:
-            checks.append(b)
-        elif path is not None and all(
-                p.is_structural() for p in getattr(b.fields, "paths", (path,))):
-            walk.append(b)
-            if b.symbol is UNPACK:
-                structural_vars[b.outputs.name] = path
-        else:
-            rest.append(b)
+    ret = trace.bound_symbols[-1]
+    parts = _sort_lines(trace)
+    walk, rest, checks, late = parts.walk, parts.rest, parts.checks, parts.late
     if not walk:
         return _finish(trace, rest + late, checks, ret, None, [], []), None
 
     # Which structural values the rest of the prologue needs.
-    params = list(ret.args[0])
-    statics = [p for p in params if isinstance(p, Proxy) and p.name in structural_vars]
+    structural_vars = parts.structural_vars
+    statics = [p for p in ret.args[0] if isinstance(p, Proxy) and p.name in structural_vars]
+    static_names = [p.name for p in statics]
     attribute_parents = _attribute_parents(rest, structural_vars)
     uses_by_rest = _names_used([b for b in rest if not _is_dict_unpack(b, attribute_parents)]) | {
         v for v in _names_in(ret.args[1])} | _names_used(late)
-    module_vars = [n for n in structural_vars if n in uses_by_rest and n not in
-                   {p.name for p in statics}]
+    module_vars = [n for n in structural_vars if n in uses_by_rest and n not in static_names]
     dict_vars = [n for n in structural_vars if n in attribute_parents]
-    static_names = [p.name for p in statics]
-    token = "_tree_token"
-    cache = [(None,)]
-
-    object_dicts_box: list = []
-
-    def store(w):
-        w.namespace["_structure"] = cache
-        dicts = _tuple([f"{n}.__dict__" for n in dict_vars])
-        if object_dicts_box and object_dicts_box[0]:
-            dicts = f"{dicts} + {w.constant(tuple(object_dicts_box[0]), 'object_dicts')}"
-        modules = ["module"] + [b.outputs.name for b in walk if b.symbol is UNPACK
-                                and b.fields.path.kind == "submodule"]
-        w.namespace["watch_modules"] = watch_modules
-        return [f"watch_modules({_tuple(modules)})",
-                f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
-                "_structure[0] = result",
-                "return result"]
-    call_part = [b for b in rest if not _from_module(b)]
     keep = {p.name for p in ret.args[0]} | set(_names_in(ret.args[1])) | {
         b.args[0].name for b in checks} | _names_used(late)
     module_part, entries, object_dicts = _module_attributes(
         [b for b in rest if _from_module(b)], dict_vars, keep)
-    object_dicts_box.append(object_dicts)
-    hooks = hook_state(trace.namespace["module"])
-
-    def check_hooks(w):
-        w.namespace["hook_state"] = hook_state
-        return [f"if hook_state(module) != {w.constant(hooks, 'compiled_hooks')}:",
-                "  return 'a forward or backward hook was added or removed since compiling'"]
-    walk_trace = Trace("refresh_module_structure", [], [
-        _glue("token", lambda w: [f"token = {token}[0]"])] + walk + [
-        _glue("check hooks", check_hooks), _glue("store", store)],
-        list(trace.header) + ["Constructed by Cache Module Structure: the module tree walk, run "
-                              "again only after a module, parameter or buffer is registered"],
-        namespace={**trace.namespace, token: _tree_token})
+    cache = [(None,)]  # the walk's last result
+    walk_trace = _walk_trace(trace, walk, cache, (static_names, dict_vars, object_dicts,
+                                                  module_vars))
     refresh = walk_trace.python_callable()
     guards = None
     if entries:
@@ -119,34 +103,81 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
         if type(current) is tuple:
             guards = attribute_guards(entries, current[2])
     module_part = _attribute_lines(module_part, entries, guards, keep)
+    bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
+    walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
+    binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
+    load = _load_line(cache, refresh, static_names if bound_statics else [], dict_vars,
+                      module_vars, tuple(binds))
+    lines = [b for b in rest if not _from_module(b)] + [load]
+    if guards is not None:
+        lines.append(_attribute_check_line(guards, entries))
+    lines += module_part + late
+    return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
 
+
+_TOKEN = "_tree_token"  # the name the walk and the load read the module-structure token by
+
+
+def _walk_trace(trace: Trace, walk, cache, kept) -> Trace:
+    """``refresh_module_structure``: the module tree walk, whose result the prologue keeps in
+    ``cache`` until the tree changes: ``(token, static tensors, attribute dicts, module vars)``.
+    ``kept``: the names of those tensors, the modules whose dicts are read, the ``__dict__``s of
+    objects checked by identity, and the walked values the rest of the prologue reads."""
+    static_names, dict_vars, object_dicts, module_vars = kept
+
+    def store(w):
+        w.namespace["_structure"] = cache
+        dicts = _tuple([f"{n}.__dict__" for n in dict_vars])
+        if object_dicts:
+            dicts = f"{dicts} + {w.constant(tuple(object_dicts), 'object_dicts')}"
+        modules = ["module"] + [b.outputs.name for b in walk if b.symbol is UNPACK
+                                and b.fields.path.is_submodule]
+        w.namespace["watch_modules"] = watch_modules
+        return [f"watch_modules({_tuple(modules)})",
+                f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
+                "_structure[0] = result",
+                "return result"]
+    hooks = hook_state(trace.namespace["module"])
+
+    def check_hooks(w):
+        w.namespace["hook_state"] = hook_state
+        return [f"if hook_state(module) != {w.constant(hooks, 'compiled_hooks')}:",
+                "  return 'a forward or backward hook was added or removed since compiling'"]
+    return Trace("refresh_module_structure", [], [
+        _glue("token", lambda w: [f"token = {_TOKEN}[0]"])] + walk + [
+        _glue("check hooks", check_hooks), _glue("store", store)],
+        list(trace.header) + ["Constructed by Cache Module Structure: the module tree walk, run "
+                              "again only after a module, parameter or buffer is registered"],
+        namespace={**trace.namespace, _TOKEN: _tree_token})
+
+
+def _load_line(cache, refresh, static_names, dict_vars, module_vars, binds) -> BoundSymbol:
+    """The line that takes the kept walk, walking again first when the tree changed;
+    ``static_names``: the static tensors bound as locals (none when they are spliced in)."""
     def load(w):
-        w.namespace.update({"_structure": cache, token: _tree_token,
+        w.namespace.update({"_structure": cache, _TOKEN: _tree_token,
                             "refresh_module_structure": refresh})
         lines = ["_s = _structure[0]",
-                 f"if _s[0] is not {token}[0]:  # the module tree changed",
+                 f"if _s[0] is not {_TOKEN}[0]:  # the module tree changed",
                  "  _s = refresh_module_structure()",
                  "  if type(_s) is not tuple: return _s"]
-        if bound_statics:
+        if static_names:
             lines.append(f"{_targets(static_names)} = _s[1]")
         if dict_vars:
             lines.append("_attribute_dicts = _s[2]")
         if module_vars:
             lines.append(f"{_targets(module_vars)} = _s[3]")
         return lines
-    bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
-    walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
-    binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
-    lines = call_part + [_glue("load module structure", load, binds=tuple(binds))]
-    if guards is not None:
-        def check_attributes(w):
-            g = w.constant(guards, "attribute_guards")
-            return [f"if not {g}.check(_attribute_dicts):",
-                    f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
-                    f"checked by identity in one C++ call"] + _attribute_comments(entries)
-        lines.append(_glue("check module attributes", check_attributes))
-    lines += module_part + late
-    return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
+    return _glue("load module structure", load, binds=binds)
+
+
+def _attribute_check_line(guards, entries) -> BoundSymbol:
+    def check_attributes(w):
+        g = w.constant(guards, "attribute_guards")
+        return [f"if not {g}.check(_attribute_dicts):",
+                f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
+                f"checked by identity in one C++ call"] + _attribute_comments(entries)
+    return _glue("check module attributes", check_attributes)
 
 
 def _from_module(b: BoundSymbol) -> bool:
@@ -155,7 +186,7 @@ def _from_module(b: BoundSymbol) -> bool:
 
 
 def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
-    return (b.symbol is UNPACK and b.fields.path.kind == "attr"
+    return (b.symbol is UNPACK and b.fields.path.is_attr
             and b.args[0].name in attribute_parents)
 
 
@@ -250,7 +281,7 @@ def _names_in(values) -> list[str]:
 def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
     parents = set()
     for b in rest:
-        if b.symbol is UNPACK and b.fields.path.kind == "attr":
+        if b.symbol is UNPACK and b.fields.path.is_attr:
             (parent,) = b.args
             if parent.name in structural_vars:
                 parents.add(parent.name)
@@ -271,7 +302,7 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     lines: list[BoundSymbol] = []
     for b in part:
         parent = b.args[0].name if b.symbol is UNPACK else None
-        if parent in source_of and b.fields.path.kind == "attr" \
+        if parent in source_of and b.fields.path.is_attr \
                 and (source_of[parent] < len(dict_vars) or b.fields.path.key in
                      object_dicts[source_of[parent] - len(dict_vars)]):
             out, key, index = b.outputs.name, b.fields.path.key, source_of[parent]
@@ -282,12 +313,12 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
             continue
         g = getattr(b.fields, "guard", None)
         var = var_of_path.get(_subject(b))
-        if (b.symbol is CHECK and g is not None and var in read_from
-                and g.kind in ("value", "identity") and not hasattr(g.expected, "proxy")
-                and not (g.kind == "value" and isinstance(g.expected, (list, dict, set)))):
+        if b.symbol is CHECK and g is not None and var in read_from \
+                and g.passes_for_same_object():
             index, key = read_from[var]
             entries.append((index, key, g.expected, b.fields.description, b.fields.index))
-            if g.kind == "identity" and isinstance(getattr(g.expected, "__dict__", None), dict):
+            if g.kind.only_that_object and isinstance(getattr(g.expected, "__dict__", None),
+                                                      dict):
                 source_of[var] = len(dict_vars) + len(object_dicts)
                 object_dicts.append(g.expected.__dict__)
             continue

@@ -117,8 +117,8 @@ def render(state, snapshot, timings: CallTimings | None, title: str | None) -> s
     for i, record in enumerate(records):
         entry_id = f"entry{i}"
         histories = (debug.trace_histories(record.entry) if record.entry is not None
-                     else {kind: [] for kind in KINDS})
-        data[entry_id] = {kind: _trace_items(histories[kind]) for kind in KINDS}
+                     else {k: [] for k in KINDS})
+        data[entry_id] = {k: _trace_items(histories[k]) for k in KINDS}
         data[entry_id]["empty"] = _NO_TRACE
         sections.append(_entry_section(entry_id, i, record, snapshot, histories))
     payload = json.dumps(data).replace("</", "<\\/")
