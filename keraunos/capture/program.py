@@ -188,185 +188,276 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
 
 
 def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
-    names = ctx.names
     ctx.record_global_state(final=True)  # the program may leave grad mode or autocast switched
-    # Inputs written in place, grouped by the storage they share with other inputs.
+    groups, body, renames = _working_copies(ctx)
+    body += [b.substitute(renames) if renames and not _reads_tensor_state(b) else b
+             for b in ctx.bound_symbols]
+    returns = _Returns(ctx, groups, renames)
+    out_template, writes, container_writes = _result_templates(ctx, out, returns)
+    for g in groups:
+        returns.add_output(g.updated)
+    # (The return line holds ``returns.flat`` itself: tensors the replayed calls log join it.)
+    body.append(glue.RETURN.bind(returns.flat))
+    params = _computation_inputs(ctx, groups)
+    computation = Trace("computation", params, body, ["Constructed by capture"])
+    epilogue = build_epilogue(ctx, out_template, returns.flat, groups, writes, container_writes,
+                              _replays(ctx, returns))
+    prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
+                                            check_values)
+    if ctx.symbols is not None and ctx.symbols.bindings:
+        for trace in (computation, epilogue.trace):
+            refuse_raw_symbols(trace)
+    return Program(prologue, computation, epilogue.trace, descriptions)
+
+
+def _working_copies(ctx: CaptureContext) -> tuple[list[MutableGroup], list[BoundSymbol],
+                                                  dict[str, TensorProxy]]:
+    """The inputs the program writes in place, grouped by the storage they share with other
+    inputs; the lines that copy each group before the program runs; and the renames of the
+    inputs that the copy of their own stands for."""
     by_storage: dict[int, list] = {}
     for entry in ctx.inputs:
         by_storage.setdefault(ctx.storage_of[entry.proxy.name], []).append(entry)
     groups: list[MutableGroup] = []
-    body: list[BoundSymbol] = []
+    lines: list[BoundSymbol] = []
     renames: dict[str, TensorProxy] = {}
     for key, members in by_storage.items():
         if key not in ctx.mutated_storages:
             continue
-        first = members[0]
-        real = first.real
-        dense = (len(members) == 1 and real.is_contiguous() and real.storage_offset() == 0
-                 and real.numel() * real.element_size() == real.untyped_storage().nbytes())
-        symbolic = ctx.symbols is not None and any(has_symbols(m.fake) for m in members)
-        if symbolic and (not dense or layout_key(first.fake) != (
-                *map(expr_key, first.proxy.shape), *map(expr_key, first.proxy.stride))):
-            raise SymbolicUnsupported("an input with symbolic sizes that the program writes to "
-                                      "shares its memory, or has its shape changed in place")
+        dense, symbolic = _dense_and_symbolic(ctx, members)
         if dense:
-            base = first.proxy
-            clone = TensorProxy(names.fresh(base.name + "_updated"), first.fake)
-            renames[base.name] = clone
-            body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone, tags={COPY_OF_WRITTEN_INPUT},
-                                    comment="written in place: work on a copy"))
-            final = first.fake
-            # The offset as a change: a later call may pass the same layout at another offset.
-            # (Compared only when it is numbers: comparing symbols would add guards.)
-            meta = (tuple(final.shape), tuple(final.stride()),
-                    final.storage_offset() - real.storage_offset())
-            new_metadata = None
-            if not symbolic and meta != (tuple(real.shape), tuple(real.stride()), 0):
-                new_metadata = meta + (final.numel() != real.numel(),)
-            groups.append(MutableGroup(base, clone, members, False, ctx.mutated_with_grad[key],
-                                       new_metadata))
+            group, line = _dense_copy(ctx, key, members[0], symbolic)
+            renames[group.base.name] = group.updated
+            lines.append(line)
         else:
-            if torch.is_grad_enabled() and len({m.proxy.requires_grad for m in members}) > 1:
-                # One flat copy of the memory cannot be a leaf that requires grad for one member
-                # and a detached alias for another: a parameter's gradient was lost when the
-                # program wrote its memory through a detached view passed in (fuzzer 21:799).
-                # (Under no_grad, the call's mode, no gradient is recorded: one copy serves.)
-                paths = ", ".join(f"{m.path} (requires_grad={m.proxy.requires_grad})"
-                                  for m in members)
-                raise CaptureError(
-                    f"keraunos cannot capture this call: inputs that share memory, {paths}, "
-                    f"disagree on requires_grad, and the program writes that memory in place.\n"
-                    f"  What to do: pass a copy (`.clone()`) of the detached tensor, or write "
-                    f"through the tensor that requires grad under torch.no_grad().")
-            storage = real.untyped_storage()
-            n = storage.nbytes() // real.element_size()
-            with ctx.fake_mode:
-                flat_fake = torch.empty(n, dtype=real.dtype, device=first.fake.device)
-            # The prologue views it through the first member: it requires grad as that did
-            # when it was passed (its fake requires grad too once the program wrote a value
-            # that does into it, and what the program read before that write does not).
-            flat_fake.requires_grad_(first.proxy.requires_grad)
-            base = TensorProxy(names.fresh(first.proxy.name + "_storage"), flat_fake,
-                               set(first.proxy.tags), f"storage of {first.path}")
-            clone = TensorProxy(names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
-            # The members are views of the copy: passes see them share its memory (a region
-            # that made a member from the copy would hand it back as memory of its own, and a
-            # later in-place write to it would miss the copy, fuzzer 1000:1857).
-            clone._storage = first.fake.untyped_storage()
-            clone.storage = clone._storage._cdata
-            body.append(BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
-                                    clone, tags={COPY_OF_WRITTEN_INPUT}))
-            for m in members:
-                fake = m.fake
-                body.append(BoundSymbol(
-                    TorchSymbol(torch.Tensor.as_strided, "as_strided", "method"),
-                    (clone, tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()), {},
-                    m.proxy))
-            for m in members:
-                if (tuple(m.fake.shape), tuple(m.fake.stride()), m.fake.storage_offset()) != (
-                        tuple(m.real.shape), tuple(m.real.stride()), m.real.storage_offset()):
-                    raise CaptureError(
-                        f"keraunos: the program changes the shape or strides of {m.path} in place "
-                        f"(t_(), squeeze_(), resize_()) while other inputs share its memory; "
-                        f"this is not supported. Use the out-of-place op (t(), squeeze()).")
-            groups.append(MutableGroup(base, clone, members, True, ctx.mutated_with_grad[key]))
-    mutable_members = {m.proxy.name for g in groups for m in g.members}
-    body += [b.substitute(renames) if renames and not _reads_tensor_state(b) else b
-             for b in ctx.bound_symbols]
+            group, copy_lines = _storage_copy(ctx, key, members)
+            lines += copy_lines
+        groups.append(group)
+    return groups, lines, renames
 
-    # What the computation returns: the user's tensors (not views of written inputs, which the
-    # epilogue rebuilds from the inputs themselves), tensors written to attributes, new values.
-    mutated_keys = {ctx.storage_of[g.members[0].proxy.name] for g in groups}
-    flat: list[TensorProxy] = []
-    seen: set[str] = set()
 
-    members_by_name = {m.proxy.name: g for g in groups for m in g.members}
-    input_names = {e.proxy.name for e in ctx.inputs}
-    view_source = _view_sources(ctx)
-    collected: dict[int, Any] = {}  # id(fake) -> its node: a tensor returned twice is one object
+def _dense_and_symbolic(ctx: CaptureContext, members: list) -> tuple[bool, bool]:
+    """Whether a written group is one input that is its whole storage, and whether it has
+    symbolic sizes (then it must be dense, and keep its layout)."""
+    first = members[0]
+    real = first.real
+    dense = (len(members) == 1 and real.is_contiguous() and real.storage_offset() == 0
+             and real.numel() * real.element_size() == real.untyped_storage().nbytes())
+    symbolic = ctx.symbols is not None and any(has_symbols(m.fake) for m in members)
+    if symbolic and (not dense or layout_key(first.fake) != (
+            *map(expr_key, first.proxy.shape), *map(expr_key, first.proxy.stride))):
+        raise SymbolicUnsupported("an input with symbolic sizes that the program writes to "
+                                  "shares its memory, or has its shape changed in place")
+    return dense, symbolic
 
-    def collect(tensor):
+
+def _dense_copy(ctx: CaptureContext, key: int, first, symbolic: bool
+                ) -> tuple[MutableGroup, BoundSymbol]:
+    """A written input that is its whole storage: the computation works on a clone of it."""
+    real = first.real
+    base = first.proxy
+    clone = TensorProxy(ctx.names.fresh(base.name + "_updated"), first.fake)
+    line = BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
+                       clone, tags={COPY_OF_WRITTEN_INPUT},
+                       comment="written in place: work on a copy")
+    final = first.fake
+    # The offset as a change: a later call may pass the same layout at another offset.
+    # (Compared only when it is numbers: comparing symbols would add guards.)
+    meta = (tuple(final.shape), tuple(final.stride()),
+            final.storage_offset() - real.storage_offset())
+    new_metadata = None
+    if not symbolic and meta != (tuple(real.shape), tuple(real.stride()), 0):
+        new_metadata = meta + (final.numel() != real.numel(),)
+    group = MutableGroup(base, clone, [first], False, ctx.mutated_with_grad[key], new_metadata)
+    return group, line
+
+
+def _storage_copy(ctx: CaptureContext, key: int, members: list
+                  ) -> tuple[MutableGroup, list[BoundSymbol]]:
+    """Written inputs that share memory (or view part of it): the computation works on a clone
+    of the whole storage, and the members are rebuilt as views of the clone."""
+    first = members[0]
+    real = first.real
+    _refuse_mixed_requires_grad(members)
+    storage = real.untyped_storage()
+    n = storage.nbytes() // real.element_size()
+    with ctx.fake_mode:
+        flat_fake = torch.empty(n, dtype=real.dtype, device=first.fake.device)
+    # The prologue views it through the first member: it requires grad as that did
+    # when it was passed (its fake requires grad too once the program wrote a value
+    # that does into it, and what the program read before that write does not).
+    flat_fake.requires_grad_(first.proxy.requires_grad)
+    base = TensorProxy(ctx.names.fresh(first.proxy.name + "_storage"), flat_fake,
+                       set(first.proxy.tags), f"storage of {first.path}")
+    clone = TensorProxy(ctx.names.fresh(first.proxy.name + "_storage_updated"), flat_fake)
+    # The members are views of the copy: passes see them share its memory (a region
+    # that made a member from the copy would hand it back as memory of its own, and a
+    # later in-place write to it would miss the copy, fuzzer 1000:1857).
+    clone._storage = first.fake.untyped_storage()
+    clone.storage = clone._storage._cdata
+    lines = [BoundSymbol(TorchSymbol(torch.Tensor.clone, "clone", "method"), (base,), {},
+                         clone, tags={COPY_OF_WRITTEN_INPUT})]
+    for m in members:
+        fake = m.fake
+        lines.append(BoundSymbol(
+            TorchSymbol(torch.Tensor.as_strided, "as_strided", "method"),
+            (clone, tuple(fake.shape), tuple(fake.stride()), fake.storage_offset()), {},
+            m.proxy))
+    for m in members:
+        if (tuple(m.fake.shape), tuple(m.fake.stride()), m.fake.storage_offset()) != (
+                tuple(m.real.shape), tuple(m.real.stride()), m.real.storage_offset()):
+            raise CaptureError(
+                f"keraunos: the program changes the shape or strides of {m.path} in place "
+                f"(t_(), squeeze_(), resize_()) while other inputs share its memory; "
+                f"this is not supported. Use the out-of-place op (t(), squeeze()).")
+    return MutableGroup(base, clone, members, True, ctx.mutated_with_grad[key]), lines
+
+
+def _refuse_mixed_requires_grad(members: list) -> None:
+    if torch.is_grad_enabled() and len({m.proxy.requires_grad for m in members}) > 1:
+        # One flat copy of the memory cannot be a leaf that requires grad for one member
+        # and a detached alias for another: a parameter's gradient was lost when the
+        # program wrote its memory through a detached view passed in (fuzzer 21:799).
+        # (Under no_grad, the call's mode, no gradient is recorded: one copy serves.)
+        paths = ", ".join(f"{m.path} (requires_grad={m.proxy.requires_grad})"
+                          for m in members)
+        raise CaptureError(
+            f"keraunos cannot capture this call: inputs that share memory, {paths}, "
+            f"disagree on requires_grad, and the program writes that memory in place.\n"
+            f"  What to do: pass a copy (`.clone()`) of the detached tensor, or write "
+            f"through the tensor that requires grad under torch.no_grad().")
+
+
+class _Returns:
+    """What the computation returns, found while the return value (and the values written to
+    attributes, containers and replayed calls) is turned into templates: the user's tensors (not
+    views of written inputs, which the epilogue rebuilds from the inputs themselves), tensors
+    written to attributes, the written inputs' new values. ``collect`` is the templates' leaf."""
+
+    def __init__(self, ctx: CaptureContext, groups: list[MutableGroup],
+                 renames: dict[str, TensorProxy]):
+        self.ctx = ctx
+        self.groups = groups
+        self.renames = renames
+        self.flat: list[TensorProxy] = []
+        self.seen: set[str] = set()
+        self.mutated_keys = {ctx.storage_of[g.members[0].proxy.name] for g in groups}
+        self.members_by_name = {m.proxy.name: g for g in groups for m in g.members}
+        self.input_names = {e.proxy.name for e in ctx.inputs}
+        self.view_source = _view_sources(ctx)
+        self.collected: dict[int, Any] = {}  # id(fake) -> its node: a tensor returned twice is one
+        self.number = ctx.symbols.code if ctx.symbols is not None else None
+
+    def add_output(self, proxy: TensorProxy) -> None:
+        if proxy.name not in self.seen:
+            self.seen.add(proxy.name)
+            self.flat.append(proxy)
+
+    def reference(self, value):
+        """An object passed in, put somewhere by the program."""
+        if id(value) in self.ctx.argument_objects and not isinstance(value, torch.Tensor):
+            return ObjectRef(self.ctx._object_paths[id(value)])
+        return None
+
+    def template(self, value):
+        """A value the epilogue rebuilds (the return value, a value written to an attribute)."""
+        return template_of(value, self.collect, self.ctx.saw_before_the_call,
+                           number=self.number, reference=self.reference)
+
+    def logged(self, value):
+        """A value a replayed call shows (``print(x.shape)``)."""
+        return template_of(value, self.collect, number=self.number)
+
+    def collect(self, tensor):
+        ctx = self.ctx
         if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
             tensor = ctx.real_tensor_reached_program(tensor)
-            input_names.add(ctx.proxy(tensor).name)
-        if id(tensor) not in collected:
-            collected[id(tensor)] = returned(tensor)
-        return collected[id(tensor)]
+            self.input_names.add(ctx.proxy(tensor).name)
+        if id(tensor) not in self.collected:
+            self.collected[id(tensor)] = self._returned(tensor)
+        return self.collected[id(tensor)]
 
-    def returned(tensor):
+    def _returned(self, tensor):
+        ctx = self.ctx
         proxy = ctx.proxy(tensor)
         key = ctx.storage_of[proxy.name]
-        if key in mutated_keys:
-            group = next(g for g in groups if ctx.storage_of[g.members[0].proxy.name] == key)
-            if proxy.name in members_by_name:
-                return FromInput(proxy, group.base, (), (), 0)
-            if tensor.requires_grad and not tensor._is_view():
-                # An alias autograd does not track as a view (x.detach(), x.data) that the
-                # program then wrote with a value requiring grad: in eager its history is its
-                # own (the write), which a view rebuilt from the input cannot have.
-                raise CaptureError(
-                    f"keraunos cannot capture this program: it returns {proxy.name}, an alias of "
-                    f"an input's memory made outside autograd (.detach(), .data) and then written "
-                    f"in place with a value that requires grad; its gradient would differ from "
-                    f"eager's.\n  What to do: return a copy (.clone()) of it, or write to a "
-                    f"tensor of its own.")
-            # The view is rebuilt after the copy-back, from the input (or its whole storage).
-            owner, absolute = view_source.get(proxy.name, (group.members[0].proxy, False))
-            base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
-            return FromInput(None, group.base, *_layout(
-                ctx, tuple(tensor.shape), tuple(tensor.stride()),
-                tensor.storage_offset() - (0 if absolute else base_offset)),
-                _view_grad(tensor, ctx.fake_of[owner.name]), absolute)
-        if proxy.name in input_names:  # the input itself: the very object, as in eager
+        if key in self.mutated_keys:
+            return self._of_written_memory(tensor, proxy, key)
+        if proxy.name in self.input_names:  # the input itself: the very object, as in eager
             return FromInput(proxy, proxy, (), (), 0)
         if _plain_view(tensor, ctx):
-            # A view is returned as a view of what it views: of the input itself (so that
-            # writing to it writes to the input, as in eager), or of a returned intermediate.
-            owner, absolute = view_source.get(proxy.name, (None, False))
-            if owner is not None and owner.dtype == tensor.dtype:
-                source = ctx.fake_of[owner.name]
-                return FromInput(None, owner, *_layout(
-                    ctx, tuple(tensor.shape), tuple(tensor.stride()),
-                    tensor.storage_offset() - (0 if absolute else source.storage_offset())),
-                    _view_grad(tensor, source), absolute)
-            base = tensor._base
-            if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
-                    ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
-                return ViewOf(collect(base), *_layout(
-                    ctx, tuple(tensor.shape), tuple(tensor.stride()),
-                    tensor.storage_offset() - base.storage_offset()), _view_grad(tensor, base))
-        proxy = renames.get(proxy.name, proxy)
-        if proxy.name not in seen:
-            seen.add(proxy.name)
-            flat.append(proxy)
+            view = self._view(tensor, proxy, key)
+            if view is not None:
+                return view
+        proxy = self.renames.get(proxy.name, proxy)
+        self.add_output(proxy)
         return proxy
 
-    number = ctx.symbols.code if ctx.symbols is not None else None
+    def _of_written_memory(self, tensor, proxy, key):
+        """A tensor in the memory of a written input: rebuilt from the input after the
+        copy-back."""
+        ctx = self.ctx
+        group = next(g for g in self.groups if ctx.storage_of[g.members[0].proxy.name] == key)
+        if proxy.name in self.members_by_name:
+            return FromInput(proxy, group.base, (), (), 0)
+        if tensor.requires_grad and not tensor._is_view():
+            # An alias autograd does not track as a view (x.detach(), x.data) that the
+            # program then wrote with a value requiring grad: in eager its history is its
+            # own (the write), which a view rebuilt from the input cannot have.
+            raise CaptureError(
+                f"keraunos cannot capture this program: it returns {proxy.name}, an alias of "
+                f"an input's memory made outside autograd (.detach(), .data) and then written "
+                f"in place with a value that requires grad; its gradient would differ from "
+                f"eager's.\n  What to do: return a copy (.clone()) of it, or write to a "
+                f"tensor of its own.")
+        # The view is rebuilt after the copy-back, from the input (or its whole storage).
+        owner, absolute = self.view_source.get(proxy.name, (group.members[0].proxy, False))
+        base_offset = 0 if group.whole_storage else group.members[0].fake.storage_offset()
+        return FromInput(None, group.base, *_layout(
+            ctx, tuple(tensor.shape), tuple(tensor.stride()),
+            tensor.storage_offset() - (0 if absolute else base_offset)),
+            _view_grad(tensor, ctx.fake_of[owner.name]), absolute)
 
-    def reference(value):  # an object passed in, put somewhere by the program
-        if id(value) in ctx.argument_objects and not isinstance(value, torch.Tensor):
-            return ObjectRef(ctx._object_paths[id(value)])
+    def _view(self, tensor, proxy, key):
+        """A view is returned as a view of what it views: of the input itself (so that
+        writing to it writes to the input, as in eager), or of a returned intermediate."""
+        ctx = self.ctx
+        owner, absolute = self.view_source.get(proxy.name, (None, False))
+        if owner is not None and owner.dtype == tensor.dtype:
+            source = ctx.fake_of[owner.name]
+            return FromInput(None, owner, *_layout(
+                ctx, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset() - (0 if absolute else source.storage_offset())),
+                _view_grad(tensor, source), absolute)
+        base = tensor._base
+        if base is not None and id(base) in ctx.proxy_of and base.dtype == tensor.dtype and \
+                ctx.storage_of[ctx.proxy_of[id(base)].name] == key:
+            return ViewOf(self.collect(base), *_layout(
+                ctx, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset() - base.storage_offset()), _view_grad(tensor, base))
         return None
-    known = ctx.saw_before_the_call
-    out_template = template_of(out, collect, known, number=number, reference=reference)
+
+
+def _result_templates(ctx: CaptureContext, out: Any, returns: _Returns):
+    """The templates the epilogue rebuilds: the return value, the values written to module
+    attributes, and the lists and dicts of the arguments the program changed."""
+    out_template = returns.template(out)
     # Objects the program made (a cache layer it appended) are made again on every call.
-    writes = [(w, template_of(w.value, collect, known, number=number, reference=reference))
-              for w in ctx.attribute_writes]
-    container_writes = [(path, template_of(list(now) if type(now) is list else dict(now), collect,
-                                           known, number=number, reference=reference))
+    writes = [(w, returns.template(w.value)) for w in ctx.attribute_writes]
+    container_writes = [(path, returns.template(list(now) if type(now) is list else dict(now)))
                         for path, now, before in ctx.containers if _changed(now, before)]
     _refuse_capture_values(out_template, "the return value")
     for w, template in writes:
         _refuse_capture_values(template, f"the value written to {w.module_path}.{w.name}")
     for path, template in container_writes:
         _refuse_capture_values(template, f"what the program put into {path}")
-    for g in groups:
-        if g.updated.name not in seen:
-            seen.add(g.updated.name)
-            flat.append(g.updated)
-    body.append(glue.RETURN.bind(flat))
+    return out_template, writes, container_writes
 
+
+def _computation_inputs(ctx: CaptureContext, groups: list[MutableGroup]) -> list[TensorProxy]:
+    """The computation's parameters: each input, or the storage its written group copies, then
+    the sizes the prologue reads (``s0``, ``s1``, ...)."""
+    mutable_members = {m.proxy.name for g in groups for m in g.members}
     params: list[TensorProxy] = []
     for entry in ctx.inputs:
         if entry.proxy.name in mutable_members:
@@ -376,20 +467,18 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
         else:
             params.append(entry.proxy)
     if ctx.symbols is not None:
-        params += ctx.symbols.proxies  # the sizes the prologue reads: s0, s1, ...
-    computation = Trace("computation", params, body, ["Constructed by capture"])
+        params += ctx.symbols.proxies
+    return params
+
+
+def _replays(ctx: CaptureContext, returns: _Returns) -> list[tuple]:
+    """The ``print`` and logging calls the epilogue replays, with the values they show."""
     replays = []
     for call in ctx.replayed_calls:
         replay, values = call.replay()
         source = call.source
         where = f"{source.filename}:{source.lineno}: {source.code}" if source else call.label
-        replays.append((replay, [collect(v) if isinstance(v, torch.Tensor) else
-                                 template_of(v, collect, number=number) for v in values],
+        replays.append((replay, [returns.collect(v) if isinstance(v, torch.Tensor) else
+                                 returns.logged(v) for v in values],
                         call.label, where))
-    epilogue = build_epilogue(ctx, out_template, flat, groups, writes, container_writes, replays)
-    prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,
-                                            check_values)
-    if ctx.symbols is not None and ctx.symbols.bindings:
-        for trace in (computation, epilogue.trace):
-            refuse_raw_symbols(trace)
-    return Program(prologue, computation, epilogue.trace, descriptions)
+    return replays
