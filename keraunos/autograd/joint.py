@@ -77,12 +77,12 @@ class _FakeForward(Interpreter):
     def run_line(self, index, bsym, args, kwargs):
         symbol = bsym.symbol
         if isinstance(symbol, TorchSymbol):
-            if symbol.name in _RNG_STATE:
+            if any(symbol.fn is f for f in _RNG_STATE):
                 # Never touch the real generator while compiling; the trace runs these.
-                if symbol.name == "torch.get_rng_state":
+                if symbol.fn is torch.get_rng_state:
                     return torch.empty(bsym.outputs.shape, dtype=bsym.outputs.dtype)
                 return SKIP
-            if symbol.style == "getter" and symbol.name == "grad":
+            if symbol.attribute is torch.Tensor.grad:
                 # The fake inputs have no .grad; the real ones have what capture saw.
                 return _fake_like(bsym.outputs)
             self.recorder.parent = index
@@ -194,7 +194,9 @@ def _fake_like(proxy):
     return torch.empty_strided(proxy.shape, proxy.stride, dtype=proxy.dtype, device=proxy.device)
 
 
-_RNG_STATE = {"torch.manual_seed", "torch.get_rng_state", "torch.set_rng_state"}
+# The generator's functions capture records (``capture/interceptors.py``), as the originals
+# (read when keraunos is imported, before any capture swaps them for its recorders).
+_RNG_STATE = (torch.manual_seed, torch.get_rng_state, torch.set_rng_state)
 
 
 def _apply_state(bsym) -> None:

@@ -79,14 +79,18 @@ def _changed(now, before) -> bool:
     return list(now) != list(before) or any(now[k] is not before[k] for k in now)
 
 
+# Attributes that are the tensor object's own state, not its data.
+_TENSOR_STATE = (torch.Tensor.grad, torch.Tensor._base, torch.Tensor.grad_fn)
+
+
 def _reads_tensor_state(bsym: BoundSymbol) -> bool:
     """``x.grad`` reads the input itself, not its data: it must not move to the working copy."""
-    return isinstance(bsym.symbol, TorchSymbol) and bsym.symbol.style == "getter" and \
-        bsym.symbol.name in ("grad", "_base", "grad_fn")
+    return isinstance(bsym.symbol, TorchSymbol) and any(
+        bsym.symbol.attribute is a for a in _TENSOR_STATE)
 
 
 # Views whose storage offset is the one the program names, not one relative to what they view.
-_ABSOLUTE_OFFSET_VIEWS = frozenset({"as_strided"})
+_ABSOLUTE_OFFSET_VIEWS = (torch.as_strided, torch.Tensor.as_strided, torch.ops.aten.as_strided)
 
 
 def _view_sources(ctx: CaptureContext) -> dict[str, tuple[TensorProxy, bool]]:
@@ -107,8 +111,9 @@ def _view_sources(ctx: CaptureContext) -> dict[str, tuple[TensorProxy, bool]]:
             of = next((p for p in viewed if ctx.storage_of[p.name] == key), None)
             if of is not None:
                 owner, absolute = source[of.name]
-                op = bsym.symbol.name.rsplit(".", 1)[-1]  # torch.as_strided, x.as_strided
-                source[out.name] = (owner, absolute or op in _ABSOLUTE_OFFSET_VIEWS)
+                op = getattr(bsym.symbol, "fn", None)  # torch.as_strided, x.as_strided
+                absolute = absolute or any(op is v for v in _ABSOLUTE_OFFSET_VIEWS)
+                source[out.name] = (owner, absolute)
     return source
 
 

@@ -64,6 +64,13 @@ class TorchSymbol(Symbol):
         self.name = name
         self.style = style
 
+    @property
+    def attribute(self) -> Any:
+        """What a getter reads, to compare by identity (``symbol.attribute is torch.Tensor.grad``):
+        the descriptor whose ``__get__`` its ``fn`` is (a new method-wrapper on every read, so
+        ``fn`` itself cannot be compared). ``None`` for the other styles."""
+        return getattr(self.fn, "__self__", None) if self.style == "getter" else None
+
     def expression(self, bsym: "BoundSymbol", w: "CodeWriter") -> str:
         args, kwargs = bsym.args, bsym.kwargs
         if self.style == "function":

@@ -263,21 +263,35 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
 
 
 # Ops Inductor hands to the library calls eager makes too (BLAS, oneDNN): no win from a region.
-_EXTERN = frozenset({"mm", "bmm", "addmm", "matmul", "linear", "conv1d", "conv2d", "conv3d",
-                     "convolution", "baddbmm", "addmv", "mv", "dot", "einsum",
-                     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu"})
+_EXTERN_NAMES = ("mm", "bmm", "addmm", "matmul", "linear", "conv1d", "conv2d", "conv3d",
+                 "convolution", "baddbmm", "addmv", "mv", "dot", "einsum",
+                 "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _extern_ops() -> dict[int, object]:
+    """The ops of those names, by id (the values keep them alive): torch's functions and the
+    tensor methods, with their private (``torch._convolution``) and in-place (``addmm_``) forms
+    and ``x @ w``; the ATen ops, with the overloads of each (``aten.mm.default``)."""
+    aten = torch.ops.aten
+    forms = [form for name in _EXTERN_NAMES for form in (name, "_" + name, name + "_")]
+    found = [getattr(namespace, form) for form in forms
+             for namespace in (torch, torch.nn.functional, torch.linalg, torch.Tensor, aten)
+             if hasattr(namespace, form)]
+    found.append(torch.Tensor.__matmul__)
+    found += [getattr(packet, o) for packet in (getattr(aten, n) for n in _EXTERN_NAMES
+                                                if hasattr(aten, n)) for o in packet.overloads()]
+    return {id(f): f for f in found}
+
+
+_EXTERN = _extern_ops()
 
 
 def computes_in_region(bsym: BoundSymbol) -> bool:
     """A line a region would compute itself (``tiers.worth_fusing`` counts these): one the
     fusion executor may claim, whose outputs are new memory (not views), and that is not a
     matrix product or convolution."""
-    if not fusible(bsym):
-        return False
-    short = bsym.symbol.name.rsplit(".", 1)[-1].strip("_")  # x @ w: __matmul__
-    aten = bsym.symbol.name.split(".")
-    if short in _EXTERN or (len(aten) >= 2 and aten[-2] in _EXTERN):  # aten.mm.default
+    if not fusible(bsym) or id(bsym.symbol.fn) in _EXTERN:
         return False
     read = {p.storage for p in bsym.input_proxies() if isinstance(p, TensorProxy)}
     return any(p.storage is None or p.storage not in read for p in bsym.output_proxies()

@@ -93,7 +93,10 @@ _STYLES = frozenset({"function", "method", "operator", "getitem", "getter"})
 # The attributes that are views (``x @ w.T``); ``x.grad``, ``x.data`` and the like read the
 # tensor object itself, which a compiled graph cannot. (``H`` and ``mH`` are ``T`` and ``mT`` here:
 # complex tensors stay outside regions.)
-_VIEW_GETTERS = frozenset({"T", "mT", "H", "mH"})
+_VIEW_GETTERS = (torch.Tensor.T, torch.Tensor.mT, torch.Tensor.H, torch.Tensor.mH)
+# ``repeat_interleave``, whose repeats may be a tensor (a size from data).
+_REPEAT_INTERLEAVE = (torch.repeat_interleave, torch.Tensor.repeat_interleave,
+                      torch.ops.aten.repeat_interleave)
 
 
 def fusible(bsym: BoundSymbol) -> bool:
@@ -101,19 +104,18 @@ def fusible(bsym: BoundSymbol) -> bool:
     symbol = bsym.symbol
     if not isinstance(symbol, TorchSymbol) or symbol.style not in _STYLES:
         return False
-    if symbol.style == "getter" and symbol.name not in _VIEW_GETTERS:
+    if symbol.style == "getter" and not any(symbol.attribute is g for g in _VIEW_GETTERS):
         return False
     forbidden = forbidding(bsym, "fuse")
     if forbidden - {MUTATION} or _draws_random(bsym):
         return False
     if (forbidden or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
         return False
-    short = symbol.name.rsplit(".", 1)[-1]
     if _depends_on_data(symbol) or "out" in bsym.kwargs or "generator" in bsym.kwargs:
         return False
     if bsym.kwargs.get("requires_grad"):  # a new leaf of autograd: a compiled graph makes none
         return False
-    if short.startswith("repeat_interleave") and any(  # tensor repeats: a size from data
+    if any(symbol.fn is r for r in _REPEAT_INTERLEAVE) and any(  # tensor repeats: from data
             isinstance(x, TensorProxy) for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs))):
         return False
     leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
@@ -129,11 +131,11 @@ def fusible(bsym: BoundSymbol) -> bool:
 
 
 # In-place methods that change a tensor's metadata or storage, not only its values: a compiled
-# graph cannot replay them on its input.
-_METADATA_WRITES = frozenset({
+# graph cannot replay them on its input. By id (the values keep the methods alive).
+_METADATA_WRITES = {id(m): m for m in (getattr(torch.Tensor, name) for name in (
     "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
-    "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "share_memory_", "retain_grad_",
-    "fix_", "record_stream_", "storage_", "untyped_storage_", "map_", "apply_", "map2_"})
+    "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "share_memory_", "fix_",
+    "map_", "apply_", "map2_"))}
 
 
 def _fusible_write(bsym: BoundSymbol) -> bool:
@@ -146,10 +148,10 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     where it does record (no backward trace of ours), ``fuse`` keeps such lines out. Which other inputs of a region
     may share the written memory is the region's rule (``_unsafe_writes``)."""
     symbol = bsym.symbol
-    short = symbol.name.rsplit(".", 1)[-1]
+    short = symbol.name.rsplit(".", 1)[-1]  # PyTorch's naming convention: ``add_``
     inplace_function = symbol.style == "function" and bsym.kwargs.get("inplace") is True
     if not inplace_function and (symbol.style != "method" or not short.endswith("_")
-                                 or short.endswith("__") or short in _METADATA_WRITES):
+                                 or short.endswith("__") or id(symbol.fn) in _METADATA_WRITES):
         return False
     target = bsym.args[0] if bsym.args else None
     if not isinstance(target, TensorProxy) or target.storage is None:
@@ -419,6 +421,10 @@ def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
     return {p.storage: i for i, b in enumerate(lines) for p in _written(b, io)}
 
 
+# ``as_strided``, which views a memory at offsets of its own (see ``_unsafe_writes``).
+_AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.ops.aten.as_strided)
+
+
 def _unsafe_writes(region: Region) -> list[int]:
     """In-place lines of ``region`` whose memory the region's graph could not write exactly:
     Inductor is given one fake tensor per input, each with memory of its own, so a written
@@ -438,7 +444,7 @@ def _unsafe_writes(region: Region) -> list[int]:
     for p in region.outputs:
         outputs[p.storage] = outputs.get(p.storage, 0) + 1
     strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
-               and b.symbol.name.rsplit(".", 1)[-1] == "as_strided"
+               and any(b.symbol.fn is v for v in _AS_STRIDED)
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
     unsafe, written, written_otherwise = [], set(), set()
     for k, b in enumerate(region.lines):
