@@ -251,6 +251,7 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Ke
             shape_env=compile_env if compile_env is not None else ShapeEnv())
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
+        _probe_vector_isa()  # waits for the warming thread's probe rather than racing it
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
                 _collecting_from_inductor() as (sources, pending):
@@ -337,14 +338,29 @@ def start_warming() -> None:
     # modules at once can meet one of them half initialized (an ImportError).
     from torch._inductor import codecache, compile_fx, cpp_builder, cpu_vec_isa  # noqa: F401
 
-    def probe():
-        try:
-            cpu_vec_isa.pick_vec_isa()  # cached: the first compile finds it done
-        except Exception:  # noqa: BLE001 - the compile itself will meet and report it
-            pass
-    thread = threading.Thread(target=probe, name="keraunos-inductor-warming", daemon=True)
+    thread = threading.Thread(target=_probe_vector_isa, name="keraunos-inductor-warming",
+                              daemon=True)
     _warming.append(thread)
     thread.start()
+
+
+# Inductor's first probe of the vector instructions is not safe to run on two threads at once:
+# ``VecAVX512.__bool__`` adds ``-mavx512bf16`` to the ISA's flags while it test-builds, and
+# restores what it saw, so two first probes at once leave the flag in twice for the rest of the
+# process. The flags are part of every C++ kernel's cache key: such a process builds every kernel
+# under a key no other process uses, and the next process rebuilds them all (measured on the
+# 4-layer training step: 12 of 12 kernels rebuilt on a warm restart). Every probe keraunos starts
+# goes through this lock, so the first one runs alone and the rest find it cached.
+_probe_lock = threading.Lock()
+
+
+def _probe_vector_isa() -> None:
+    from torch._inductor import cpu_vec_isa
+    with _probe_lock:
+        try:
+            cpu_vec_isa.pick_vec_isa()  # cached: later compiles find it done
+        except Exception:  # noqa: BLE001 - the compile itself will meet and report it
+            pass
 
 
 @functools.lru_cache(maxsize=None)

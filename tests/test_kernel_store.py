@@ -1,0 +1,85 @@
+"""Built kernels survive a restart: a second process on the same Inductor cache directory
+builds no C++ kernel the first one built.
+
+Each process here is a real cold start (a fresh ``TORCHINDUCTOR_CACHE_DIR``, so Inductor's probe
+of the vector instructions test-builds with g++ while keraunos captures the program: the race the
+first test guards against needs exactly that).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from keraunos.executors.fusion import compiler
+
+PROGRAM = textwrap.dedent("""
+    import torch, keraunos
+    torch.set_num_threads(1)
+
+    def f(x, w):
+        return torch.tanh(x @ w).exp().sum(-1) + 1
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
+    torch.testing.assert_close(jitted(x, w), f(x, w), rtol=1e-4, atol=1e-4)
+    assert keraunos.compile_stats(jitted).tier == "fused", keraunos.compile_stats(jitted)
+    print("ok")
+""")
+
+
+def _built(cache_dir) -> set[str]:
+    return {os.path.relpath(os.path.join(d, n), cache_dir)
+            for d, _, names in os.walk(cache_dir) for n in names if n.endswith(".so")}
+
+
+def _run(script, cache_dir) -> None:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "KERAUNOS_FUSE": ""}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
+                    reason="Inductor cannot build C++ kernels on this machine")
+def test_a_restart_rebuilds_no_kernel(tmp_path):
+    """The key of a C++ build holds the compiler's flags. Inductor's first probe of the CPU's
+    vector instructions, run on two threads at once (keraunos's warming thread and the first
+    compile), left ``-mavx512bf16`` in the flags twice for the whole process, so every kernel of a
+    cold process was keyed apart from the same kernel in any later one: a restart rebuilt them
+    all (12 of 12 on the 4-layer training step). Two cold-cache processes, then a restart."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    cache = tmp_path / "inductor"
+    _run(script, cache)
+    first = _built(cache)
+    assert first, "the first process built no kernel: nothing was tested"
+    _run(script, cache)
+    assert _built(cache) == first, f"rebuilt on restart: {sorted(_built(cache) - first)}"
+
+
+def test_every_probe_keraunos_starts_goes_through_one_lock(monkeypatch):
+    """The warming thread's probe and a compile's probe never run Inductor's first probe at
+    once: the compile waits on the lock the warming thread holds."""
+    import threading
+    from torch._inductor import cpu_vec_isa
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def slow_probe():
+        order.append("start")
+        inside.set()
+        release.wait(30)
+        order.append("end")
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", slow_probe)
+    warming = threading.Thread(target=compiler._probe_vector_isa)
+    warming.start()
+    assert inside.wait(30)
+    second = threading.Thread(target=compiler._probe_vector_isa)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second probe did not wait for the first"
+    release.set()
+    warming.join(30)
+    second.join(30)
+    assert order == ["start", "end", "start", "end"]
