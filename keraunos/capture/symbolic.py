@@ -20,7 +20,6 @@ prologue. A symbol's range starts at 2; a call with 0 or 1 there compiles an ent
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch.utils._sympy.numbers import int_oo
 from ..core.proxies import NumberProxy
 from ..core.provenance import Path
 from ..core.symbolic import SymbolicUnsupported, SymbolicValue, SizePrinter, as_code
+from ..integrations import huggingface
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int]) -> None:
@@ -56,39 +56,6 @@ def _from_call(path: Path) -> bool:
     return path.origin.key in ("args", "kwargs")
 
 
-# What Hugging Face ``generate()`` varies between its calls of the model's forward, by keyword
-# argument: the dimensions that are the sequence (negative: counted from the last). Within the
-# cache object passed as ``past_key_values``, its tensors' sequence dimension (-2) and its ints (a
-# layer's ``cumulative_length``, a static cache's ``max_cache_len``) vary too.
-GENERATE_SEQUENCE_DIMS = {"input_ids": (-1,), "token_type_ids": (-1,), "position_ids": (-1,),
-                          "cache_position": (-1,), "inputs_embeds": (-2,),
-                          "attention_mask": (-1, -2)}
-GENERATE_CACHE_ARGUMENT = "past_key_values"
-
-
-def called_from_generate(depth: int = 40) -> bool:
-    """Whether a Hugging Face ``generate()`` is on the stack (asked on a cache miss only)."""
-    frame = sys._getframe(1)
-    while frame is not None and depth:
-        if frame.f_code.co_name == "generate" and str(
-                frame.f_globals.get("__name__", "")).startswith("transformers.generation"):
-            return True
-        frame, depth = frame.f_back, depth - 1
-    return False
-
-
-def _generate_role(path: Path) -> tuple[str, bool] | None:
-    """The keyword argument of ``generate``'s forward call that ``path`` is in, and whether it is
-    that argument itself (not something inside it)."""
-    steps = 0
-    p = path
-    while p.parent is not None and p.parent.parent is not None:
-        p, steps = p.parent, steps + 1
-    if p.parent is None or not p.parent.is_root or p.parent.key != "kwargs":
-        return None
-    return str(p.key), steps == 0
-
-
 @dataclass
 class DynamicRequest:
     """Which sizes and ints one compilation makes symbolic.
@@ -104,25 +71,16 @@ class DynamicRequest:
     updated: dict = field(default_factory=dict)
     any_dynamic: bool = False
     # Set when the call comes from Hugging Face generate(): what it varies is symbolic from the
-    # first call on, as if marked dynamic, so that a later prompt length compiles nothing.
+    # first call on, as if marked dynamic, so that a later prompt length compiles nothing
+    # (``integrations/huggingface.py``).
     generating: bool = False
 
     def __post_init__(self):
         # Created on a cache miss only: the stack walk costs nothing on the hit path.
-        self.generating = called_from_generate()
+        self.generating = huggingface.called_from_generate()
 
     def _generate_dims(self, path: Path, ndim: int) -> set[int]:
-        role = self.generating and _generate_role(path)
-        if not role:
-            return set()
-        name, itself = role
-        # Qwen2 passes a dict of masks ({"full_attention": mask}): each is a mask.
-        if itself or (name == "attention_mask" and path.is_item
-                      and _generate_role(path.parent)[1]):
-            dims = GENERATE_SEQUENCE_DIMS.get(name, ())
-            # A 2-D attention mask is (batch, sequence): only its last dimension is the sequence.
-            return {d % ndim for d in dims if -ndim <= d < ndim and (ndim > 2 or d == -1)}
-        return {ndim - 2} if name == GENERATE_CACHE_ARGUMENT and ndim >= 3 else set()
+        return huggingface.varying_dims(path, ndim) if self.generating else set()
 
     def tensor_dims(self, real: torch.Tensor, path: Path) -> list[bool]:
         n = real.dim()
@@ -168,8 +126,7 @@ class DynamicRequest:
         changed = before is not None and (before[0] is None or before[0] != value)
         if changed and before[0] is not None and value not in (0, 1):
             self.changes.append(f"{path} changed {before[0]} → {value}")
-        role = self.generating and _generate_role(path)
-        generated = bool(role) and role[0] == GENERATE_CACHE_ARGUMENT
+        generated = self.generating and huggingface.varies_int(path)
         dynamic = self.all_arguments or changed or generated
         self.updated[path] = (None if dynamic else value,)
         if dynamic and value not in (0, 1):
