@@ -1,6 +1,7 @@
 """Instructions per call, counted by callgrind: a figure this shared machine's load cannot move.
 
-Run: python benchmarks/instructions.py [--case litgpt-decode | --case MODEL:infer | MODEL:train]
+Run: python benchmarks/instructions.py [--case litgpt-decode | tiny | mlp | mlp-grad |
+     MODEL:infer | MODEL:train]
      [--systems fused,inductor] [--calls N]
 
 Wall time on a shared two-core machine moves by 2x between runs, which cannot settle a 1.1x
@@ -10,7 +11,8 @@ system uninstrumented, then the parent switches instrumentation on (``callgrind_
 for exactly ``--calls`` calls and dumps the counts (``-d``). C++ kernels, the Python interpreter
 and the framework around them are all counted, so what a row says is the whole cost of a warm call.
 
-Cases: ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
+Cases: ``tiny``, ``mlp``, ``mlp-grad`` (the per-call overhead cases: ``(x * 2 + 1).relu()`` on a
+(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
 cache position moving each call), ``MODEL:infer`` and ``MODEL:train`` for a zoo model
 (``keraunos.testing.zoo``: eval and no_grad with the padding mask; a train-mode AdamW step).
 Systems: ``eager``, ``jit`` (keraunos.jit), ``fused`` (the inductor executor: keraunos.jit for
@@ -114,6 +116,38 @@ def _zoo_step(name: str, mode: str, label: str):
     return step
 
 
+SMALL_CASES = ("tiny", "mlp", "mlp-grad")
+
+
+def _small_step(case: str, label: str):
+    """Issue 28's per-call cases: ``tiny`` is ``(x * 2 + 1).relu()`` on a (4,) tensor, ``mlp`` an
+    8-16-8 MLP under ``no_grad`` and ``mlp-grad`` the same in grad mode (no backward)."""
+    import torch
+
+    import keraunos
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if case == "tiny":
+        def target(x):
+            return (x * 2 + 1).relu()
+        x = torch.randn(4)
+    else:
+        target = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                     torch.nn.Linear(16, 8))
+        x = torch.randn(2, 8)
+    make = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
+            "backend": lambda m: torch.compile(m, backend="keraunos"),
+            "dynamo": lambda m: torch.compile(m, backend="eager"),
+            "inductor": torch.compile}[label]
+    run = make(target)
+    if case == "mlp":
+        def step():
+            with torch.no_grad():
+                run(x)
+        return step
+    return lambda: run(x)
+
+
 def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     """Under valgrind: per system, build and warm up, then run ``calls`` calls between the
     parent's switches."""
@@ -125,6 +159,8 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     for label in systems:
         if case == "litgpt-decode":
             step = _litgpt_step(label)
+        elif case in SMALL_CASES:
+            step = _small_step(case, label)
         else:
             name, mode = case.split(":")
             step = _zoo_step(name, mode, label)
@@ -190,15 +226,16 @@ def main() -> None:
     parser.add_argument("--case", default="litgpt-decode",
                         help="litgpt-decode, or MODEL:infer / MODEL:train for a zoo model")
     parser.add_argument("--systems", default="fused,inductor",
-                        help="comma-separated: eager, jit, fused, backend, inductor")
+                        help="comma-separated: eager, jit, fused, backend, inductor; "
+                        "dynamo (torch.compile(backend='eager'), small cases only)")
     parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     systems = args.systems.split(",")
-    if args.case != "litgpt-decode" and (":" not in args.case or
-                                         args.case.split(":")[1] not in ("infer", "train")):
-        parser.error("--case is litgpt-decode or MODEL:infer or MODEL:train")
+    if args.case not in ("litgpt-decode", *SMALL_CASES) and (
+            ":" not in args.case or args.case.split(":")[1] not in ("infer", "train")):
+        parser.error(f"--case is litgpt-decode, {', '.join(SMALL_CASES)}, MODEL:infer or MODEL:train")
     if args.child:
         child(args.case, systems, args.calls, args.dir)
     else:

@@ -22,6 +22,7 @@ objects where the program returns its inputs, and eager returns the very objects
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 import os
 import sys
@@ -143,9 +144,9 @@ class _JitState:
         self.module = module
         self.entries: list[CacheEntry] = []  # most recently used first; replaced, never mutated
         self.lock = threading.RLock()
-        self.counter_lock = threading.Lock()  # cheaper than the RLock; held for one increment
-        self.hits = 0
-        self.misses = 0
+        # Hits are counted by ``next``, one C call: threads lose no count, and no lock is held.
+        self.hit_count = itertools.count()
+        self.misses = 0  # counted under ``lock``
         self.last_entry: CacheEntry | None = None
         self.last_lookup = 0.0
         self.compiled_at_call = 0  # hits + misses when the last miss happened
@@ -169,15 +170,25 @@ class _JitState:
         self.saved_forward = None
 
     @property
+    def hits(self) -> int:
+        return int(repr(self.hit_count)[len("count("):-1])  # an itertools.count shows its next value
+
+    @property
     def name(self) -> str:
         target = self.module if self.module is not None else self.fn
         return getattr(target, "__qualname__", None) or type(target).__qualname__
 
 
 # --------------------------------------------------------------------------------- call path
-def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
-    start = time.perf_counter()
-    for i, entry in enumerate(state.entries):
+def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict,
+                               start: float | None = None, first: int = 0):
+    """The entry that fits this call, with its inputs and what the epilogue takes; compiles on
+    a miss. ``first``: the entries before it were already tried for this call (``call``)."""
+    if start is None:
+        start = _clock()
+    entries = state.entries
+    for i in range(first, len(entries)):
+        entry = entries[i]
         try:
             r = entry.prologue_fn(*args, **kwargs)
         except Exception:  # noqa: BLE001
@@ -187,15 +198,17 @@ def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict):
             # front, so later such calls stay on this path. When none fits, the miss path
             # captures the program again, which raises the user's own error if there is one.
             continue
-        if type(r) is tuple and check_storage_aliases(entry, r[0]):
+        if type(r) is tuple and entry.alias_check(r[0]):
             if i:
                 _promote(state, entry)
-            with state.counter_lock:  # += is no atomic operation: threads would lose counts
-                state.hits += 1
+            next(state.hit_count)
             state.last_entry = entry
-            state.last_lookup = time.perf_counter() - start
+            state.last_lookup = _clock() - start
             return entry, r[0], r[1]
     return _miss(state, args, kwargs, start)
+
+
+_clock = time.perf_counter
 
 
 _is_alias_of = torch._C._is_alias_of
@@ -285,9 +298,27 @@ def maybe_call_epilogue(entry: CacheEntry, result, pro_to_epi):
 
 
 def call(state: _JitState, args: tuple, kwargs: dict):
-    entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
-    result = entry.computation_fn(*inputs)
-    return maybe_call_epilogue(entry, result, pro_to_epi)
+    """One call: the most recently used entry first, inline (the hit path of a warm program,
+    what decides a small function's overhead), then ``get_computation_and_inputs`` for the
+    others and the miss. Each of the entry's fields is read per call: a tier switch replaces
+    its computation in place."""
+    start = _clock()
+    entries = state.entries
+    if entries:
+        entry = entries[0]
+        try:
+            r = entry.prologue_fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - "not this entry": see get_computation_and_inputs
+            r = None
+        if type(r) is tuple and entry.alias_check(r[0]):
+            next(state.hit_count)
+            state.last_entry = entry
+            state.last_lookup = _clock() - start
+            return entry.epilogue_fn(entry.computation_fn(*r[0]), r[1])
+        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, start, 1)
+    else:
+        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, start)
+    return entry.epilogue_fn(entry.computation_fn(*inputs), pro_to_epi)
 
 
 def _call_checking_results(state: _JitState, args: tuple, kwargs: dict):
@@ -370,17 +401,15 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             reason = explain(entry, args, kwargs)
             if reason is None:
                 r = entry.prologue_fn(*args, **kwargs)
-                with state.counter_lock:
-                    state.hits += 1
+                next(state.hit_count)
                 state.last_entry = entry
                 state.last_lookup = time.perf_counter() - start
                 return entry, r[0], r[1]
             reasons.append(reason)
         state.last_miss_reasons = reasons
         lookup = time.perf_counter() - start  # what the failed checks cost, before compiling
-        with state.counter_lock:
-            state.misses += 1
-            state.compiled_at_call = state.hits + state.misses  # compile_stats: this call missed
+        state.misses += 1  # under state.lock, as every miss
+        state.compiled_at_call = state.hits + state.misses  # compile_stats: this call missed
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
