@@ -1,0 +1,232 @@
+"""The inputs part of the capture context: what comes into the program from outside it.
+
+It owns the capture's inputs and their provenance: the fake and proxy of every tensor input
+(``tensor_input``) and the stand-in of every other value (``value_input``), with the guards
+that taking each in records; the tables that map fakes to proxies and storages; where each
+module, parameter and buffer of the module tree lives, for values that reach the program
+without a read capture saw (``real_tensor_reached_program``); and the proxies of recorded
+lines' tensors (``proxy``, ``output_proxy``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..core.provenance import ATTR, BUFFER, ITEM, PARAMETER, SUBMODULE, Path, root
+from ..core.proxies import TensorProxy
+from ..core.symbolic import SymbolicUnsupported
+from ..core.tags import STATIC_MEMORY_LOCATION
+from ..errors import CaptureError, UnsupportedInputError, user_source
+from . import guards
+from .guards import is_plain
+from .leaks import is_tensor_subclass_with_dispatch
+from .recording import original_class
+from .symbolic import _from_call
+
+
+@dataclass
+class TensorInput:
+    """A tensor the program reads that comes from outside it."""
+
+    path: Path
+    real: torch.Tensor
+    fake: FakeTensor
+    proxy: TensorProxy
+
+
+class InputsMixin:
+    """Taking values into the capture. Part of ``CaptureContext``: it uses the context's
+    ``names``, ``fake_mode``, ``dynamic``, ``symbols``, ``arg_names``, ``root_objects``,
+    ``guards`` and ``guard``, the reads part's ``_watch_object`` and ``_object_paths``, and the
+    scope guards' ``path_of``."""
+
+    def _init_inputs(self, module: torch.nn.Module | None) -> None:
+        self.inputs: list[TensorInput] = []
+        self._input_by_real: dict[int, TensorInput] = {}
+        self.proxy_of: dict[int, TensorProxy] = {}   # id(fake) -> proxy
+        self.storage_of: dict[str, int] = {}        # proxy name -> fake storage key
+        self.fake_of: dict[str, FakeTensor] = {}     # proxy name -> fake
+        # (path, stand-in, contents at the start): list and dict arguments the program may change.
+        self.containers: list[tuple[Path, Any, Any]] = []
+        # Where each module, parameter and buffer of the tree lives, for values that reach the
+        # program without an attribute read we saw (ModuleList iteration, self.parameters()).
+        self.module_paths: dict[int, Path] = {}
+        self.tensor_paths: dict[int, Path] = {}
+        if module is not None:
+            self._index_module_tree(module)
+        self.tree_modules = set(self.module_paths)
+
+    def _index_module_tree(self, module: torch.nn.Module) -> None:
+        for name, sub in module.named_modules(remove_duplicate=False):
+            path = root("module")
+            for part in name.split(".") if name else []:
+                path = Path(path, SUBMODULE, part)
+            self.module_paths.setdefault(id(sub), path)
+            for kind, table in ((PARAMETER, sub._parameters), (BUFFER, sub._buffers)):
+                for key, t in table.items():
+                    if t is not None:
+                        self.tensor_paths.setdefault(id(t), Path(path, kind, key))
+
+    def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        if is_tensor_subclass_with_dispatch(real):
+            raise UnsupportedInputError(
+                f"keraunos.jit: {path} is a {type(real).__qualname__}, a tensor subclass that "
+                f"runs its own __torch_dispatch__ (DTensor, a quantized or nested tensor, ...); "
+                f"keraunos does not capture through such subclasses yet, and taking it for a "
+                f"plain tensor would compute something else.\n  What to do: pass its local or "
+                f"plain tensor (DTensor.to_local(), .to_dense(), .dequantize()), or call this "
+                f"part outside the jitted function (torch.compile(..., backend=\"keraunos\") "
+                f"does not take them either yet).")
+        if real.layout != torch.strided:
+            raise UnsupportedInputError(
+                f"keraunos.jit: {path} is a {real.layout} tensor; keraunos captures strided "
+                f"(dense) tensors only. Convert it with .to_dense(), or call this op outside the "
+                f"jitted function.")
+        known = self._input_by_real.get(id(real))
+        if known is not None:
+            if known.path != path:
+                self.guard(guards.IDENTITY, path, known)  # the same tensor reached two ways
+            return known.fake
+        dynamic = self.dynamic.tensor_dims(real, path) if self.dynamic is not None else None
+        with self.fake_mode, torch._C.DisableTorchFunction():  # conversion is not the program
+            fake = None
+            if dynamic is not None and any(d and n > 1 for d, n in zip(dynamic, real.shape)):
+                try:
+                    fake = self.symbols.tensor_fake(real, path, dynamic)
+                except SymbolicUnsupported:
+                    fake = None  # this input keeps its exact sizes
+            if fake is None:
+                fake = self.fake_mode.from_tensor(real)
+        hint = path.name_hint()
+        if path.parent is not None and path.parent.is_root and path.parent.key == "args":
+            hint = self.arg_names.get(path.key, hint)
+        elif path.parent is not None and path.parent.is_root and path.parent.key == "kwargs":
+            hint = str(path.key)
+        proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
+        if self.symbols is not None:
+            self.symbols.bind_tensor(fake, proxy, path)
+        entry = TensorInput(path, real, fake, proxy)
+        self.inputs.append(entry)
+        self._input_by_real[id(real)] = entry
+        self._register(fake, proxy)
+        return fake
+
+    def _register(self, fake: FakeTensor, proxy: TensorProxy) -> None:
+        self.proxy_of[id(fake)] = proxy
+        self.fake_of[proxy.name] = fake  # also keeps the fake alive, so ids stay unique
+        self.storage_of[proxy.name] = fake.untyped_storage()._cdata
+
+    def value_input(self, value: Any, path: Path, tags=()) -> Any:
+        """The stand-in the program sees for ``value`` found at ``path``; records its guards."""
+        if isinstance(value, torch.Tensor):
+            return self.tensor_input(value, path, tags)
+        if type(value) is int and self.dynamic is not None and \
+                self.dynamic.int_is_dynamic(value, path):
+            symint, proxy = self.symbols.int_input(value, path)
+            if proxy is not None:
+                self.guard(guards.SYMBOLIC_INT, path, proxy)
+                return symint
+        # A list or dict that came with the call (an argument, or held by an object passed in: a
+        # cache's list of layers) is a container the program may change, even while it holds only
+        # plain values: the program gets a stand-in, and the epilogue replays its changes.
+        held = type(value) in (list, dict) and _from_call(path)
+        if is_plain(value) and not path.is_root and not held:
+            self.guard(guards.VALUE, path, value)
+            return value
+        if type(value) in (tuple, list) or _is_namedtuple(value):
+            self.guard(guards.LENGTH, path, (type(value), len(value)))
+            items = [self.value_input(v, Path(path, ITEM, i), tags) for i, v in enumerate(value)]
+            stand_in = type(value)(*items) if _is_namedtuple(value) else type(value)(items)
+            if type(value) is list:
+                self.containers.append((path, stand_in, list(stand_in)))
+            return stand_in
+        if type(value) is dict:
+            self.guard(guards.KEYS, path, (dict, tuple(value)))
+            stand_in = {k: self.value_input(v, Path(path, ITEM, k), tags)
+                        for k, v in value.items()}
+            self.containers.append((path, stand_in, dict(stand_in)))
+            return stand_in
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and not path.is_attr:
+            self.guard(guards.TYPE, path, type(value))
+            copy = object.__new__(type(value))
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                object.__setattr__(copy, f.name, self.value_input(v, Path(path, ATTR, f.name), tags))
+            return copy
+        if path.is_module_derived() or path.key in ("globals", "closure"):
+            # Anything else the module or function holds (a config object, a function) must be the
+            # very same object; plain objects are also watched field by field as they are read.
+            self.guard(guards.IDENTITY, path, value)
+            self._watch_object(value, path)
+            return value
+        if not path.is_root and _from_call(path) and self._watch_object(value, path,
+                                                                         writable=True):
+            # A plain object passed in (a KV cache): its class is checked, each attribute the
+            # program reads is an input with its own checks, and its writes are replayed.
+            self.guard(guards.TYPE, path, original_class(value))
+            return value
+        raise UnsupportedInputError(_unsupported_input_message(path, value))
+
+    def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
+        """A real tensor met inside the program: a parameter read without our seeing the read
+        (``self.parameters()``), a global, a closure variable, or an object attribute."""
+        path = self.tensor_paths.get(id(t))
+        tags = (STATIC_MEMORY_LOCATION,)
+        if path is None:
+            path, tags = self._find_in_function_scope(t), ()
+        return self.tensor_input(t, path, tags)
+
+    def _find_in_function_scope(self, t: torch.Tensor) -> Path:
+        path = self.scopes.path_of(t)
+        if path is not None:
+            return path
+        # Held by some other object: the program keeps reading this very tensor.
+        key = f"<captured tensor {id(t):#x}>"
+        self.root_objects[key] = t
+        return root(key)
+
+    def saw_before_the_call(self, obj) -> bool:
+        """Whether ``obj`` existed before the program ran, as far as capture can tell."""
+        return (id(obj) in self._object_paths or id(obj) in self.module_paths
+                or any(v is obj for v in self.root_objects.values())
+                or any(g.kind is guards.IDENTITY and g.expected is obj for g in self.guards))
+
+    def proxy(self, fake: torch.Tensor) -> TensorProxy:
+        proxy = self.proxy_of.get(id(fake))
+        if proxy is None:
+            raise CaptureError(f"keraunos: internal error: a tensor of unknown origin reached "
+                               f"{user_source()}. Please report this with the program.")
+        return proxy
+
+    def output_proxy(self, fake: torch.Tensor) -> TensorProxy:
+        proxy = self.proxy_of.get(id(fake))
+        if proxy is None:
+            proxy = TensorProxy(self.names.fresh(), fake)
+            self._register(fake, proxy)
+        return proxy
+
+
+def _is_namedtuple(value) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _unsupported_input_message(path, value) -> str:
+    """Why ``value`` (passed at ``path``) cannot be an input, where the call was, and what to
+    pass instead: NumPy values have an exact tensor or number equivalent."""
+    kind = type(value)
+    where = user_source()
+    at = (f" (the call at {where.filename}:{where.lineno}{': ' + where.code if where.code else ''})"
+          if where else "")
+    message = (f"keraunos.jit: {path} is a {kind.__module__}.{kind.__qualname__}{at}, which "
+               f"keraunos cannot check on later calls.")
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+        return (f"{message} Pass a tensor instead: torch.from_numpy(array) shares the array's "
+                f"memory; torch.as_tensor(array, dtype=..., device=...) converts it.")
+    if kind.__module__ == "numpy" and hasattr(value, "item"):  # a NumPy scalar: np.float32(1.0)
+        return f"{message} Pass a Python number instead: value.item(), or float(value)."
+    return (f"{message} Pass tensors, numbers, strings, None, dtypes, devices, or "
+            f"tuples/lists/dicts/dataclasses of those.")

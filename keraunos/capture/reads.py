@@ -1,0 +1,268 @@
+"""The reads part of the capture context: the program's reads and writes of module attributes
+and of plain objects' attributes.
+
+It owns what capture knows of the objects it watches: the recording classes swapped in (and
+restored after capture), the path of each watched object, which of them came with the call
+(their writes are replayed by the epilogue), the overlay of values the program wrote (seen by
+its later reads), the writes themselves (``attribute_writes``), and the caches a torch module
+derives from its parameters (``_DERIVED_CACHES``), read as forward rebuilds them.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..core.provenance import ATTR, BUFFER, PARAMETER, SUBMODULE, Path, root
+from ..core.tags import STATIC_MEMORY_LOCATION
+from ..errors import CaptureError, UnsupportedInputError, user_source
+from . import guards
+from .guards import is_plain
+from .recording import (_recording_argument_class, _recording_module_class,
+                        _recording_object_class, original_class)
+
+
+@dataclass
+class AttributeWrite:
+    """``module.name = value`` done by the program; replayed by the epilogue."""
+
+    module_path: Path
+    name: str
+    value: Any  # a fake tensor or a plain Python value
+
+
+class ReadsMixin:
+    """Module and object attribute reads and writes, called by the recording classes
+    (``recording.Recorded`` names these methods). Part of ``CaptureContext``: it uses the
+    context's ``guard`` and ``root_objects``, and the inputs part's ``tensor_input``,
+    ``value_input``, ``real_tensor_reached_program``, ``module_paths`` and ``tree_modules``."""
+
+    def _init_reads(self) -> None:
+        self.attribute_writes: list[AttributeWrite] = []
+        self._overlay: dict[int, dict[str, Any]] = {}
+        self.argument_objects: set[int] = set()  # ids of plain objects passed in (writable)
+        self._swapped: list[tuple[Any, type]] = []
+        self._object_paths: dict[int, Path] = {}
+
+    def module_path(self, module) -> Path:
+        path = self.module_paths.get(id(module))
+        if path is None:  # a module created during the program: treat as a captured constant
+            key = f"<module {type(module).__name__} {id(module):#x}>"
+            self.root_objects[key] = module
+            path = self.module_paths[id(module)] = root(key)
+        self.guard(guards.TYPE, path, original_class(module))
+        return path
+
+    def module_getattr(self, module, name: str) -> Any:
+        d = object.__getattribute__(module, "__dict__")
+        if "_parameters" not in d or id(module) not in self.tree_modules:
+            # A module the program made (a ModuleList slice of the tree's modules, say): a
+            # temporary whose reads are not state; the tree modules it holds are watched.
+            return object.__getattribute__(module, name)
+        overlay = self._overlay.get(id(module))
+        if overlay is not None and name in overlay:
+            return overlay[name]
+        derive = _derived_cache(module, name)
+        if derive is not None:
+            return derive(self, module)
+        mpath = self.module_path(module)
+        for kind, table in ((PARAMETER, d["_parameters"]), (BUFFER, d["_buffers"])):
+            if name in table:
+                value = table[name]
+                path = Path(mpath, kind, name)
+                if value is None:
+                    self.guard(guards.VALUE, path, None)
+                    return None
+                return self.tensor_input(value, path, (STATIC_MEMORY_LOCATION,))
+        if name in d["_modules"]:
+            sub = d["_modules"][name]
+            path = Path(mpath, SUBMODULE, name)
+            if sub is None:
+                self.guard(guards.VALUE, path, None)
+            elif self.module_paths.get(id(sub)) != path:
+                self.guard(guards.IDENTITY, path, sub)
+            return sub
+        if name in d and name not in MODULE_INTERNALS:
+            return self.value_input(d[name], Path(mpath, ATTR, name))
+        if name in ("_modules", "_parameters", "_buffers"):
+            # The program looks at the whole table (iterating a ModuleList, say): its keys matter.
+            self.guard(guards.KEYS, Path(mpath, ATTR, name), (dict, tuple(d[name])))
+        try:
+            return object.__getattribute__(module, name)
+        except AttributeError:
+            # `getattr(self, "extra", None)`: the program depends on the attribute's absence.
+            self.guard(guards.ABSENT, Path(mpath, ATTR, name), None)
+            raise
+
+    def module_setattr(self, module, name: str, value: Any) -> None:
+        if id(module) not in self.tree_modules:  # created by the program: an ordinary write
+            original_class(module).__setattr__(module, name, value)
+            return
+        if _derived_cache(module, name) is not None:
+            self._overlay.setdefault(id(module), {})[name] = value  # seen by later reads only
+            return
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        if not (isinstance(value, FakeTensor) or is_plain(value)):
+            raise CaptureError(
+                f"keraunos: the program sets {self.module_path(module)}.{name} to a "
+                f"{type(value).__qualname__} at {user_source()}; only tensors and plain Python "
+                f"values can be written to modules inside a jitted forward. Move the assignment "
+                f"out of forward.")
+        self._overlay.setdefault(id(module), {})[name] = value
+        self.attribute_writes.append(AttributeWrite(self.module_path(module), name, value))
+
+    def _watch_object(self, obj: Any, path: Path, writable: bool = False) -> bool:
+        """Swap in a recording class; whether ``obj`` is watched (at ``path``) afterwards.
+        ``writable``: the object came with the call, so the program's writes to it are recorded
+        and replayed by the epilogue rather than made to the object during capture."""
+        if id(obj) in self._object_paths or isinstance(obj, torch.nn.Module):
+            return self._object_paths.get(id(obj)) == path
+        cls = original_class(obj)
+        if not hasattr(obj, "__dict__") or cls.__module__ == "builtins" or isinstance(obj, type) \
+                or callable(obj):
+            return False
+        try:
+            obj.__class__ = (_recording_argument_class if writable else _recording_object_class)(cls)
+        except TypeError:
+            return False
+        self._object_paths[id(obj)] = path
+        self._swapped.append((obj, cls))
+        if writable:
+            self.argument_objects.add(id(obj))
+        return True
+
+    def object_setattr(self, obj, name: str, value: Any) -> None:
+        """``obj.name = value`` on an object passed in: seen by later reads, replayed by the
+        epilogue (``cache.keys = t5``)."""
+        if id(obj) not in self.argument_objects:
+            original_class(obj).__setattr__(obj, name, value)
+            return
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        self._overlay.setdefault(id(obj), {})[name] = value
+        self.attribute_writes.append(AttributeWrite(self._object_paths[id(obj)], name, value))
+
+    def object_getattr(self, obj, name: str) -> Any:
+        d = object.__getattribute__(obj, "__dict__")
+        cls = original_class(obj)
+        if id(obj) not in self._object_paths:
+            # Made by the program from a watched object (``type(self)(...)`` in a class's own
+            # ``__copy__``): what it holds came from reads already recorded.
+            return cls.__getattribute__(obj, name)
+        if id(obj) in self.argument_objects:
+            return self._argument_getattr(obj, d, cls, name)
+        if cls.__getattribute__ is not object.__getattribute__:
+            # The object resolves names itself (a config's attribute_map, say): read through it.
+            value = cls.__getattribute__(obj, name)
+            if name in d or is_plain(value):
+                return self.value_input(value, Path(self._object_paths[id(obj)], ATTR, name))
+            return value
+        if name in d:
+            return self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
+        return object.__getattribute__(obj, name)
+
+    def object_state_read(self, obj) -> None:
+        """The program reads the whole state of a watched object at once: it copies or pickles
+        it, or reads its ``__dict__`` (a config's ``to_dict()``). Every attribute counts as read,
+        so the copy's values are guarded like the original's; nested objects become watched
+        here, and a deep copy reads their state in turn."""
+        path = self._object_paths.get(id(obj))
+        if path is None:
+            return  # made by the program: its state came from reads already recorded
+        d = object.__getattribute__(obj, "__dict__")
+        if id(obj) not in self.argument_objects:
+            for name in list(d):
+                self.value_input(d[name], Path(path, ATTR, name))
+            return
+        cls = original_class(obj)
+        for name in list(d) + [k for k in self._overlay.get(id(obj), ()) if k not in d]:
+            if self._argument_getattr(obj, d, cls, name) is not d.get(name):
+                raise CaptureError(
+                    f"keraunos: the program copies or pickles {path}, a {cls.__qualname__} "
+                    f"passed in, at {user_source()}; its attribute {name!r} holds a tensor, a "
+                    f"list or a dict, or was set by the program, which a copy made during "
+                    f"capture would not see as the call passes it. Copy the object before "
+                    f"calling the jitted function, or pass what the copy needs instead.")
+
+    def _argument_getattr(self, obj, d: dict, cls: type, name: str) -> Any:
+        overlay = self._overlay.setdefault(id(obj), {})
+        if name in overlay:  # written by the program, or read before (one stand-in per list)
+            return overlay[name]
+        if cls.__getattribute__ is not object.__getattribute__:
+            raise UnsupportedInputError(
+                f"keraunos.jit: {self._object_paths[id(obj)]} is a {cls.__qualname__}, which "
+                f"resolves attributes itself; keraunos cannot record what the program reads.")
+        if name in d:
+            # Read inside the program: the recording mode must not see the metadata reads of
+            # taking the value in (a real tensor would count as reached from nowhere).
+            with torch._C.DisableTorchFunction():
+                value = self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
+            overlay[name] = value
+            return value
+        try:
+            return object.__getattribute__(obj, name)  # methods, class attributes: type checked
+        except AttributeError:
+            self.guard(guards.ABSENT_ATTRIBUTE, Path(self._object_paths[id(obj)], ATTR, name), None)
+            raise
+
+    def swap_module_classes(self, module: torch.nn.Module) -> None:
+        for sub in module.modules():
+            cls = type(sub)
+            sub.__class__ = _recording_module_class(cls)
+            self._swapped.append((sub, cls))
+
+    def restore_classes(self) -> None:
+        for obj, cls in reversed(self._swapped):
+            obj.__class__ = cls
+        self._swapped.clear()
+
+
+def _rnn_flat_weights(ctx: ReadsMixin, module: torch.nn.RNNBase) -> list:
+    """``_flat_weights`` as ``RNNBase.forward`` leaves it once ``_update_flat_weights`` ran: the
+    parameters named in ``_flat_weights_names`` (``None`` for one the module lacks)."""
+    weights = []
+    for name in ctx.module_getattr(module, "_flat_weights_names"):
+        try:
+            weights.append(ctx.module_getattr(module, name))
+        except AttributeError:
+            weights.append(None)
+    return weights
+
+
+def _rnn_flat_weight_refs(ctx: ReadsMixin, module: torch.nn.RNNBase) -> list:
+    """Weak references to those weights, by which forward tells that none was replaced."""
+    return [None if w is None else weakref.ref(w) for w in _rnn_flat_weights(ctx, module)]
+
+
+# Attributes a torch module keeps as a cache of its own parameters, and rebuilds inside forward
+# when a parameter was replaced: capture reads them as forward finds them after rebuilding, made
+# of the parameters it reads (each an input with its checks), so every call uses the parameters
+# it passes, as eager does. Writes of them stay within the capture: the real module's cache
+# heals itself the same way on its next eager call. (nn.LSTM, nn.GRU, nn.RNN: their forward
+# compares ``_flat_weight_refs`` with the parameters, which capture sees as stand-ins, and would
+# otherwise rebuild ``_flat_weights`` on every capture.)
+_DERIVED_CACHES: dict[tuple[type, str], Callable] = {
+    (torch.nn.RNNBase, "_flat_weights"): _rnn_flat_weights,
+    (torch.nn.RNNBase, "_flat_weight_refs"): _rnn_flat_weight_refs,
+}
+
+
+def _derived_cache(module, name: str) -> Callable | None:
+    for (cls, attribute), derive in _DERIVED_CACHES.items():
+        if name == attribute and isinstance(module, cls):
+            return derive
+    return None
+
+
+MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_compiled_call_impl", "forward", "call_super_init",
+    "dump_patches", "_version",
+})
