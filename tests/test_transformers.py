@@ -56,13 +56,13 @@ BUG_VMAP = (
     "torch.vmap inside a captured program fails: transformers.masking_utils builds every causal "
     "mask (no mask, 2-D padding mask under eager attention, sliding window, packed-sequence check) "
     "with torch.vmap, and the Recorder takes the BatchedTensor for a real tensor reaching the program: "
-    "NotImplementedError: Cannot access storage of BatchedTensorImpl (capture/context.py _register). "
+    "NotImplementedError: Cannot access storage of BatchedTensorImpl (capture/inputs.py _register). "
     "Repro: keraunos.jit(lambda x: torch.vmap(lambda r: r * 2)(x))(torch.randn(3, 4))")
 BUG_SLICE = (
     "slicing an nn.ModuleList inside forward fails: `self.layers[: config.num_hidden_layers]` builds "
     "a new ModuleList through self.__class__, the recording stand-in class, whose __getattribute__ "
     "reads d['_parameters'] before Module.__init__ has set it: KeyError: '_parameters' "
-    "(capture/context.py module_getattr). Repro: a module with self.layers = nn.ModuleList(...) "
+    "(capture/reads.py module_getattr). Repro: a module with self.layers = nn.ModuleList(...) "
     "whose forward does `for l in self.layers[:2]: x = l(x)`")
 BUG_DATA_BOOL = (
     "data-dependent Python control flow in transformers (documented keraunos limitation, "

@@ -1,7 +1,7 @@
 """Recording ATen calls: the one ``TorchDispatchMode`` that writes down what ran below the torch level.
 
 Both the joint forward-and-backward recording (``autograd/joint.py``) and the capture of a
-``torch.vmap``-ed function (``capture/context.py``) need to see ATen ops, because what they record
+``torch.vmap``-ed function (``capture/calls.py``, ``record_vmap``) need to see ATen ops, because what they record
 never reaches the torch function level: PyTorch's derivative formulas, functorch's batching rules.
 The recorder lives here so that neither of those layers imports the other.
 """
