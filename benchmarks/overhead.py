@@ -1,8 +1,30 @@
-"""Per-call overhead: eager vs keraunos vs keraunos + ExtractionOnlyPrologueTransform vs torch.compile.
+"""Per-call overhead of warm calls: eager, keraunos and torch.compile, in one run.
 
-Run: python benchmarks/overhead.py [--calls N] [--skip-compile]
+Run: python benchmarks/overhead.py [--calls N] [--skip-compile] [--only calls | --only prologue]
 
-Two programs, all figures measured in this one run, medians over many calls, one intra-op thread:
+Every figure is measured in this one run, one intra-op thread (torch.set_num_threads(1)).
+``--skip-compile`` leaves every torch.compile system out; ``--only`` runs one of the two parts.
+
+Part "calls" (issue 28): per-call time of four programs under five systems. Every compiled system
+must give eager's output once (torch.testing.assert_close) before it is timed (the keraunos
+backend's background fusion is waited for, so the program it settles on is timed); then the systems
+take turns, blocks of calls each, the order rotating every round, so a change of the machine's
+load hits them alike; a system's figure is the median over its blocks of the time per call.
+Programs (rows):
+- ``tiny``: ``(x * 2 + 1).relu()``, x of shape (4,);
+- ``mlp``: ``nn.Sequential(Linear(8, 16), ReLU(), Linear(16, 8))`` on (2, 8), under no_grad;
+- ``mlp-grad``: the same MLP in grad mode (forward only, no backward);
+- ``decode``: a decode step of litgpt's KV-cache GPT (2 layers, n_embd 64, random weights, as
+  benchmarks/generate.py builds it) under inference_mode: one token at a position that moves
+  each call, ``input_pos_maxp1`` left None so that every shape stays fixed (litgpt then masks
+  the whole cache).
+Systems (columns): ``eager``; ``keraunos.jit`` (``keraunos.jit(m, fuse="off")``); ``backend``
+(``torch.compile(m, backend="keraunos")``); ``inductor`` (``torch.compile(m)``); ``dynamo``
+(``torch.compile(m, backend="eager")``: Dynamo's own cost). Each cell is microseconds and the
+ratio to eager; the issue's ratios follow: keraunos.jit / eager, backend / inductor and
+backend / keraunos.jit (the one the issue asks of the decode step).
+
+Part "prologue", two programs, medians over many calls:
 - a tiny function, gelu(x @ y + 1).sum(-1) with x 4x8 and y 8x8: whole-call time; and its cache
   hit on a symbolic entry (dynamic=True) against a static one, prologue alone, computation alone
   and whole call, timed in turns;
@@ -14,14 +36,18 @@ Two programs, all figures measured in this one run, medians over many calls, one
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
 
-import keraunos
-from keraunos.transforms import ExtractionOnlyPrologueTransform
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import keraunos  # noqa: E402
+from keraunos.transforms import ExtractionOnlyPrologueTransform  # noqa: E402
 
 
 def median_time(fn, calls: int, warmup: int = 20) -> float:
@@ -186,13 +212,178 @@ def bench_llama(calls: int, with_compile: bool):
     return prologue, whole, reference
 
 
+CALL_SYSTEMS = {
+    "eager": lambda m: m,
+    "keraunos.jit": lambda m: keraunos.jit(m, fuse="off"),
+    "backend": lambda m: torch.compile(m, backend="keraunos"),
+    "inductor": lambda m: torch.compile(m),
+    "dynamo": lambda m: torch.compile(m, backend="eager"),
+}
+COMPILE_SYSTEMS = ("backend", "inductor", "dynamo")
+
+
+def tiny_relu(x):
+    return (x * 2 + 1).relu()
+
+
+# A program builds its target, hands it to ``make`` (one of CALL_SYSTEMS) and returns
+# (step, what make returned): step() is one call, returning the output.
+
+def tiny_program(make):
+    run, x = make(tiny_relu), torch.randn(4)
+    return (lambda: run(x)), run
+
+
+def mlp_program(make, grad: bool):
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    run, x = make(mlp), torch.randn(2, 8)
+    if grad:
+        return (lambda: run(x)), run
+
+    def step():
+        with torch.no_grad():
+            return run(x)
+    return step, run
+
+
+def decode_program(make):
+    """Each system gets its own copy of the model and so its own KV cache; every copy's first
+    call is the same (token 5 at position 9 into an empty cache), which is what the check
+    compares."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from generate import litgpt_model
+    module = litgpt_model()
+    module.max_seq_length = 256
+    module.set_kv_cache(batch_size=1)
+    run, token, position = make(module), torch.tensor([[5]]), [0]
+
+    @torch.inference_mode()
+    def step():
+        pos = position[0] % 200 + 9
+        position[0] += 1
+        return run(token, input_pos=torch.tensor([pos]))
+    return step, run
+
+
+CALL_PROGRAMS = {
+    "tiny": tiny_program,
+    "mlp": lambda make: mlp_program(make, grad=False),
+    "mlp-grad": lambda make: mlp_program(make, grad=True),
+    "decode": decode_program,
+}
+
+
+def compilations(wrapped: dict) -> tuple:
+    """What a recompile during timing would change: Dynamo's graph count and the misses of
+    every keraunos.jit cache."""
+    from torch._dynamo.utils import counters
+    misses = tuple(keraunos.cache_misses(fn) for fn in wrapped.values()
+                   if hasattr(fn, "_keraunos"))
+    return counters["stats"]["unique_graphs"], misses
+
+
+def wait_for_background_fusion(name: str, run) -> None:
+    """The keraunos backend fuses in the background (its default fuse="background"): wait, so
+    that what is timed is the program it settles on, and so that its Inductor compile never
+    runs on its thread while the next system compiles with Inductor on this one (they share
+    Inductor's global state: one run here failed in make_fx that way)."""
+    if name == "backend":
+        from keraunos.dynamo.backend import subgraphs_of
+        for subgraph in subgraphs_of(run):
+            keraunos.wait_for_fusion(subgraph.jitted)
+
+
+BLOCK = 25  # calls a turn
+
+
+def blocks_for(calls: int) -> int:
+    return max(calls // BLOCK, 5)
+
+
+def round_robin(steps: dict, calls: int, block: int = BLOCK) -> dict[str, float]:
+    """Median per-call wall time of each step: blocks of ``block`` calls, the steps taking turns
+    and the order rotating each round, so the machine's load falls on all of them alike."""
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    names = list(steps)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(blocks_for(calls)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = steps[name]
+            t0 = time.perf_counter()
+            for _ in range(block):
+                step()
+            samples[name].append((time.perf_counter() - t0) / block)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def bench_program(label: str, program, systems: list[str], calls: int) -> dict[str, float]:
+    torch._dynamo.reset()  # a fresh Dynamo cache per program, its systems compiled side by side
+    steps, wrapped, expected = {}, {}, None
+    for name in systems:
+        torch.manual_seed(0)  # the same weights and inputs for every system
+        steps[name], wrapped[name] = program(CALL_SYSTEMS[name])
+        out = steps[name]().detach()
+        if expected is None:
+            expected = out
+        torch.testing.assert_close(out, expected, msg=lambda m, name=name:
+                                   f"{name} differs from eager: {m}")
+        wait_for_background_fusion(name, wrapped[name])
+    for step in steps.values():
+        step()  # a second call: a compile that the first call's values trigger happens here
+    before = compilations(wrapped)
+    times = round_robin(steps, calls)
+    if compilations(wrapped) != before:
+        print(f"  {label}: recompiled while timed (Dynamo graphs, keraunos.jit misses): "
+              f"{before} -> {compilations(wrapped)}")
+    return times
+
+
+def cell(seconds: float, reference: float) -> str:
+    return f"{seconds * 1e6:8.2f} {seconds / reference:5.2f}x"
+
+
+def bench_calls(calls: int, with_compile: bool):
+    """Issue 28's table: per-call time of each program under each system, all in this run."""
+    # The three torch.compile systems keep their entries under the same code objects (the MLP's
+    # forward, the GPT's): room for them all, and for a decode step that recompiles.
+    torch._dynamo.config.cache_size_limit = 64
+    systems = [s for s in CALL_SYSTEMS if with_compile or s not in COMPILE_SYSTEMS]
+    results = {}
+    for label, program in CALL_PROGRAMS.items():
+        results[label] = bench_program(label, program, systems, calls)
+    print(f"per call, us (ratio to eager); median over {blocks_for(calls)} blocks of {BLOCK} "
+          "calls a system, the systems taking turns")
+    print(f"  {'':10}" + "".join(f"{name:>15}" for name in systems))
+    for label, times in results.items():
+        print(f"  {label:10}" + "".join(cell(times[s], times["eager"]) for s in systems))
+    ratios = [("keraunos.jit / eager", "keraunos.jit", "eager"),
+              ("backend / inductor", "backend", "inductor"),
+              ("backend / keraunos.jit", "backend", "keraunos.jit")]
+    print("\nissue 28 ratios")
+    print(f"  {'':10}" + "".join(f"{name:>24}" for name, _, _ in ratios))
+    for label, times in results.items():
+        print(f"  {label:10}" + "".join(
+            f"{times[a] / times[b]:23.2f}x" if a in times and b in times else f"{'-':>24}"
+            for _, a, b in ratios))
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--only", choices=("calls", "prologue"),
+                        help="run one part: the per-call table or the prologue figures")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread\n")
+    if args.only != "prologue":
+        bench_calls(args.calls, not args.skip_compile)
+    if args.only == "calls":
+        return
+    print()
     bench_tiny(args.calls, not args.skip_compile)
     bench_symbolic(args.calls)
     bench_llama(max(args.calls // 20, 50), not args.skip_compile)
