@@ -232,7 +232,73 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     return kernel, False
 
 
+class _Turns:
+    """One thread at a time traces and lowers: Inductor's compile (AOTAutograd's ``make_fx``) and
+    Dynamo's both run torch.fx's tracer, whose patcher is one module global
+    (``torch.fx._symbolic_trace.CURRENT_PATCHER``): two traces at once on two threads undo each
+    other's patches and one of them fails ("CURRENT_PATCHER is None in finally block"), a fused
+    region on the worker (run unfused, with a warning) or the caller's own ``torch.compile``.
+    Re-entrant on one thread (a Dynamo compile calls the keraunos backend, which compiles
+    regions); a turn may be given back by another thread than took it (Dynamo runs its end
+    callbacks on the thread whose compile ends last)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def take(self) -> None:
+        me = threading.get_ident()
+        with self._changed:
+            while self._owner is not None and self._owner != me:
+                self._changed.wait()
+            self._owner = me
+            self._depth += 1
+
+    def give_back(self) -> None:
+        with self._changed:
+            self._depth = max(self._depth - 1, 0)
+            if self._depth == 0:
+                self._owner = None
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self):
+        self.take()
+        try:
+            yield
+        finally:
+            self.give_back()
+
+
+_turns = _Turns()
+
+
+def _dynamo_takes_turns() -> None:
+    """Dynamo's compiles on any thread take ``_turns`` too, through its compile start and end
+    callbacks (registered again after ``torch._dynamo.reset()``, which clears them, at the next
+    fused compile)."""
+    from torch._dynamo.callback import callback_handler
+    if _take_for_dynamo not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_take_for_dynamo)
+        callback_handler.register_end_callback(_give_back_for_dynamo)
+
+
+def _take_for_dynamo(args) -> None:
+    _turns.take()
+
+
+def _give_back_for_dynamo(args) -> None:
+    _turns.give_back()
+
+
 def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
+    _dynamo_takes_turns()
+    with _turns.turn():
+        return _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph)
+
+
+def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
@@ -337,6 +403,7 @@ def start_warming() -> None:
     # Imported here, on the calling thread: two threads importing torch._dynamo's circle of
     # modules at once can meet one of them half initialized (an ImportError).
     from torch._inductor import codecache, compile_fx, cpp_builder, cpu_vec_isa  # noqa: F401
+    _dynamo_takes_turns()  # before any fused compile can run on another thread
 
     thread = threading.Thread(target=_probe_vector_isa, name="keraunos-inductor-warming",
                               daemon=True)
