@@ -422,7 +422,8 @@ def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
 
 
 # ``as_strided``, which views a memory at offsets of its own (see ``_unsafe_writes``).
-_AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.ops.aten.as_strided)
+_AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.ops.aten.as_strided,
+               torch.ops.aten.as_strided.default)  # backward traces hold the overload
 
 
 def _unsafe_writes(region: Region) -> list[int]:
