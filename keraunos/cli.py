@@ -5,6 +5,10 @@ three litgpt workloads, as one table and one PNG chart (``benchmarks/fusion.py``
 takes: ``keraunos bench --help`` says what each workload is; litgpt and matplotlib are the
 ``bench`` extra, which ``scripts/setup.sh`` installs).
 
+``cache``: ``keraunos cache info`` shows the store of ``keraunos.store`` (directory, entries,
+size, limit) and Inductor's kernel cache the fused tier compiles into (directory, size on disk);
+``keraunos cache clear`` empties the store, and with ``--kernels`` removes Inductor's cache too.
+
 ``run``: build the small GPT of ``keraunos.examples.gpt`` with random weights, compile it, check it
 against eager, print the prologue and computation traces, the per-stage compile times and the
 per-call time next to eager's (median of many calls, one intra-op thread). ``--report PATH``
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import pathlib
+import shutil
 import statistics
 import sys
 import time
@@ -22,6 +29,7 @@ import torch
 
 import keraunos
 from keraunos.examples.gpt import GPT, GPTConfig
+from keraunos.store import Store
 
 
 WARMUP = 10  # calls before the timed ones
@@ -121,6 +129,70 @@ def bench(argv: list[str]) -> int:
     return _bench_script().main(argv)
 
 
+def _inductor_cache_dir() -> pathlib.Path:
+    """Where Inductor keeps its C++/Triton kernels, found without creating it (its
+    ``cache_dir()`` makes the directory and sets TORCHINDUCTOR_CACHE_DIR)."""
+    from torch._inductor.runtime import cache_dir_utils
+    return pathlib.Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                        or cache_dir_utils.default_cache_dir()).absolute()
+
+
+def _size_on_disk(directory: pathlib.Path) -> int:
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # removed while we walk (another process's compile)
+                pass
+    return total
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+
+
+def cache(args: argparse.Namespace) -> int:
+    store = Store()
+    if args.action == "info":
+        info = store.info()
+        print(f"keraunos store:        {store.directory}")
+        print(f"  entries:             {info['entries']}")
+        print(f"  size:                {_human(info['bytes'])} of {_human(info['limit'])} "
+              f"(KERAUNOS_STORE_MAX_BYTES)")
+        if info["error"]:
+            print(f"  unreadable:          {info['error']}")
+        kernels = _inductor_cache_dir()
+        size = _human(_size_on_disk(kernels)) if kernels.is_dir() else "absent"
+        print(f"Inductor kernel cache: {kernels} ({size}; TORCHINDUCTOR_CACHE_DIR)")
+        return 0
+    status = 0
+    if store.clear():
+        print(f"emptied the keraunos store in {store.directory}")
+    else:
+        print(f"keraunos cache clear: could not empty {store.directory}; check its permissions "
+              f"or remove it by hand", file=sys.stderr)
+        status = 1
+    if args.kernels:
+        kernels = _inductor_cache_dir()
+        if kernels in (pathlib.Path(kernels.anchor), pathlib.Path.home()):
+            print(f"keraunos cache clear: refusing to remove {kernels} (TORCHINDUCTOR_CACHE_DIR "
+                  f"names a root or home directory)", file=sys.stderr)
+            return 1
+        try:
+            shutil.rmtree(kernels)
+            print(f"removed Inductor's kernel cache {kernels}")
+        except FileNotFoundError:
+            print(f"Inductor's kernel cache {kernels} is already absent")
+        except OSError as error:
+            print(f"keraunos cache clear: could not remove {kernels}: {error}", file=sys.stderr)
+            status = 1
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every option is the script's own (keraunos bench --help)
@@ -141,8 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                    "--help says what each workload is; keraunos bench tiers [--help]: first result, all "
                    "fused, restart and per call against regional and async torch.compile",
                    add_help=False)
+    p = sub.add_parser("cache", help="the keraunos store and Inductor's kernel cache: info shows "
+                       "where they are and their size; clear empties the store (--kernels: and "
+                       "removes Inductor's kernel cache, so the next fused compile rebuilds)")
+    p.add_argument("action", choices=["info", "clear"])
+    p.add_argument("--kernels", action="store_true",
+                   help="clear: also remove Inductor's kernel cache directory")
     args = parser.parse_args(argv)
-    return run(args)
+    return cache(args) if args.command == "cache" else run(args)
 
 
 if __name__ == "__main__":
