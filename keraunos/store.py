@@ -2,7 +2,8 @@
 
 Entries are ``(namespace, key) -> bytes``; each row also holds the value's size, its sha256 (checked
 on every read), when it was written and when it was last read. Past a byte limit the least recently
-used entries go first. Compiled programs will be kept here; today nothing in keraunos writes to it.
+used entries go first. Compiled programs will be kept here; today it holds which of Inductor's vector-ISA test
+libraries load (``executors/fusion/isa_probe.py``).
 
 The store cannot hurt: a store that fails (a corrupted or truncated file, a checksum mismatch, a
 read-only or missing directory, a full disk, a lock held past the timeout) behaves as an empty one.

@@ -15,6 +15,11 @@ os.environ.setdefault("KERAUNOS_CHECK_RESULTS", "1")
 # fused program from the first call), tests of the tiers pass fuse="background"
 # (tests/test_tiers.py); tests of the default itself clear this (monkeypatch.delenv).
 os.environ.setdefault("KERAUNOS_FUSE", "off")
+# keraunos's store (keraunos/store.py) in a directory of this run, not the user's ~/.cache: what
+# an earlier run stored (today: which vector-ISA test libraries load) never decides a test.
+if "KERAUNOS_CACHE_DIR" not in os.environ:
+    import tempfile  # noqa: E402
+    os.environ["KERAUNOS_CACHE_DIR"] = tempfile.mkdtemp(prefix="keraunos-test-store-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -84,3 +85,49 @@ def test_every_probe_keraunos_starts_goes_through_one_lock(monkeypatch):
     warming.join(30)
     second.join(30)
     assert order == ["start", "end", "start", "end"]
+
+
+def test_a_library_that_loaded_before_is_not_probed_again(tmp_path):
+    """Inductor starts a Python child per candidate instruction set to load its test library
+    (ten on an AVX-512 machine, 1.4 s a process): a load that worked is remembered in the store
+    under the library's bytes, so the next process starts none; a failed one is asked again."""
+    from keraunos.executors.fusion import isa_probe
+    from keraunos.store import Store
+    where = Store(tmp_path / "store")
+    library = tmp_path / "probe.so"
+    library.write_bytes(b"\x7fELF one build")
+    calls = []
+
+    def probe(isa, path, result=True):
+        calls.append(path)
+        return result
+    assert isa_probe.remembered(probe, "avx512", str(library), where)
+    assert isa_probe.remembered(probe, "avx512", str(library), where)
+    assert len(calls) == 1, "a load that worked was probed again"
+    library.write_bytes(b"\x7fELF another build")  # rebuilt: its bytes decide, not its name
+    assert isa_probe.remembered(probe, "avx512", str(library), where)
+    assert len(calls) == 2
+    failing = tmp_path / "fails.so"
+    failing.write_bytes(b"not a library")
+    for _ in range(2):
+        assert not isa_probe.remembered(lambda i, p: probe(i, p, False), "amx", str(failing), where)
+    assert len(calls) == 4, "a failed load was remembered"
+    assert isa_probe.remembered(probe, "avx2", str(tmp_path / "missing.so"), where)
+    assert len(calls) == 5  # a library that cannot be read is always probed
+
+
+def test_the_probe_runs_as_inductors_own_when_the_store_cannot_be_used(tmp_path):
+    from keraunos.executors.fusion import isa_probe
+    from keraunos.store import Store
+    blocked = tmp_path / "a file, not a directory"
+    blocked.write_text("")
+    library = tmp_path / "probe.so"
+    library.write_bytes(b"\x7fELF")
+    calls = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        where = Store(blocked / "store")
+        for _ in range(2):
+            assert isa_probe.remembered(lambda i, p: calls.append(p) or True, "avx512",
+                                        str(library), where)
+    assert len(calls) == 2

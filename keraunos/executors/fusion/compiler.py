@@ -37,7 +37,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
-from . import fx_graph, symbolic
+from . import fx_graph, isa_probe, symbolic
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -423,6 +423,7 @@ _probe_lock = threading.Lock()
 
 def _probe_vector_isa() -> None:
     from torch._inductor import cpu_vec_isa
+    isa_probe.remember_loads()  # a later process skips the children that load test libraries
     with _probe_lock:
         try:
             cpu_vec_isa.pick_vec_isa()  # cached: later compiles find it done
