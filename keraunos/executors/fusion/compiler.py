@@ -240,7 +240,10 @@ class _Turns:
     region on the worker (run unfused, with a warning) or the caller's own ``torch.compile``.
     Re-entrant on one thread (a Dynamo compile calls the keraunos backend, which compiles
     regions); a turn may be given back by another thread than took it (Dynamo runs its end
-    callbacks on the thread whose compile ends last)."""
+    callbacks on the thread whose compile ends last). Dynamo calls its start callbacks holding
+    its own counter lock, so a compile that holds a turn must not start Dynamo's callbacks
+    itself: region compiles are inference graphs without CUDA graphs, which never do (only
+    AOTAutograd's lazy backward compile and cudagraph trees call ``install_callbacks``)."""
 
     def __init__(self):
         self._changed = threading.Condition()
