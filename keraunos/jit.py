@@ -403,11 +403,11 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
                 r = entry.prologue_fn(*args, **kwargs)
                 next(state.hit_count)
                 state.last_entry = entry
-                state.last_lookup = time.perf_counter() - start
+                state.last_lookup = _clock() - start
                 return entry, r[0], r[1]
             reasons.append(reason)
         state.last_miss_reasons = reasons
-        lookup = time.perf_counter() - start  # what the failed checks cost, before compiling
+        lookup = _clock() - start  # what the failed checks cost, before compiling
         state.misses += 1  # under state.lock, as every miss
         state.compiled_at_call = state.hits + state.misses  # compile_stats: this call missed
         try:

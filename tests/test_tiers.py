@@ -385,3 +385,32 @@ def test_torch_compile_beside_a_background_fused_compile_leaves_both_whole():
     assert keraunos.compile_stats(jitted).tier == "fused"
     failed = [str(w.message) for w in caught if "could not compile" in str(w.message)]
     assert not failed, failed
+
+
+def test_a_dynamo_end_without_its_start_leaves_a_fused_compiles_turn_alone():
+    """Dynamo's callbacks can be registered inside a Dynamo compile already running (the
+    keraunos backend warms fusion up there): its end callback then comes without its start, and
+    must not give back the turn a fused compile on the worker holds."""
+    from keraunos.executors.fusion import compiler
+    holding, release = threading.Event(), threading.Event()
+
+    def fused_compile_in_flight():
+        with compiler._turns.turn():
+            holding.set()
+            release.wait(WAIT_S)
+    worker = threading.Thread(target=fused_compile_in_flight)
+    worker.start()
+    assert holding.wait(WAIT_S)
+    compiler._give_back_for_dynamo(None)  # an end whose start was never seen
+    took = threading.Event()
+
+    def another_compile():
+        with compiler._turns.turn():
+            took.set()
+    other = threading.Thread(target=another_compile)
+    other.start()
+    assert not took.wait(0.5), "the fused compile's turn was given away"
+    release.set()
+    worker.join(WAIT_S)
+    other.join(WAIT_S)
+    assert took.is_set()

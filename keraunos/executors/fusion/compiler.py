@@ -287,11 +287,25 @@ def _dynamo_takes_turns() -> None:
         callback_handler.register_end_callback(_give_back_for_dynamo)
 
 
+# Turns Dynamo's start callbacks took and its end callbacks have not given back. An end callback
+# can come without its start: the callbacks are registered when fusion first warms up, which may
+# be inside a Dynamo compile already started (the keraunos backend's); that end must not give back
+# a turn a fused compile holds.
+_dynamo_turns = [0]
+_dynamo_turns_lock = threading.Lock()
+
+
 def _take_for_dynamo(args) -> None:
     _turns.take()
+    with _dynamo_turns_lock:
+        _dynamo_turns[0] += 1
 
 
 def _give_back_for_dynamo(args) -> None:
+    with _dynamo_turns_lock:
+        if not _dynamo_turns[0]:
+            return
+        _dynamo_turns[0] -= 1
     _turns.give_back()
 
 
