@@ -1,6 +1,7 @@
 """Errors keraunos raises, and how it points at the user's own code."""
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -23,7 +24,12 @@ _SITE_DIR_NAMES = ("site-packages", "dist-packages")
 def _inside(filename: str, directory: str) -> bool:
     """Whether ``filename`` is in ``directory`` or below it: a prefix of the whole directory
     name, so that torch's directory does not hold ``torchvision`` or ``torch_geometric``."""
-    return filename.startswith(os.path.join(directory, ""))
+    return filename.startswith(_as_prefix(directory))
+
+
+@functools.lru_cache(maxsize=None)
+def _as_prefix(directory: str) -> str:
+    return os.path.join(directory, "")
 
 
 def _is_stdlib(filename: str) -> bool:
@@ -33,6 +39,7 @@ def _is_stdlib(filename: str) -> bool:
     return first not in _SITE_DIR_NAMES
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every frame of every logging call at capture
 def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
     """Whether a frame of this file is machinery (torch, keraunos, generated traces, and unless
     ``skip_stdlib`` is false the standard library), not the user's program. Libraries built on
