@@ -32,7 +32,7 @@ def _as_prefix(directory: str) -> str:
     return os.path.join(directory, "")
 
 
-def _is_stdlib(filename: str) -> bool:
+def is_stdlib(filename: str) -> bool:
     if not _inside(filename, _STDLIB_DIR):
         return False
     first = os.path.relpath(filename, _STDLIB_DIR).split(os.sep, 1)[0]
@@ -48,7 +48,7 @@ def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
         return not any(_inside(filename, d) for d in _USER_DIRS_INSIDE_KERAUNOS)
     return (_inside(filename, _TORCH_DIR) or filename.startswith("<frozen")
             or filename.startswith("<keraunos")
-            or (skip_stdlib and _is_stdlib(filename)))
+            or (skip_stdlib and is_stdlib(filename)))
 
 
 class KeraunosError(Exception):
@@ -79,8 +79,16 @@ class ScopeMutationError(CaptureError):
     ``DataDependentError`` it takes the ``fallback`` route (dynamo replays such changes)."""
 
 
+class UnguardableStateError(CaptureError):
+    """The program reads state of an object it finds by name (a global, a closure variable, a
+    bound method's object) that keraunos cannot check on later calls (an ``OrderedDict`` of
+    hooks, a ``defaultdict`` of tensors): compiled in, a later change would go unseen. Like a
+    ``DataDependentError`` it takes the ``fallback`` route (dynamo guards such reads)."""
+
+
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
-FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError)
+FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
+                   UnguardableStateError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):
