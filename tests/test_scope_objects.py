@@ -193,3 +193,34 @@ def test_a_standard_library_object_is_only_called_not_watched():
     assert_close(jitted(x), logs_and_computes(x))
     assert keraunos.cache_misses(jitted) == 1
     assert type(LOG) is logging.Logger
+
+
+class Outer:
+    def __init__(self):
+        self.inner = Settings()
+
+
+OUTER = Outer()
+
+
+def through_inner(x):
+    return x * OUTER.inner.scale
+
+
+def sets_inner(x):
+    OUTER.inner.scale = OUTER.inner.scale + 1.0
+    return x * OUTER.inner.scale
+
+
+def test_an_object_held_by_a_global_object_is_watched_as_well():
+    x = torch.randn(3)
+    jitted = keraunos.jit(through_inner)
+    assert_close(jitted(x), through_inner(x))
+    try:
+        OUTER.inner.scale = 7.0
+        assert_close(jitted(x), through_inner(x))
+        with pytest.raises(ScopeMutationError, match="scale"):
+            keraunos.jit(sets_inner, fallback="error")(x)
+        assert OUTER.inner.scale == 7.0  # undone
+    finally:
+        OUTER.inner.scale = 2.0
