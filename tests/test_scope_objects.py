@@ -10,6 +10,7 @@ Every test compares with eager.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import warnings
@@ -224,3 +225,26 @@ def test_an_object_held_by_a_global_object_is_watched_as_well():
         assert OUTER.inner.scale == 7.0  # undone
     finally:
         OUTER.inner.scale = 2.0
+
+
+TABLE = collections.OrderedDict(a=1.0)
+ENABLED = {"sin"}
+
+
+def table_read(x):
+    y = x * TABLE["a"]
+    return y.sin() if "sin" in ENABLED else y.cos()
+
+
+def test_a_global_ordered_dict_or_set_of_plain_values_is_compared_by_value():
+    x = torch.randn(3)
+    jitted = keraunos.jit(table_read)
+    assert_close(jitted(x), table_read(x))
+    try:
+        TABLE["a"] = 4.0
+        assert_close(jitted(x), table_read(x))
+        ENABLED.clear()
+        assert_close(jitted(x), table_read(x))
+    finally:
+        TABLE["a"] = 1.0
+        ENABLED.add("sin")
