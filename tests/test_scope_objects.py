@@ -248,3 +248,27 @@ def test_a_global_ordered_dict_or_set_of_plain_values_is_compared_by_value():
     finally:
         TABLE["a"] = 1.0
         ENABLED.add("sin")
+
+
+ACTIVATIONS = [torch.relu]
+CONFIGS = {"main": Settings()}
+
+
+def activated(x):
+    return ACTIVATIONS[0](x) * CONFIGS["main"].scale
+
+
+def test_a_global_list_or_dict_of_functions_and_objects_is_checked_item_by_item():
+    x = torch.randn(4)
+    jitted = keraunos.jit(activated)
+    assert_close(jitted(x), activated(x))
+    try:
+        ACTIVATIONS[0] = torch.tanh
+        assert_close(jitted(x), activated(x))
+        CONFIGS["main"].scale = 0.25
+        assert_close(jitted(x), activated(x))
+        CONFIGS["main"] = Settings()
+        assert_close(jitted(x), activated(x))
+    finally:
+        ACTIVATIONS[0] = torch.relu
+        CONFIGS["main"] = Settings()

@@ -157,7 +157,7 @@ class ReadsMixin:
         globals' own (changed: undone, and the fallback route), and an attribute the program sets
         on it is undone after capture with the same outcome. Objects of the standard library (a
         logger, a lock) are left alone."""
-        if id(obj) in self._object_paths or not _user_object(obj):
+        if id(obj) in self._object_paths or not _user_object(obj) or _made_by_the_program(obj):
             return
         if self._watch_object(obj, path, scope=True):
             self.guard(guards.IDENTITY, path, obj)
@@ -176,6 +176,8 @@ class ReadsMixin:
         changed = []
         for obj, name, before in reversed(self._scope_writes.values()):
             d = object.__getattribute__(obj, "__dict__")
+            if d.get(name, _ABSENT) is before:
+                continue  # set and put back by the program itself (a context variable's reset)
             if before is _ABSENT:
                 d.pop(name, None)
             else:
@@ -309,6 +311,13 @@ def _user_object(obj) -> bool:
     module = sys.modules.get(original_class(obj).__module__)
     filename = getattr(module, "__file__", None)
     return not (filename and is_stdlib(filename))
+
+
+def _made_by_the_program(obj) -> bool:
+    """An object holding capture's fake tensors was made by the program (a helper's global
+    assigned during capture): what it holds comes from reads already recorded."""
+    d = getattr(obj, "__dict__", None)
+    return isinstance(d, dict) and any(isinstance(v, FakeTensor) for v in d.values())
 
 
 def _rnn_flat_weights(ctx: ReadsMixin, module: torch.nn.RNNBase) -> list:

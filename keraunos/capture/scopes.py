@@ -97,8 +97,33 @@ class ScopeGuards:
         object is watched (its reads guarded)."""
         if is_plain(value) or _plain_collection(value):
             self.guard(guards.VALUE, path, value)
+        elif type(value) in (list, tuple, dict):
+            self._guard_items(path, value)
         elif not isinstance(value, torch.Tensor):
             self.watch_object(value, path)
+
+    def _guard_items(self, path: Path, value, depth: int = 0) -> None:
+        """A list, tuple or dict holding more than plain values (``ACTS = [torch.relu]``, a list
+        of configs): its length or keys, and each item: a plain one by value, a function or
+        object by identity (an object also watched), a nested container the same way. Past 3
+        levels or 32 items only the in-place changes during capture are watched (not a check)."""
+        if depth > 3 or len(value) > 32:
+            return
+        if type(value) is dict:
+            self.guard(guards.KEYS, path, (dict, tuple(value)))
+            items = value.items()
+        else:
+            self.guard(guards.LENGTH, path, (type(value), len(value)))
+            items = enumerate(value)
+        for key, item in items:
+            where = Path(path, ITEM, key)
+            if is_plain(item):
+                self.guard(guards.VALUE, where, item)
+            elif type(item) in (list, tuple, dict):
+                self._guard_items(where, item, depth + 1)
+            elif not isinstance(item, torch.Tensor):
+                self.guard(guards.IDENTITY, where, item)
+                self.watch_object(item, where)
 
     def guard_bound_self(self, method) -> None:
         """The object of a jitted bound method (``keraunos.jit(optimizer.step)``): the program
@@ -130,7 +155,9 @@ class ScopeGuards:
                 self.containers.watch(f"the global `{name}` of {code.co_name}",
                                             frame.f_globals[name])
                 self._guard_value(Path(globals_path, ITEM, name), frame.f_globals[name])
-        if code.co_freevars and any(_held_by_name(frame.f_locals.get(v))
+        # (A helper's closure may be the program's own: a function it defines, whose cells hold
+        # what the program made. Only plain values are taken from closures of helpers.)
+        if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
                                     for v in code.co_freevars):
             for cell in _closure_cells(code, frame):
                 key = f"<closure cell {id(cell):#x}>"
@@ -142,7 +169,8 @@ class ScopeGuards:
                 except ValueError:  # an empty cell
                     continue
                 self.containers.watch(f"a closure variable of {code.co_name}", value)
-                self._guard_value(path, value)
+                if is_plain(value):
+                    self.guard(guards.VALUE, path, value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -165,11 +193,8 @@ def _plain_collection(value) -> bool:
     return all(is_plain(v) for v in value)
 
 
-def _held_by_name(value) -> bool:
-    """A closure value capture takes in: a tensor, a plain value, or an object of the program's
-    (whose attribute reads are guarded), not a function or a class."""
-    return isinstance(value, torch.Tensor) or is_plain(value) or (
-        hasattr(value, "__dict__") and not callable(value) and not isinstance(value, type))
+def _plain_or_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) or is_plain(value)
 
 
 def _closure_cells(code, frame) -> list:
@@ -183,7 +208,7 @@ def _closure_cells(code, frame) -> list:
         pairs = list(zip(code.co_freevars, fn.__closure__))
         try:
             if all(cell.cell_contents is values[name] for name, cell in pairs):
-                cells += [cell for _, cell in pairs if _held_by_name(cell.cell_contents)]
+                cells += [cell for _, cell in pairs if _plain_or_tensor(cell.cell_contents)]
         except ValueError:  # an empty cell
             continue
     return cells
