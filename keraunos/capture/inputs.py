@@ -23,6 +23,7 @@ from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from . import guards
 from .guards import is_plain
+from .dtensor import dtensor_input, is_capture_dtensor, is_dtensor
 from .leaks import is_tensor_subclass_with_dispatch
 from .recording import original_class
 from .symbolic import _from_call
@@ -72,6 +73,8 @@ class InputsMixin:
                         self.tensor_paths.setdefault(id(t), Path(path, kind, key))
 
     def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        if is_dtensor(real):  # flattened to its local tensor: see dtensor.py
+            return dtensor_input(self, real, path, tags)
         if is_tensor_subclass_with_dispatch(real):
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {type(real).__qualname__}, a tensor subclass that "
@@ -174,6 +177,8 @@ class InputsMixin:
     def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
         """A real tensor met inside the program: a parameter read without our seeing the read
         (``self.parameters()``), a global, a closure variable, or an object attribute."""
+        if is_capture_dtensor(t):  # a stand-in, or a DTensor the program made
+            return t
         path = self.tensor_paths.get(id(t))
         tags = (STATIC_MEMORY_LOCATION,)
         if path is None:

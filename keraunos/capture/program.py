@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
+from .dtensor import is_dtensor, rebuild_dtensor
 from .leaks import capture_values_in
 from .prologue import MutableGroup, build_prologue
 from ..core.provenance import root
@@ -375,6 +376,12 @@ class _Returns:
 
     def collect(self, tensor):
         ctx = self.ctx
+        if is_dtensor(tensor):  # rebuilt around its local tensor: see dtensor.py
+            if id(tensor) not in self.collected:
+                stand_in = ctx.real_tensor_reached_program(tensor)
+                self.collected[id(tensor)] = Build(rebuild_dtensor, "call", {
+                    "local": self.collect(stand_in._local_tensor), "spec": stand_in._spec})
+            return self.collected[id(tensor)]
         if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
             tensor = ctx.real_tensor_reached_program(tensor)
             self.input_names.add(ctx.proxy(tensor).name)

@@ -1,0 +1,281 @@
+"""DTensors during capture: flattened to their local tensors, their dispatch recorded as local ops.
+
+A ``DTensor`` (``torch.distributed.tensor``) is a wrapper tensor: a *local* tensor (this rank's
+shard or replica) and a *spec* (the device mesh, the placements ``Shard(d)``/``Replicate()``/
+``Partial()``, the global shape and stride). Its operations run in its ``__torch_dispatch__``:
+sharding propagation decides the placements of the result and which inputs to redistribute
+first, the redistributions are functional collectives (``torch.ops._c10d_functional.*``) on the
+local tensors, and the op itself runs on the local tensors.
+
+Capture lets DTensor do that work, on fake local tensors:
+
+- **inputs** (arguments and parameters, ``dtensor_input``) are flattened: the computation's input
+  is the local tensor, unpacked by the prologue (``w_local = w._local_tensor``); the program runs
+  on a stand-in DTensor around the local's fake, with the same spec. The prologue checks the
+  spec (type, mesh, placements, global shape, stride and dtype, ``requires_grad``) before it
+  checks the local tensor as any other input;
+- **calls** with a DTensor argument (``record_dtensor_call``) run under a dispatch mode that lets
+  DTensor dispatch them (``NotImplemented`` for a wrapper subclass) and records what DTensor then
+  runs on the local fakes: local ATen ops and functional collectives with their waits, so the
+  trace shows each collective where DTensor issued it. ``from_local``, ``to_local`` and
+  ``redistribute`` run their own Python code, whose torch calls on local tensors are recorded as
+  any call is;
+- **results** that are DTensors are rebuilt by the epilogue around the computation's local
+  output, with the spec capture saw (``rebuild_dtensor``), so no fake tensor reaches the user.
+
+Not yet: gradients. DTensor's autograd runs at the level of the wrapper (``from_local``'s backward
+redistributes a ``Partial`` gradient, an implicit redistribution of a bias to ``Partial`` divides
+it by the mesh size in the forward but not in the backward), so the derivative of the local
+program is not the local part of DTensor's derivative. A DTensor that requires grad under grad
+mode is therefore refused (``UnsupportedInputError``), with what to do instead.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..core.aten import constant_line, is_lifted_constant
+from ..core.provenance import Path, PathKind
+from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.tags import MUTATION
+from ..errors import CaptureError, UnsupportedInputError, user_source
+from .guards import GuardKind
+
+
+def dtensor_class():
+    """``DTensor``, when the program can have one (``torch.distributed.tensor`` was imported)."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    return getattr(api, "DTensor", None)
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def is_capture_dtensor(t: Any) -> bool:
+    """A DTensor made during capture: its local tensor is one of capture's fakes."""
+    return is_dtensor(t) and isinstance(t._local_tensor, FakeTensor)
+
+
+def has_capture_dtensor(tree) -> bool:
+    return dtensor_class() is not None and any(
+        is_capture_dtensor(x) for x in pytree.tree_leaves(tree))
+
+
+# --- the prologue's step from a DTensor to its local tensor ------------------------------------
+
+LOCAL = PathKind("local", lambda base, key: f"{base}._local_tensor",
+                 lambda var, key: f"{var}._local_tensor",
+                 lambda path: f"{path.parent.name_hint()}_local")
+
+
+# --- the prologue's check of a DTensor's spec ---------------------------------------------------
+
+def _describe_spec(g) -> str:
+    spec, requires_grad = g.expected
+    return (f"{g.where} is a DTensor on {spec.mesh} with placements {spec.placements}, global "
+            f"shape {tuple(spec.shape)}, stride {spec.stride}, {spec.tensor_meta.dtype} and "
+            f"requires_grad {requires_grad}")
+
+
+def _check_spec(b, g) -> None:
+    spec, requires_grad = g.expected
+    p = b.var(g.path)
+
+    def condition(w):
+        v = p.name
+        cls = w.constant(dtensor_class(), "DTensor")
+        expected = w.constant(spec, "spec")
+        # A parameter keeps its spec object from call to call: identity first.
+        return (f"type({v}) is not {cls} or {v}.requires_grad is not {requires_grad} or "
+                f"({v}._spec is not {expected} and {v}._spec != {expected})")
+    b.check(g.description, condition, g.from_module, guard=g, subject=g.path, uses=(p,))
+
+
+DTENSOR_SPEC = GuardKind("dtensor spec", _describe_spec, _check_spec)
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def dtensor_input(ctx, real, path: Path, tags=()) -> torch.Tensor:
+    """The stand-in the program sees for the DTensor ``real`` found at ``path``: a DTensor with
+    ``real``'s spec around the fake of its local tensor, which is the computation's input."""
+    stand_ins = ctx.__dict__.setdefault("dtensor_stand_ins", {})
+    known = stand_ins.get(id(real))
+    if known is not None:
+        return known[1]
+    with torch._C.DisableTorchFunction():  # taking it in is not the program
+        stand_in = _stand_in(ctx, real, path, tags)
+    stand_ins[id(real)] = (real, stand_in)  # the real one kept alive: its id stays its own
+    return stand_in
+
+
+def _stand_in(ctx, real, path: Path, tags):
+    if type(real) is not dtensor_class():
+        raise UnsupportedInputError(
+            f"keraunos.jit: {path} is a {type(real).__qualname__}, a subclass of DTensor; "
+            f"keraunos captures DTensor itself only.\n  What to do: pass a DTensor, or its "
+            f"local tensor (.to_local()).")
+    if torch.is_grad_enabled() and real.requires_grad:
+        raise UnsupportedInputError(_training_message(path))
+    local = real._local_tensor
+    if is_traceable_wrapper_subclass(local):
+        raise UnsupportedInputError(
+            f"keraunos.jit: {path} is a DTensor whose local tensor is a "
+            f"{type(local).__qualname__}; keraunos captures DTensors of plain tensors only.")
+    fake_local = ctx.tensor_input(local, Path(path, LOCAL, "_local_tensor"), tags)
+    ctx.guard(DTENSOR_SPEC, path, (real._spec, real.requires_grad))
+    cls = dtensor_class()
+    return cls(fake_local, real._spec, requires_grad=real.requires_grad)
+
+
+def _training_message(path) -> str:
+    return (f"keraunos.jit: {path} is a DTensor that requires grad, under grad mode; keraunos "
+            f"captures DTensor programs without gradients only (inference, torch.no_grad()): "
+            f"DTensor's autograd works on the distributed tensors (from_local's backward "
+            f"redistributes, an implicit redistribution has no backward of its own), so the "
+            f"gradient of the local program keraunos records would differ from eager's.\n"
+            f"  What to do: run this part under torch.no_grad(), or train it without "
+            f"keraunos.jit (torch.compile(model, backend=\"keraunos\") runs the graphs it "
+            f"cannot compile eagerly).")
+
+
+def refuse_requires_grad(path, t) -> None:
+    """A DTensor the program makes from a tensor that requires grad (``from_local``)."""
+    raise CaptureError(f"keraunos cannot capture {user_source()}\n  " +
+                       _training_message(path).split(": ", 1)[1])
+
+
+# --- calls --------------------------------------------------------------------------------------
+
+class _LocalOps(TorchDispatchMode):
+    """Lets every wrapper subclass dispatch its own ops (``NotImplemented``) and writes down
+    the ops it then runs on plain tensors: DTensor's local ops and collectives, and also what
+    its sharding propagation runs on fakes of its own to find shapes (sorted out later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []  # (func, args, kwargs, out)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(x) for x in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable or any(isinstance(t, torch.Tensor)
+                                          for t in pytree.tree_leaves(out)):
+            self.calls.append((func, args, kwargs, out))
+        return out
+
+
+def record_dtensor_call(ctx, func, args, kwargs):
+    """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it."""
+    ctx.record_global_state()
+    mode = _LocalOps()
+    # Torch function off inside: DTensor's own Python (a Partial's division) is recorded once,
+    # as the ATen op it dispatches, not again as a torch call.
+    with torch._C.DisableTorchFunction(), mode:
+        out = func(*args, **kwargs)
+    _emit_program_calls(ctx, mode.calls, user_source())
+    for t in pytree.tree_leaves(out):
+        if is_dtensor(t):
+            ctx.proxy(t._local_tensor)  # every local result is a value the trace defines
+        elif isinstance(t, torch.Tensor):
+            ctx.proxy(t)
+    return out
+
+
+def _emit_program_calls(ctx, calls, source) -> None:
+    """The calls that compute the program's values, as lines. A call that reads a value of the
+    program is one. A call that reads none is held back: it is one when a call of the program
+    later reads what it made (a factory's zeros), and otherwise it was sharding propagation
+    finding a shape on fakes of its own, which the program never runs."""
+    held: dict[int, list] = {}  # id(tensor) -> the held-back calls that made or wrote it
+
+    def known(t) -> bool:
+        return id(t) in ctx.proxy_of
+
+    def emit(call) -> None:
+        func, args, kwargs, out = call
+        if is_lifted_constant(_AtenCall(func, args, kwargs, out)):
+            _emit_line(ctx, call, source)  # reads Python data, held in a tensor of its own
+            return
+        for t in _tensors((args, kwargs)):
+            if not known(t):
+                chain = held.pop(id(t), None)
+                if chain is None:
+                    raise CaptureError(
+                        f"keraunos: internal error: DTensor's `{func}` at {source} reads a "
+                        f"tensor of unknown origin. Please report this with the program.")
+                for c in chain:
+                    emit(c)
+        _emit_line(ctx, call, source)
+
+    for call in calls:
+        func, args, kwargs, out = call
+        if any(known(t) for t in _tensors((args, kwargs))):
+            emit(call)
+            continue
+        for t in _tensors((args, kwargs, out)):
+            held.setdefault(id(t), [])
+            if call not in held[id(t)]:
+                held[id(t)].append(call)
+
+
+def _emit_line(ctx, call, source) -> None:
+    func, args, kwargs, out = call
+    outputs = pytree.tree_map(
+        lambda t: ctx.output_proxy(t) if isinstance(t, torch.Tensor) else t, out)
+    if is_lifted_constant(_AtenCall(func, args, kwargs, out)):
+        ctx.emit(constant_line(args[0], outputs, source))
+        return
+    tags = set()
+    if func._schema.is_mutable:
+        tags.add(MUTATION)
+        for t in _tensors((args, kwargs)):
+            key = t.untyped_storage()._cdata
+            ctx.mutated_storages.add(key)
+            ctx.mutated_with_grad[key] = ctx.mutated_with_grad.get(key, False) or \
+                torch.is_grad_enabled()
+    p_args, p_kwargs = pytree.tree_map(lambda x: _trace_value(ctx, x, source), (args, kwargs))
+    ctx.emit(BoundSymbol(TorchSymbol(func, f"torch.ops.{func}", "function"), tuple(p_args),
+                         dict(p_kwargs), outputs, source, tags))
+
+
+class _AtenCall:
+    """The fields ``is_lifted_constant`` reads."""
+
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _trace_value(ctx, x, source):
+    if isinstance(x, torch.Tensor):
+        return ctx.proxy(x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if ctx.backed(x):
+            return ctx.symbols.code(x)
+        raise CaptureError(f"keraunos cannot capture {source}\n  a DTensor op there has a "
+                           f"size that depends on tensor data.")
+    return x
+
+
+# --- results ------------------------------------------------------------------------------------
+
+def rebuild_dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    """The DTensor the program returned, around the computation's local result."""
+    cls = dtensor_class()
+    if local.requires_grad:  # connected to autograd as from_local connects it
+        return cls.from_local(local, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
+    return cls(local, spec, requires_grad=False)
