@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -73,6 +73,11 @@ def has_capture_dtensor(tree) -> bool:
 LOCAL = PathKind("local", lambda base, key: f"{base}._local_tensor",
                  lambda var, key: f"{var}._local_tensor",
                  lambda path: f"{path.parent.name_hint()}_local")
+
+
+TO_LOCAL = PathKind("to_local", lambda base, key: f"{base}.to_local()",
+                    lambda var, key: f"{var}.to_local()",
+                    lambda path: f"{path.parent.name_hint()}_local")
 
 
 # --- the prologue's check of a DTensor's spec ---------------------------------------------------
@@ -122,17 +127,30 @@ def _stand_in(ctx, real, path: Path, tags):
             f"keraunos.jit: {path} is a {type(real).__qualname__}, a subclass of DTensor; "
             f"keraunos captures DTensor itself only.\n  What to do: pass a DTensor, or its "
             f"local tensor (.to_local()).")
-    if torch.is_grad_enabled() and real.requires_grad:
-        raise UnsupportedInputError(_training_message(path))
     local = real._local_tensor
     if is_traceable_wrapper_subclass(local):
         raise UnsupportedInputError(
             f"keraunos.jit: {path} is a DTensor whose local tensor is a "
             f"{type(local).__qualname__}; keraunos captures DTensors of plain tensors only.")
-    fake_local = ctx.tensor_input(local, Path(path, LOCAL, "_local_tensor"), tags)
     ctx.guard(DTENSOR_SPEC, path, (real._spec, real.requires_grad))
     cls = dtensor_class()
-    return cls(fake_local, real._spec, requires_grad=real.requires_grad)
+    if not (torch.is_grad_enabled() and real.requires_grad):
+        fake_local = ctx.tensor_input(local, Path(path, LOCAL, "_local_tensor"), tags)
+        return cls(fake_local, real._spec, requires_grad=real.requires_grad)
+    # Gradients: the prologue's to_local() connects the local input to the user's DTensor (its
+    # backward makes the local gradient a DTensor of the input's placements); the stand-in is a
+    # leaf of its own, from which capture derives DTensor's backward (dtensor_autograd.py).
+    ctx.dtensor_autograd = True
+    with unset_fake_temporarily():
+        real_local = real.to_local()  # what the prologue's to_local() gives: it requires grad
+    fake_local = ctx.tensor_input(real_local, Path(path, TO_LOCAL, "to_local"), tags)
+    with ctx.fake_mode:
+        inner = fake_local.detach()  # a DTensor's local tensor never requires grad itself
+    ctx.proxy_of[id(inner)] = ctx.proxy(fake_local)
+    stand_in = cls(inner, real._spec, requires_grad=True)
+    ctx.__dict__.setdefault("dtensor_of_input", {})[ctx.proxy(fake_local).name] = stand_in
+    ctx.__dict__.setdefault("dtensor_keep", []).append(inner)  # its id stays its own
+    return stand_in
 
 
 def _training_message(path) -> str:
@@ -191,7 +209,7 @@ def record_dtensor_call(ctx, func, args, kwargs):
     return out
 
 
-def _emit_program_calls(ctx, calls, source) -> None:
+def _emit_program_calls(ctx, calls, source, backward: bool = False) -> None:
     """The calls that compute the program's values, as lines. A call that reads a value of the
     program is one. A call that reads none is held back: it is one when a call of the program
     later reads what it made (a factory's zeros), and otherwise it was sharding propagation
@@ -204,10 +222,10 @@ def _emit_program_calls(ctx, calls, source) -> None:
     def emit(call) -> None:
         func, args, kwargs, out = call
         if is_lifted_constant(_AtenCall(func, args, kwargs, out)):
-            _emit_line(ctx, call, source)  # reads Python data, held in a tensor of its own
+            _emit_line(ctx, call, source, backward)  # Python data, in a tensor of its own
             return
         for t in _tensors((args, kwargs)):
-            if not known(t):
+            if not known(t) and not _known_alias(ctx, t):
                 chain = held.pop(id(t), None)
                 if chain is None:
                     raise CaptureError(
@@ -215,7 +233,7 @@ def _emit_program_calls(ctx, calls, source) -> None:
                         f"tensor of unknown origin. Please report this with the program.")
                 for c in chain:
                     emit(c)
-        _emit_line(ctx, call, source)
+        _emit_line(ctx, call, source, backward)
 
     for call in calls:
         func, args, kwargs, out = call
@@ -228,7 +246,23 @@ def _emit_program_calls(ctx, calls, source) -> None:
                 held[id(t)].append(call)
 
 
-def _emit_line(ctx, call, source) -> None:
+def _known_alias(ctx, t) -> bool:
+    """Whether ``t`` is a new object over a value of the program (same memory, layout and
+    dtype): autograd hands a saved output back so. If so, it is named as that value."""
+    if not isinstance(t, FakeTensor):
+        return False
+    key = t.untyped_storage()._cdata
+    for name, fake in ctx.fake_of.items():
+        if (ctx.storage_of.get(name) == key and fake.dtype == t.dtype
+                and fake.shape == t.shape and fake.stride() == t.stride()
+                and fake.storage_offset() == t.storage_offset()):
+            ctx.proxy_of[id(t)] = ctx.proxy_of[id(fake)]
+            ctx.__dict__.setdefault("dtensor_keep", []).append(t)  # its id stays its own
+            return True
+    return False
+
+
+def _emit_line(ctx, call, source, backward: bool = False) -> None:
     func, args, kwargs, out = call
     outputs = pytree.tree_map(
         lambda t: ctx.output_proxy(t) if isinstance(t, torch.Tensor) else t, out)
@@ -236,7 +270,12 @@ def _emit_line(ctx, call, source) -> None:
         ctx.emit(constant_line(args[0], outputs, source))
         return
     tags = set()
-    if func._schema.is_mutable:
+    if func._schema.is_mutable and backward:
+        tags.add(MUTATION)  # on the backward's own values (a forward value is refused)
+        if any(id(t) in ctx.forward_values for t in _tensors((args, kwargs))):
+            raise CaptureError(f"keraunos cannot capture this DTensor program with gradients: "
+                               f"its backward writes a value of the forward in place ({func}).")
+    elif func._schema.is_mutable:
         tags.add(MUTATION)
         for t in _tensors((args, kwargs)):
             key = t.untyped_storage()._cdata
