@@ -63,6 +63,11 @@ def is_capture_dtensor(t: Any) -> bool:
     return is_dtensor(t) and isinstance(t._local_tensor, FakeTensor)
 
 
+def is_device_mesh(value: Any) -> bool:
+    mesh = sys.modules.get("torch.distributed.device_mesh")
+    return mesh is not None and isinstance(value, getattr(mesh, "DeviceMesh", ()))
+
+
 def has_capture_dtensor(tree) -> bool:
     return dtensor_class() is not None and any(
         is_capture_dtensor(x) for x in pytree.tree_leaves(tree))

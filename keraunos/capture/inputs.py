@@ -23,7 +23,7 @@ from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from . import guards
 from .guards import is_plain
-from .dtensor import dtensor_input, is_capture_dtensor, is_dtensor
+from .dtensor import dtensor_input, is_capture_dtensor, is_device_mesh, is_dtensor
 from .leaks import is_tensor_subclass_with_dispatch
 from .recording import original_class
 from .symbolic import _from_call
@@ -160,6 +160,10 @@ class InputsMixin:
                 v = getattr(value, f.name)
                 object.__setattr__(copy, f.name, self.value_input(v, Path(path, ATTR, f.name), tags))
             return copy
+        if is_device_mesh(value):
+            # A DTensor's mesh (dynamo's graphs take it as an argument): the very same mesh.
+            self.guard(guards.IDENTITY, path, value)
+            return value
         if path.is_module_derived() or path.key in ("globals", "closure"):
             # Anything else the module or function holds (a config object, a function) must be the
             # very same object; plain objects are also watched field by field as they are read.

@@ -127,7 +127,7 @@ class ReadsMixin:
             return False
         try:
             obj.__class__ = (_recording_argument_class if writable else _recording_object_class)(cls)
-        except TypeError:
+        except (TypeError, AttributeError):  # a frozen dataclass (DTensor's Shard) refuses it
             return False
         self._object_paths[id(obj)] = path
         self._swapped.append((obj, cls))
