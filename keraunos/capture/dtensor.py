@@ -87,6 +87,10 @@ TO_LOCAL = PathKind("to_local", lambda base, key: f"{base}.to_local()",
 
 # --- the prologue's check of a DTensor's spec ---------------------------------------------------
 
+SPEC = PathKind("spec", lambda base, key: f"{base}._spec", lambda var, key: f"{var}._spec",
+                lambda path: f"{path.parent.name_hint()}_spec")
+
+
 def _describe_spec(g) -> str:
     spec, requires_grad = g.expected
     return (f"{g.where} is a DTensor on {spec.mesh} with placements {spec.placements}, global "
@@ -105,7 +109,11 @@ def _check_spec(b, g) -> None:
         # A parameter keeps its spec object from call to call: identity first.
         return (f"type({v}) is not {cls} or {v}.requires_grad is not {requires_grad} or "
                 f"({v}._spec is not {expected} and {v}._spec != {expected})")
-    b.check(g.description, condition, g.from_module, guard=g, subject=g.path, uses=(p,))
+    # About the spec, not the DTensor: the fast prologue checks it on every call, where a
+    # check on a parameter's own path would run only when the module tree changes (and a
+    # parameter's requires_grad changes without that).
+    b.check(g.description, condition, g.from_module, guard=g, subject=Path(g.path, SPEC, "_spec"),
+            uses=(p,))
 
 
 DTENSOR_SPEC = GuardKind("dtensor spec", _describe_spec, _check_spec)
