@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from ..core.aten import constant_line, is_lifted_constant
 from ..core.provenance import Path, PathKind
+from ..core.symbolic import SymbolicUnsupported
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
@@ -130,6 +131,7 @@ def dtensor_input(ctx, real, path: Path, tags=()) -> torch.Tensor:
         return known[1]
     with torch._C.DisableTorchFunction():  # taking it in is not the program
         stand_in = _stand_in(ctx, real, path, tags)
+    refuse_symbolic_sizes(ctx)
     stand_ins[id(real)] = (real, stand_in)  # the real one kept alive: its id stays its own
     return stand_in
 
@@ -156,6 +158,7 @@ def _stand_in(ctx, real, path: Path, tags):
     ctx.dtensor_autograd = True
     with unset_fake_temporarily():
         real_local = real.to_local()  # what the prologue's to_local() gives: it requires grad
+    ctx.__dict__.setdefault("dtensor_keep", []).append(real_local)  # for the compilation
     fake_local = ctx.tensor_input(real_local, Path(path, TO_LOCAL, "to_local"), tags)
     with ctx.fake_mode:
         inner = fake_local.detach()  # a DTensor's local tensor never requires grad itself
@@ -205,8 +208,16 @@ class _LocalOps(TorchDispatchMode):
         return out
 
 
+def refuse_symbolic_sizes(ctx) -> None:
+    """DTensor programs are compiled for exact sizes: a DTensor's spec holds its global sizes
+    as numbers, and the prologue checks them (keraunos then compiles with exact sizes)."""
+    if ctx.dynamic is not None and ctx.dynamic.any_dynamic:
+        raise SymbolicUnsupported("a DTensor program: compiled for exact sizes")
+
+
 def record_dtensor_call(ctx, func, args, kwargs):
     """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it."""
+    refuse_symbolic_sizes(ctx)
     ctx.record_global_state()
     mode = _LocalOps()
     # Torch function off inside: DTensor's own Python (a Partial's division) is recorded once,

@@ -53,6 +53,7 @@ def _gradient_spec(spec):
 
 def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) -> BoundSymbol:
     """The computation of a DTensor program with gradients as one line (see the module)."""
+    dtensor.refuse_symbolic_sizes(ctx)
     if ctx.mutated_storages:
         raise _refuse("it writes a tensor in place")
     if ctx.replayed_calls:

@@ -57,6 +57,9 @@ class Program:
     # Prologue-check index -> words, for explaining cache misses.
     check_descriptions: list[str]
     stages: dict[str, float] = field(default_factory=dict)
+    # Objects the compilation needs alive while it runs, and nothing after: the local tensors
+    # of DTensors that capture made (a prologue check holds its example tensor weakly).
+    keep_alive: list = field(default_factory=list)
 
 
 def _plain_view(t, ctx) -> bool:
@@ -217,7 +220,8 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     if ctx.symbols is not None and ctx.symbols.bindings:
         for trace in (computation, epilogue.trace):
             refuse_raw_symbols(trace)
-    return Program(prologue, computation, epilogue.trace, descriptions)
+    return Program(prologue, computation, epilogue.trace, descriptions,
+                   keep_alive=ctx.__dict__.get("dtensor_keep", []))
 
 
 def _working_copies(ctx: CaptureContext) -> tuple[list[MutableGroup], list[BoundSymbol],
