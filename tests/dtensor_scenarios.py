@@ -202,3 +202,18 @@ def dtensor_programs_capture_cannot_replay_are_refused(rank, world_size):
     except (CaptureError, UnsupportedInputError) as e:
         return type(e).__name__, str(e)
     return "none", "it ran"
+
+
+def dtensor_outputs_reaching_different_inputs_are_refused(rank, world_size):
+    """Two outputs of which only one reaches ``v``: eager leaves ``v.grad`` None when only the
+    other gets a gradient, which one autograd node per program cannot tell: refused."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = _mesh(world_size)
+    w = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]).requires_grad_()
+    v = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]).requires_grad_()
+    x = distribute_tensor(torch.randn(2, 4), mesh, [Replicate()])
+    try:
+        keraunos.jit(lambda x, w, v: (x @ w, x @ v @ w))(x, w, v)
+    except (CaptureError, UnsupportedInputError) as e:
+        return type(e).__name__, str(e)
+    return "none", "it ran"

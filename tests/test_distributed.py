@@ -29,6 +29,7 @@ SCENARIOS = [
     "dtensor_outputs_with_gradients_match_eager",
     "tensor_parallel_under_the_torch_compile_backend",
     "dtensor_programs_capture_cannot_replay_are_refused",
+    "dtensor_outputs_reaching_different_inputs_are_refused",
     "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
     "fsdp2_mixed_precision_trains_like_eager",
     "fsdp2_activation_checkpointing_trains_like_eager",
@@ -141,6 +142,11 @@ def test_torch_compile_backend_compiles_tensor_parallel_graphs_and_matches_eager
 def test_dtensor_program_with_gradients_writing_in_place_is_refused(outcomes):
     for kind, message in values(outcomes, "dtensor_programs_capture_cannot_replay_are_refused"):
         assert kind == "CaptureError" and "writes a tensor in place" in message
+
+
+def test_dtensor_outputs_reaching_different_inputs_are_refused(outcomes):
+    for kind, message in values(outcomes, "dtensor_outputs_reaching_different_inputs_are_refused"):
+        assert kind == "CaptureError" and "reach different inputs" in message
 
 
 def _check_fsdp2(outcomes, name, hits=4):

@@ -10,10 +10,11 @@ local tensors, and the op itself runs on the local tensors.
 Capture lets DTensor do that work, on fake local tensors:
 
 - **inputs** (arguments and parameters, ``dtensor_input``) are flattened: the computation's input
-  is the local tensor, unpacked by the prologue (``w_local = w._local_tensor``); the program runs
-  on a stand-in DTensor around the local's fake, with the same spec. The prologue checks the
-  spec (type, mesh, placements, global shape, stride and dtype, ``requires_grad``) before it
-  checks the local tensor as any other input;
+  is the local tensor, unpacked by the prologue (``w_local = w._local_tensor``, or
+  ``w.to_local()`` when it requires grad under grad mode, which connects the local to the user's
+  DTensor); the program runs on a stand-in DTensor around the local's fake, with the same spec.
+  The prologue checks the spec on every call (type, mesh, placements, global shape, stride and
+  dtype, ``requires_grad``), then the local tensor as any other input;
 - **calls** with a DTensor argument (``record_dtensor_call``) run under a dispatch mode that lets
   DTensor dispatch them (``NotImplemented`` for a wrapper subclass) and records what DTensor then
   runs on the local fakes: local ATen ops and functional collectives with their waits, so the
@@ -23,11 +24,10 @@ Capture lets DTensor do that work, on fake local tensors:
 - **results** that are DTensors are rebuilt by the epilogue around the computation's local
   output, with the spec capture saw (``rebuild_dtensor``), so no fake tensor reaches the user.
 
-Not yet: gradients. DTensor's autograd runs at the level of the wrapper (``from_local``'s backward
-redistributes a ``Partial`` gradient, an implicit redistribution of a bias to ``Partial`` divides
-it by the mesh size in the forward but not in the backward), so the derivative of the local
-program is not the local part of DTensor's derivative. A DTensor that requires grad under grad
-mode is therefore refused (``UnsupportedInputError``), with what to do instead.
+Gradients are DTensor's own, recorded at capture: see ``dtensor_autograd.py``. DTensor programs
+are compiled for exact sizes (a spec holds its global sizes as numbers). Not captured: DTensor
+subclasses and DTensors whose local tensor is itself a wrapper subclass (refused), and, with
+gradients, programs that write tensors in place, print, or switch autocast (refused).
 """
 from __future__ import annotations
 
@@ -167,23 +167,6 @@ def _stand_in(ctx, real, path: Path, tags):
     ctx.__dict__.setdefault("dtensor_of_input", {})[ctx.proxy(fake_local).name] = stand_in
     ctx.__dict__.setdefault("dtensor_keep", []).append(inner)  # its id stays its own
     return stand_in
-
-
-def _training_message(path) -> str:
-    return (f"keraunos.jit: {path} is a DTensor that requires grad, under grad mode; keraunos "
-            f"captures DTensor programs without gradients only (inference, torch.no_grad()): "
-            f"DTensor's autograd works on the distributed tensors (from_local's backward "
-            f"redistributes, an implicit redistribution has no backward of its own), so the "
-            f"gradient of the local program keraunos records would differ from eager's.\n"
-            f"  What to do: run this part under torch.no_grad(), or train it without "
-            f"keraunos.jit (torch.compile(model, backend=\"keraunos\") runs the graphs it "
-            f"cannot compile eagerly).")
-
-
-def refuse_requires_grad(path, t) -> None:
-    """A DTensor the program makes from a tensor that requires grad (``from_local``)."""
-    raise CaptureError(f"keraunos cannot capture {user_source()}\n  " +
-                       _training_message(path).split(": ", 1)[1])
 
 
 # --- calls --------------------------------------------------------------------------------------

@@ -77,9 +77,10 @@ def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) ->
             values.append(value)
             tangents.append((tangent, local))
             differentiable.append(i)
-    leaves = [(j, ctx.dtensor_of_input.get(p.name, ctx.fake_of.get(p.name)))
+    leaves = [(j, getattr(ctx, "dtensor_of_input", {}).get(p.name, ctx.fake_of.get(p.name)))
               for j, p in enumerate(params)]
     leaves = [(j, leaf) for j, leaf in leaves if leaf is not None and leaf.requires_grad]
+    _refuse_partial_reach(values, [leaf for _, leaf in leaves])
     backward_lines, grads = _record_backward(ctx, values, [t for t, _ in tangents],
                                              [leaf for _, leaf in leaves])
     grad_of = {}
@@ -95,6 +96,30 @@ def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) ->
     tangent_proxies = [ctx.proxy(local) for _, local in tangents]
     return _program_line(ctx, params, forward_lines, outputs, differentiable, tangent_proxies,
                          backward_lines, [grad_of.get(j) for j in range(len(params))])
+
+
+def _refuse_partial_reach(values, leaves) -> None:
+    """The program is one autograd node: every input it differentiates gets a gradient whenever
+    one of its outputs does. Eager leaves None where only outputs that got no gradient lead, so
+    outputs that reach different inputs are refused rather than given zeros."""
+    ids = {id(leaf) for leaf in leaves}
+    reaches = []
+    for value in values:
+        reached, stack, seen = {id(value)} & ids, [value.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
+            if variable is not None and id(variable) in ids:
+                reached.add(id(variable))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        reaches.append(reached)
+    if any(r != reaches[0] for r in reaches[1:]):
+        raise _refuse("its outputs' gradients reach different inputs (eager leaves the "
+                      "gradient of an input None when no output leading to it gets one); return "
+                      "the outputs from separate jitted functions, or one output")
 
 
 def _record_backward(ctx, values, tangents, leaves):
