@@ -57,6 +57,7 @@ class CaptureContext(InputsMixin, ReadsMixin, CallsMixin):
         self.guards: list[Guard] = []
         self._guarded: set = set()
         self.specialize_data = False  # set by capture_program: jit(..., specialize_data=True)
+        self.record_aten = False  # set by capture_program: every call as ATen ops (dtensor.py)
         # The Python function whose globals and closure the program reads.
         self.fn = _python_function(type(module).forward if module is not None else fn)
         self.root_module = module

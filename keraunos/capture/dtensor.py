@@ -43,7 +43,7 @@ from ..core.aten import constant_line, is_lifted_constant
 from ..core.provenance import Path, PathKind
 from ..core.symbolic import SymbolicUnsupported
 from ..core.symbols import BoundSymbol, TorchSymbol
-from ..core.tags import MUTATION
+from ..core.tags import MUTATION, RANDOM
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import GuardKind
 
@@ -67,6 +67,16 @@ def is_capture_dtensor(t: Any) -> bool:
 def is_device_mesh(value: Any) -> bool:
     mesh = sys.modules.get("torch.distributed.device_mesh")
     return mesh is not None and isinstance(value, getattr(mesh, "DeviceMesh", ()))
+
+
+def program_has_dtensors(module, args, kwargs) -> bool:
+    """Whether the call passes DTensors, or the module holds some."""
+    if dtensor_class() is None:
+        return False
+    tensors = pytree.tree_leaves((args, kwargs))
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    return any(is_dtensor(t) for t in tensors)
 
 
 def has_capture_dtensor(tree) -> bool:
@@ -199,7 +209,8 @@ def refuse_symbolic_sizes(ctx) -> None:
 
 
 def record_dtensor_call(ctx, func, args, kwargs):
-    """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it."""
+    """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it.
+    (Also every call of a program of DTensors under grad mode: ``ctx.record_aten``.)"""
     refuse_symbolic_sizes(ctx)
     ctx.record_global_state()
     mode = _LocalOps()
@@ -234,6 +245,13 @@ def _emit_program_calls(ctx, calls, source, backward: bool = False) -> None:
         for t in _tensors((args, kwargs)):
             if not known(t) and not _known_alias(ctx, t):
                 chain = held.pop(id(t), None)
+                if chain is None and backward:
+                    raise CaptureError(
+                        f"keraunos cannot capture this DTensor program with gradients: the "
+                        f"backward's `{func}` reads a value made inside a torch call recorded "
+                        f"before the program met its first DTensor.\n  What to do: make the "
+                        f"tensors DTensors before that call, or call that part outside the "
+                        f"jitted function.")
                 if chain is None:
                     raise CaptureError(
                         f"keraunos: internal error: DTensor's `{func}` at {source} reads a "
@@ -276,7 +294,7 @@ def _emit_line(ctx, call, source, backward: bool = False) -> None:
     if is_lifted_constant(_AtenCall(func, args, kwargs, out)):
         ctx.emit(constant_line(args[0], outputs, source))
         return
-    tags = set()
+    tags = {RANDOM} if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else set()
     if func._schema.is_mutable and backward:
         tags.add(MUTATION)  # on the backward's own values (a forward value is refused)
         if any(id(t) in ctx.forward_values for t in _tensors((args, kwargs))):

@@ -27,6 +27,7 @@ import torch
 
 from ..core import glue
 from ..core.symbols import BoundSymbol, TorchSymbol
+from ..core.tags import RANDOM
 from ..core.trace import Trace
 from ..errors import CaptureError
 from . import dtensor
@@ -162,8 +163,12 @@ def _program_line(ctx, params, forward_lines, outputs, differentiable, tangents,
                      backward_lines + [glue.RETURN.bind(grads)],
                      ["Constructed by capture: DTensor's backward of the program, as local ops"])
     program = DTensorProgram(forward, backward, len(outputs), differentiable)
+    # A random draw inside keeps the line's place and count (the split then tags only the
+    # drawing lines of the forward it lowers).
+    tags = {RANDOM} if any(RANDOM in b.tags for b in body) else set()
     return BoundSymbol(TorchSymbol(program, "dtensor_program", "opaque"), tuple(params), {},
-                       tuple(outputs), comment="forward and backward recorded through DTensor")
+                       tuple(outputs), tags=tags,
+                       comment="forward and backward recorded through DTensor")
 
 
 def _switches_grad_mode(b: BoundSymbol) -> bool:

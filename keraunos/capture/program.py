@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
-from .dtensor import is_dtensor, rebuild_dtensor
+from .dtensor import is_dtensor, program_has_dtensors, rebuild_dtensor
 from .dtensor_autograd import region_line
 from .leaks import capture_values_in
 from .prologue import MutableGroup, build_prologue
@@ -165,6 +165,9 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     names = NameGenerator()
     ctx = CaptureContext(names, module, fn, requested_dynamic())
     ctx.specialize_data = specialize_data
+    # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
+    # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).
+    ctx.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()
