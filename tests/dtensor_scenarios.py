@@ -138,6 +138,55 @@ def tensor_parallel_mlp_trains_like_eager(rank, world_size):
     return results
 
 
+class _Attention(torch.nn.Module):
+    """Causal self-attention after a LayerNorm, with a residual: q, k, v column-wise (each rank
+    computes its heads), o row-wise."""
+
+    def __init__(self, width=16, heads=4):
+        super().__init__()
+        self.head_size = width // heads
+        self.norm = torch.nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.norm(x)
+        q, k, v = (p(y).view(b, t, -1, self.head_size).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+def tensor_parallel_attention_trains_like_eager(rank, world_size):
+    """Plain parameters (the norm) and DTensor ones, views, SDPA, a residual: 2 SGD steps."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = _mesh(world_size)
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "o": RowwiseParallel()}
+    torch.manual_seed(0)
+    block = _Attention()
+    reference = parallelize_module(copy.deepcopy(block), mesh, plan)
+    model = parallelize_module(block, mesh, plan)
+    jm = keraunos.jit(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    sgd_reference = torch.optim.SGD(reference.parameters(), lr=0.1)
+    result = {"losses": [], "grads": [], "params": []}
+    for _ in range(2):
+        x = torch.randn(2, 5, 16)
+        loss, loss_reference = jm(x).pow(2).mean(), reference(x).pow(2).mean()
+        loss.backward(), loss_reference.backward()
+        result["losses"].append(_same_dtensor(loss_reference.detach(), loss.detach(), 1e-5))
+        result["grads"].append(all(_same_dtensor(e.grad, g.grad, 1e-5) for e, g in zip(
+            reference.parameters(), model.parameters())))
+        sgd.step(), sgd_reference.step()
+        sgd.zero_grad(), sgd_reference.zero_grad()
+        result["params"].append(all(_same_dtensor(e.detach(), g.detach(), 1e-5) for e, g in zip(
+            reference.parameters(), model.parameters())))
+    result["hits"] = keraunos.cache_hits(jm)
+    return result
+
+
 def dtensor_outputs_with_gradients_match_eager(rank, world_size):
     """A jitted function returning DTensors (sharded and partial) of a DTensor parameter; the
     loss is computed on them outside, through redistributions of their own."""

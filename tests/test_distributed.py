@@ -26,6 +26,7 @@ SCENARIOS = [
     "dtensor_function_matches_eager",
     "tensor_parallel_inference_matches_eager",
     "tensor_parallel_mlp_trains_like_eager",
+    "tensor_parallel_attention_trains_like_eager",
     "dtensor_outputs_with_gradients_match_eager",
     "tensor_parallel_under_the_torch_compile_backend",
     "dtensor_programs_capture_cannot_replay_are_refused",
@@ -126,6 +127,13 @@ def test_tensor_parallel_mlp_trains_like_eager_with_dtensor_gradients(outcomes):
         assert rank["parameters and input"]["input grads"] == [True] * 3
         # The input's gradient is partial on each rank: from_local's backward all-reduces it.
         assert rank["parameters and input"]["backward all_reduce"]
+
+
+def test_tensor_parallel_attention_block_trains_like_eager(outcomes):
+    # A LayerNorm's plain parameters beside DTensor ones, head views of the local outputs, SDPA.
+    for rank in values(outcomes, "tensor_parallel_attention_trains_like_eager"):
+        assert rank == {"losses": [True] * 2, "grads": [True] * 2, "params": [True] * 2,
+                        "hits": 1}
 
 
 def test_dtensor_outputs_carry_dtensor_gradients_back(outcomes):
