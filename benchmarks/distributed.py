@@ -167,16 +167,16 @@ def _report(title, built, rank):
     eager = next(iter(built.values()))
     base = statistics.median(eager["times"]) if eager["error"] is None else None
     print(f"\n{title}")
-    print(f"  {'system':34s} {'step (median)':>14s} {'vs eager':>9s} {'first step':>11s}  losses")
+    print(f"  {'system':40s} {'step (median)':>14s} {'vs eager':>9s} {'first step':>11s}  losses")
     for name, b in built.items():
         if b["error"] is not None:
-            print(f"  {name:34s} refused or failed: {b['error']}")
+            print(f"  {name:40s} refused or failed: {b['error']}")
             continue
         med = statistics.median(b["times"])
         same = all(torch.allclose(a, e, rtol=1e-4, atol=1e-5)
                    for a, e in zip(b["losses"], eager["losses"]))
         ratio = f"{med / base:8.2f}x" if base else "        -"
-        print(f"  {name:34s} {med * 1e3:11.2f} ms {ratio} {b['first']:9.2f} s  "
+        print(f"  {name:40s} {med * 1e3:11.2f} ms {ratio} {b['first']:9.2f} s  "
               f"{'as eager' if same else 'DIFFER'}")
 
 
