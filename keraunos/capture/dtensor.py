@@ -32,6 +32,7 @@ gradients, programs that write tensors in place, print, or switch autocast (refu
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +47,20 @@ from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from .guards import GuardKind
+
+
+@dataclass
+class DTensorState:
+    """What capture keeps about the program's DTensors (``ctx.dtensors``)."""
+
+    record_aten: bool = False  # every call recorded as ATen ops: DTensors under grad mode
+    autograd: bool = False     # DTensor's autograd ran: its backward is capture's to record
+    stand_ins: dict = field(default_factory=dict)  # id(real DTensor) -> (real, stand-in)
+    of_input: dict = field(default_factory=dict)   # a local input's name -> its stand-in
+    # Objects whose ids must stay theirs while capture maps them, and the real local tensors
+    # the compilation checks (``Program.keep_alive``).
+    keep_alive: list = field(default_factory=list)
+    forward_values: set = field(default_factory=set)  # ids of the forward's fakes
 
 
 def dtensor_class():
@@ -135,7 +150,7 @@ DTENSOR_SPEC = GuardKind("dtensor spec", _describe_spec, _check_spec)
 def dtensor_input(ctx, real, path: Path, tags=()) -> torch.Tensor:
     """The stand-in the program sees for the DTensor ``real`` found at ``path``: a DTensor with
     ``real``'s spec around the fake of its local tensor, which is the computation's input."""
-    stand_ins = ctx.__dict__.setdefault("dtensor_stand_ins", {})
+    stand_ins = ctx.dtensors.stand_ins
     known = stand_ins.get(id(real))
     if known is not None:
         return known[1]
@@ -165,17 +180,17 @@ def _stand_in(ctx, real, path: Path, tags):
     # Gradients: the prologue's to_local() connects the local input to the user's DTensor (its
     # backward makes the local gradient a DTensor of the input's placements); the stand-in is a
     # leaf of its own, from which capture derives DTensor's backward (dtensor_autograd.py).
-    ctx.dtensor_autograd = True
+    ctx.dtensors.autograd = True
     with unset_fake_temporarily():
         real_local = real.to_local()  # what the prologue's to_local() gives: it requires grad
-    ctx.__dict__.setdefault("dtensor_keep", []).append(real_local)  # for the compilation
+    ctx.dtensors.keep_alive.append(real_local)  # the prologue's check reads it, weakly
     fake_local = ctx.tensor_input(real_local, Path(path, TO_LOCAL, "to_local"), tags)
     with ctx.fake_mode:
         inner = fake_local.detach()  # a DTensor's local tensor never requires grad itself
     ctx.proxy_of[id(inner)] = ctx.proxy(fake_local)
     stand_in = cls(inner, real._spec, requires_grad=True)
-    ctx.__dict__.setdefault("dtensor_of_input", {})[ctx.proxy(fake_local).name] = stand_in
-    ctx.__dict__.setdefault("dtensor_keep", []).append(inner)  # its id stays its own
+    ctx.dtensors.of_input[ctx.proxy(fake_local).name] = stand_in
+    ctx.dtensors.keep_alive.append(inner)  # its id stays its own
     return stand_in
 
 
@@ -210,7 +225,7 @@ def refuse_symbolic_sizes(ctx) -> None:
 
 def record_dtensor_call(ctx, func, args, kwargs):
     """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it.
-    (Also every call of a program of DTensors under grad mode: ``ctx.record_aten``.)"""
+    (Also every call of a program of DTensors under grad mode: ``record_aten``.)"""
     refuse_symbolic_sizes(ctx)
     ctx.record_global_state()
     mode = _LocalOps()
@@ -282,7 +297,7 @@ def _known_alias(ctx, t) -> bool:
                 and fake.shape == t.shape and fake.stride() == t.stride()
                 and fake.storage_offset() == t.storage_offset()):
             ctx.proxy_of[id(t)] = ctx.proxy_of[id(fake)]
-            ctx.__dict__.setdefault("dtensor_keep", []).append(t)  # its id stays its own
+            ctx.dtensors.keep_alive.append(t)  # its id stays its own
             return True
     return False
 
@@ -297,7 +312,7 @@ def _emit_line(ctx, call, source, backward: bool = False) -> None:
     tags = {RANDOM} if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else set()
     if func._schema.is_mutable and backward:
         tags.add(MUTATION)  # on the backward's own values (a forward value is refused)
-        if any(id(t) in ctx.forward_values for t in _tensors((args, kwargs))):
+        if any(id(t) in ctx.dtensors.forward_values for t in _tensors((args, kwargs))):
             raise CaptureError(f"keraunos cannot capture this DTensor program with gradients: "
                                f"its backward writes a value of the forward in place ({func}).")
     elif func._schema.is_mutable:

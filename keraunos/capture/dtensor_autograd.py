@@ -78,7 +78,7 @@ def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) ->
             values.append(value)
             tangents.append((tangent, local))
             differentiable.append(i)
-    leaves = [(j, getattr(ctx, "dtensor_of_input", {}).get(p.name, ctx.fake_of.get(p.name)))
+    leaves = [(j, ctx.dtensors.of_input.get(p.name, ctx.fake_of.get(p.name)))
               for j, p in enumerate(params)]
     leaves = [(j, leaf) for j, leaf in leaves if leaf is not None and leaf.requires_grad]
     _refuse_partial_reach(values, [leaf for _, leaf in leaves])
@@ -130,7 +130,7 @@ def _record_backward(ctx, values, tangents, leaves):
         grads = torch.autograd.grad(values, leaves, tangents, allow_unused=True) \
             if values and leaves else [None] * len(leaves)
     forward_lines, ctx.bound_symbols = ctx.bound_symbols, []
-    ctx.forward_values = set(ctx.proxy_of)  # ids of the forward's fakes: the backward reads them
+    ctx.dtensors.forward_values = set(ctx.proxy_of)  # ids of the forward's fakes: the backward reads them
     try:
         dtensor._emit_program_calls(ctx, mode.calls, None, backward=True)
         lines = ctx.bound_symbols

@@ -61,7 +61,7 @@ def _guarded_apply(cls, *args, **kwargs):
         if (cls.__module__ or "").startswith("torch.distributed.tensor"):
             # DTensor's from_local, to_local, redistribute: their backward is part of the
             # DTensor backward capture derives (capture/dtensor_autograd.py).
-            ctx.dtensor_autograd = True
+            ctx.dtensors.autograd = True
             return _function_apply.__func__(cls, *args, **kwargs)
         raise CaptureError(
             f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "

@@ -167,7 +167,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     ctx.specialize_data = specialize_data
     # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
     # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).
-    ctx.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
+    ctx.dtensors.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()
@@ -224,7 +224,7 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
         for trace in (computation, epilogue.trace):
             refuse_raw_symbols(trace)
     return Program(prologue, computation, epilogue.trace, descriptions,
-                   keep_alive=ctx.__dict__.get("dtensor_keep", []))
+                   keep_alive=ctx.dtensors.keep_alive)
 
 
 def _working_copies(ctx: CaptureContext) -> tuple[list[MutableGroup], list[BoundSymbol],
@@ -470,7 +470,7 @@ class _Returns:
 
 def _dtensor_autograd(ctx: CaptureContext) -> bool:
     """Whether DTensor's autograd ran in the program (so its backward is capture's to record)."""
-    return getattr(ctx, "dtensor_autograd", False) and torch.is_grad_enabled()
+    return ctx.dtensors.autograd and torch.is_grad_enabled()
 
 
 def _result_templates(ctx: CaptureContext, out: Any, returns: _Returns):

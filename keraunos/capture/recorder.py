@@ -48,7 +48,7 @@ class Recorder(TorchFunctionMode):
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
         self._refuse_before_the_call(symbol, func, args, kwargs)
-        if has_capture_dtensor((args, kwargs)) or ctx.record_aten:  # see dtensor.py
+        if has_capture_dtensor((args, kwargs)) or ctx.dtensors.record_aten:  # see dtensor.py
             return record_dtensor_call(ctx, func, args, kwargs)
         if id(func) in _TO_PYTHON:  # specialize_data=True (else refused above)
             return ctx.specialize_on_data(symbol, func, args, kwargs)
