@@ -1,5 +1,6 @@
 """keraunos with torch.distributed, on 2 local gloo ranks: collectives captured or refused,
-never dropped; DDP around a jitted model trains as one process would.
+never dropped; DDP around a jitted model trains as one process would; FSDP2 and tensor parallel
+(DTensor, tests/dtensor_scenarios.py) train as eager does.
 
 All scenarios (tests/distributed_scenarios.py) run in one spawn of two processes per module
 (tests/distributed_ranks.py: loopback only, 30 s per collective, 150 s in all); each test reads

@@ -78,12 +78,11 @@ class InputsMixin:
         if is_tensor_subclass_with_dispatch(real):
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {type(real).__qualname__}, a tensor subclass that "
-                f"runs its own __torch_dispatch__ (DTensor, a quantized or nested tensor, ...); "
-                f"keraunos does not capture through such subclasses yet, and taking it for a "
-                f"plain tensor would compute something else.\n  What to do: pass its local or "
-                f"plain tensor (DTensor.to_local(), .to_dense(), .dequantize()), or call this "
-                f"part outside the jitted function (torch.compile(..., backend=\"keraunos\") "
-                f"does not take them either yet).")
+                f"runs its own __torch_dispatch__ (a quantized or nested tensor, ...); keraunos "
+                f"captures through DTensor only, and taking it for a plain tensor would compute "
+                f"something else.\n  What to do: pass its plain tensor (.to_dense(), "
+                f".dequantize()), or call this part outside the jitted function "
+                f"(torch.compile(..., backend=\"keraunos\") does not take them either yet).")
         if real.layout != torch.strided:
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {real.layout} tensor; keraunos captures strided "
