@@ -235,22 +235,35 @@ def tensor_parallel_under_the_torch_compile_backend(rank, world_size):
     return r
 
 
+def _refusal(fn, *args) -> tuple[str, str]:
+    try:
+        fn(*args)
+    except (CaptureError, UnsupportedInputError) as e:
+        return type(e).__name__, str(e)
+    return "none", "it ran"
+
+
 def dtensor_programs_capture_cannot_replay_are_refused(rank, world_size):
-    """A DTensor program with gradients that writes a tensor in place: refused, not wrong."""
+    """Refused, not wrong: a DTensor program with gradients that writes a tensor in place; a
+    program reading a DTensor's ``.grad`` (the stand-in's would be None: an optimizer step that
+    checks ``p.grad is not None`` would silently skip)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
     mesh = _mesh(world_size)
     w = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]).requires_grad_()
     counter = distribute_tensor(torch.zeros(4), mesh, [Replicate()])
+    x = distribute_tensor(torch.randn(2, 4), mesh, [Replicate()])
 
     def f(x, w, counter):
         counter.add_(1)
         return x @ w
-    x = distribute_tensor(torch.randn(2, 4), mesh, [Replicate()])
-    try:
-        keraunos.jit(f)(x, w, counter)
-    except (CaptureError, UnsupportedInputError) as e:
-        return type(e).__name__, str(e)
-    return "none", "it ran"
+    (x @ w).sum().backward()
+
+    def step(w):
+        if w.grad is not None:
+            w -= 0.1 * w.grad
+    with torch.no_grad():
+        grad_read = _refusal(keraunos.jit(step), w)
+    return {"in place": _refusal(keraunos.jit(f), x, w, counter), "grad read": grad_read}
 
 
 def dtensor_outputs_reaching_different_inputs_are_refused(rank, world_size):

@@ -148,9 +148,12 @@ def test_torch_compile_backend_compiles_tensor_parallel_graphs_and_matches_eager
         assert rank["no_grad"] and rank["ran eagerly"] == [] and rank["all_reduce in trace"]
 
 
-def test_dtensor_program_with_gradients_writing_in_place_is_refused(outcomes):
-    for kind, message in values(outcomes, "dtensor_programs_capture_cannot_replay_are_refused"):
+def test_dtensor_programs_capture_cannot_replay_are_refused(outcomes):
+    for rank in values(outcomes, "dtensor_programs_capture_cannot_replay_are_refused"):
+        kind, message = rank["in place"]
         assert kind == "CaptureError" and "writes a tensor in place" in message
+        kind, message = rank["grad read"]
+        assert kind == "CaptureError" and "`.grad` of a DTensor" in message
 
 
 def test_dtensor_outputs_reaching_different_inputs_are_refused(outcomes):

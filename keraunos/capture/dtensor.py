@@ -227,6 +227,14 @@ def record_dtensor_call(ctx, func, args, kwargs):
     """Run a torch call that has a DTensor argument; record the local ops DTensor runs for it.
     (Also every call of a program of DTensors under grad mode: ``record_aten``.)"""
     refuse_symbolic_sizes(ctx)
+    if getattr(func, "__self__", None) in (torch.Tensor.grad, torch.Tensor._base) and \
+            has_capture_dtensor(args):
+        # The stand-in's own state is capture's, not the user's DTensor's (its .grad is None).
+        raise CaptureError(
+            f"keraunos cannot capture {user_source()}\n  it reads `.{func.__self__.__name__}` "
+            f"of a DTensor inside the program, which keraunos does not capture.\n  What to do: "
+            f"read it outside the jitted function and pass it in (p.grad is a DTensor of its "
+            f"own), or step the optimizer outside the jitted function.")
     ctx.record_global_state()
     mode = _LocalOps()
     # Torch function off inside: DTensor's own Python (a Partial's division) is recorded once,
