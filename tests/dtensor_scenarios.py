@@ -71,8 +71,13 @@ def dtensor_function_matches_eager(rank, world_size):
     checks = _text(keraunos.last_prologue_traces(jf))
     replicated = distribute_tensor(torch.randn(8, 4), mesh, [Replicate()])
     resharded = all(_same_dtensor(e, g) for e, g in zip(f(replicated, b), jf(replicated, b)))
+    # One DTensor passed twice, then two of the same spec: not the same program.
+    add = keraunos.jit(lambda x, y: x + y)
+    other = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    twice = [_same_dtensor(a + a, add(a, a)), _same_dtensor(a + other, add(a, other))]
     return {"same": same, "leak": capture_values_in(got), "resharded": resharded,
             "misses": keraunos.cache_misses(jf), "hits": keraunos.cache_hits(jf),
+            "same DTensor twice": twice,
             "gather in trace": "torch.ops._c10d_functional.all_gather_into_tensor" in text,
             "spec checked": "placements (Shard(dim=0),)" in checks}
 

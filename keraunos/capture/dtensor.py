@@ -46,6 +46,7 @@ from ..core.symbolic import SymbolicUnsupported
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION, RANDOM
 from ..errors import CaptureError, UnsupportedInputError, user_source
+from . import guards
 from .guards import GuardKind
 
 
@@ -153,12 +154,24 @@ def dtensor_input(ctx, real, path: Path, tags=()) -> torch.Tensor:
     stand_ins = ctx.dtensors.stand_ins
     known = stand_ins.get(id(real))
     if known is not None:
-        return known[1]
+        _, stand_in, first = known
+        if first != path:  # the same DTensor reached two ways: it must be so on every call
+            ctx.guard(guards.IDENTITY, path, _ReachedBefore(first))
+        return stand_in
     with torch._C.DisableTorchFunction():  # taking it in is not the program
         stand_in = _stand_in(ctx, real, path, tags)
     refuse_symbolic_sizes(ctx)
-    stand_ins[id(real)] = (real, stand_in)  # the real one kept alive: its id stays its own
+    stand_ins[id(real)] = (real, stand_in, path)  # the real one kept alive: its id stays its own
     return stand_in
+
+
+@dataclass(frozen=True)
+class _ReachedBefore:
+    """What an identity guard compares with: the DTensor at ``path`` (read there first)."""
+
+    path: Path
+    proxy: Any = None
+    fake: Any = None
 
 
 def _stand_in(ctx, real, path: Path, tags):
