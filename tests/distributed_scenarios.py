@@ -240,7 +240,7 @@ from dtensor_scenarios import (  # noqa: E402,F401
     dtensor_function_matches_eager, dtensor_outputs_reaching_different_inputs_are_refused,
     dtensor_outputs_with_gradients_match_eager,
     dtensor_programs_capture_cannot_replay_are_refused, tensor_parallel_attention_trains_like_eager,
-    tensor_parallel_inference_matches_eager,
+    tensor_parallel_inference_matches_eager, sharded_batch_with_replicated_weight_matches_eager,
     tensor_parallel_mlp_trains_like_eager, tensor_parallel_under_the_torch_compile_backend)
 
 

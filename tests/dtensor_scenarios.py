@@ -218,6 +218,32 @@ def dtensor_outputs_with_gradients_match_eager(rank, world_size):
     return {"same": same, "grads": grads, "hits": keraunos.cache_hits(jf)}
 
 
+def sharded_batch_with_replicated_weight_matches_eager(rank, world_size):
+    """A batch sharded over the ranks times a replicated weight, with dropout: the weight's
+    gradient is ``Partial`` in eager (a sum over the shards yet to be made), and the jitted
+    program hands it back so; dropout draws what eager draws after the same seed."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = _mesh(world_size)
+    w = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]).requires_grad_()
+    w_reference = distribute_tensor(w.full_tensor().detach(), mesh, [Replicate()]).requires_grad_()
+
+    def f(x, w):
+        return torch.nn.functional.dropout(x @ w, 0.5).relu().sum()
+    jf = keraunos.jit(f)
+    same, grads = [], []
+    for step in range(2):
+        x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        torch.manual_seed(step)
+        expected = f(x, w_reference)
+        expected.full_tensor().backward()
+        torch.manual_seed(step)
+        got = jf(x, w)
+        got.full_tensor().backward()
+        same.append(_same_dtensor(expected.detach(), got.detach(), 1e-5))
+        grads.append(_same_dtensor(w_reference.grad, w.grad, 1e-5))
+    return {"same": same, "grads": grads, "placements": str(w.grad.placements)}
+
+
 def tensor_parallel_under_the_torch_compile_backend(rank, world_size):
     """torch.compile(backend="keraunos") of the same block: every graph compiled by keraunos
     (none run eagerly), trains like eager, and its forward shows the all-reduce."""

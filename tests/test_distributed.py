@@ -29,6 +29,7 @@ SCENARIOS = [
     "tensor_parallel_mlp_trains_like_eager",
     "tensor_parallel_attention_trains_like_eager",
     "dtensor_outputs_with_gradients_match_eager",
+    "sharded_batch_with_replicated_weight_matches_eager",
     "tensor_parallel_under_the_torch_compile_backend",
     "dtensor_programs_capture_cannot_replay_are_refused",
     "dtensor_outputs_reaching_different_inputs_are_refused",
@@ -141,6 +142,12 @@ def test_tensor_parallel_attention_block_trains_like_eager(outcomes):
 def test_dtensor_outputs_carry_dtensor_gradients_back(outcomes):
     for rank in values(outcomes, "dtensor_outputs_with_gradients_match_eager"):
         assert rank == {"same": [True, True], "grads": [True, True], "hits": 1}
+
+
+def test_replicated_weight_of_a_sharded_batch_gets_eagers_partial_gradient(outcomes):
+    for rank in values(outcomes, "sharded_batch_with_replicated_weight_matches_eager"):
+        assert rank == {"same": [True, True], "grads": [True, True],
+                        "placements": "(Partial(sum),)"}
 
 
 def test_torch_compile_backend_compiles_tensor_parallel_graphs_and_matches_eager(outcomes):

@@ -58,6 +58,7 @@ class DTensorState:
     autograd: bool = False     # DTensor's autograd ran: its backward is capture's to record
     stand_ins: dict = field(default_factory=dict)  # id(real DTensor) -> (real, stand-in)
     of_input: dict = field(default_factory=dict)   # a local input's name -> its stand-in
+    grad_placements: dict = field(default_factory=dict)  # ... -> its GradPlacements
     # Objects whose ids must stay theirs while capture maps them, and the real local tensors
     # the compilation checks (``Program.keep_alive``).
     keep_alive: list = field(default_factory=list)
@@ -107,8 +108,42 @@ LOCAL = PathKind("local", lambda base, key: f"{base}._local_tensor",
                  lambda path: f"{path.parent.name_hint()}_local")
 
 
-TO_LOCAL = PathKind("to_local", lambda base, key: f"{base}.to_local()",
-                    lambda var, key: f"{var}.to_local()",
+class GradPlacements:
+    """The placements ``to_local()`` gives the local tensor's gradient, when they are not the
+    DTensor's own (a replicated weight of a sharded batch gets a ``Partial`` gradient): set by
+    ``dtensor_autograd`` once it has derived the gradient, read by the prologue's step."""
+
+    def __init__(self):
+        self.placements: tuple | None = None
+
+    def argument(self) -> str:
+        """``grad_placements=...`` as Python over ``torch`` (every trace's namespace has it)."""
+        if self.placements is None:
+            return ""
+        return f"grad_placements=({''.join(_placement_source(p) + ', ' for p in self.placements)})"
+
+
+def _placement_source(p) -> str:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    if type(p) is Replicate:
+        return "torch.distributed.tensor.Replicate()"
+    if type(p) is Shard:
+        return f"torch.distributed.tensor.Shard({p.dim})"
+    if type(p) is Partial:
+        return f"torch.distributed.tensor.Partial({p.reduce_op!r})"
+    raise ValueError(p)
+
+
+def placements_have_source(placements) -> bool:
+    try:
+        [_placement_source(p) for p in placements]
+    except ValueError:
+        return False
+    return True
+
+
+TO_LOCAL = PathKind("to_local", lambda base, key: f"{base}.to_local({key.argument()})",
+                    lambda var, key: f"{var}.to_local({key.argument()})",
                     lambda path: f"{path.parent.name_hint()}_local")
 
 
@@ -197,7 +232,9 @@ def _stand_in(ctx, real, path: Path, tags):
     with unset_fake_temporarily():
         real_local = real.to_local()  # what the prologue's to_local() gives: it requires grad
     ctx.dtensors.keep_alive.append(real_local)  # the prologue's check reads it, weakly
-    fake_local = ctx.tensor_input(real_local, Path(path, TO_LOCAL, "to_local"), tags)
+    grad_placements = GradPlacements()
+    fake_local = ctx.tensor_input(real_local, Path(path, TO_LOCAL, grad_placements), tags)
+    ctx.dtensors.grad_placements[ctx.proxy(fake_local).name] = grad_placements
     with ctx.fake_mode:
         inner = fake_local.detach()  # a DTensor's local tensor never requires grad itself
     ctx.proxy_of[id(inner)] = ctx.proxy(fake_local)
@@ -254,6 +291,7 @@ def record_dtensor_call(ctx, func, args, kwargs):
     # as the ATen op it dispatches, not again as a torch call.
     with torch._C.DisableTorchFunction(), mode:
         out = func(*args, **kwargs)
+    _refuse_distributed_random(mode.calls, args, kwargs)
     _emit_program_calls(ctx, mode.calls, user_source())
     for t in pytree.tree_leaves(out):
         if is_dtensor(t):
@@ -261,6 +299,26 @@ def record_dtensor_call(ctx, func, args, kwargs):
         elif isinstance(t, torch.Tensor):
             ctx.proxy(t)
     return out
+
+
+def _refuse_distributed_random(calls, args, kwargs) -> None:
+    """On a mesh whose device has a generator state DTensor manages (CUDA), DTensor offsets the
+    generator per shard around a random op (``OffsetBasedRNGTracker``): state changes capture
+    would make once, on fakes. (On CPU meshes a random op draws from the local generator, which
+    the trace replays as any random op.)"""
+    seeded = torch.Tag.nondeterministic_seeded
+    if not any(seeded in getattr(func, "tags", ()) for func, *_ in calls):
+        return
+    for t in pytree.tree_leaves((args, kwargs)):
+        if is_dtensor(t):
+            from torch.distributed.device_mesh import _get_device_handle
+            handle = _get_device_handle(t.device_mesh.device_type)
+            if handle is not None and hasattr(handle, "set_rng_state"):
+                raise CaptureError(
+                    f"keraunos cannot capture {user_source()}\n  a random op on DTensors of a "
+                    f"{t.device_mesh.device_type} mesh: DTensor offsets the generator of each "
+                    f"shard around it, which keraunos does not capture yet.\n  What to do: "
+                    f"call the random op (dropout, an init) outside the jitted function.")
 
 
 def _emit_program_calls(ctx, calls, source, backward: bool = False) -> None:

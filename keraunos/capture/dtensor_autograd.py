@@ -55,8 +55,8 @@ def _gradient_spec(spec):
 def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) -> BoundSymbol:
     """The computation of a DTensor program with gradients as one line (see the module)."""
     dtensor.refuse_symbolic_sizes(ctx)
-    if ctx.mutated_storages:
-        raise _refuse("it writes a tensor in place")
+    if any(ctx.storage_of[e.proxy.name] in ctx.mutated_storages for e in ctx.inputs):
+        raise _refuse("it writes a tensor in place")  # one it was passed (its own are fine)
     if ctx.replayed_calls:
         raise _refuse("it prints or logs (keraunos replays those after the program)")
     outputs = list(returns.flat)
@@ -89,14 +89,26 @@ def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) ->
         if g is None:
             continue
         if dtensor.is_dtensor(g):
-            if tuple(g.placements) != _normalized(leaf.placements) or g.shape != leaf.shape:
-                raise _refuse(f"the gradient of {params[j].name} is a DTensor with placements "
-                              f"{g.placements}, where {leaf.placements} was expected")
+            _hand_back(ctx, params[j].name, leaf, g)
             g = g._local_tensor
         grad_of[j] = ctx.proxy(g)
     tangent_proxies = [ctx.proxy(local) for _, local in tangents]
     return _program_line(ctx, params, forward_lines, outputs, differentiable, tangent_proxies,
                          backward_lines, [grad_of.get(j) for j in range(len(params))])
+
+
+def _hand_back(ctx, name: str, leaf, grad) -> None:
+    """The prologue's ``to_local()`` of input ``name`` hands its gradient back to the user's
+    DTensor with the placements DTensor's backward gave it (as eager's ``.grad`` has them)."""
+    placements = tuple(grad.placements)
+    if placements == _normalized(leaf.placements):
+        return  # to_local's own
+    holder = ctx.dtensors.grad_placements.get(name)
+    if holder is None or grad.shape != leaf.shape or grad.device_mesh != leaf.device_mesh or \
+            not dtensor.placements_have_source(placements):
+        raise _refuse(f"the gradient of {name} is a DTensor with placements {placements}, "
+                      f"which keraunos cannot hand back to it")
+    holder.placements = placements
 
 
 def _refuse_partial_reach(values, leaves) -> None:
