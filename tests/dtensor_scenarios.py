@@ -278,7 +278,7 @@ def dtensor_programs_capture_cannot_replay_are_refused(rank, world_size):
     """Refused, not wrong: a DTensor program with gradients that writes a tensor in place; a
     program reading a DTensor's ``.grad`` (the stand-in's would be None: an optimizer step that
     checks ``p.grad is not None`` would silently skip)."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     mesh = _mesh(world_size)
     w = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]).requires_grad_()
     counter = distribute_tensor(torch.zeros(4), mesh, [Replicate()])
@@ -294,7 +294,12 @@ def dtensor_programs_capture_cannot_replay_are_refused(rank, world_size):
             w -= 0.1 * w.grad
     with torch.no_grad():
         grad_read = _refusal(keraunos.jit(step), w)
-    return {"in place": _refusal(keraunos.jit(f), x, w, counter), "grad read": grad_read}
+    # b is made Shard(0) inside the addition (a redistribution with no backward of its own):
+    # eager's b.grad is sharded otherwise than b, which to_local() cannot hand back.
+    a = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]).requires_grad_()
+    return {"in place": _refusal(keraunos.jit(f), x, w, counter), "grad read": grad_read,
+            "resharded gradient": _refusal(keraunos.jit(lambda a, b: a + b), a, b)}
 
 
 def dtensor_outputs_reaching_different_inputs_are_refused(rank, world_size):
@@ -310,3 +315,64 @@ def dtensor_outputs_reaching_different_inputs_are_refused(rank, world_size):
     except (CaptureError, UnsupportedInputError) as e:
         return type(e).__name__, str(e)
     return "none", "it ran"
+
+
+def dtensor_op_sweep_matches_eager_or_is_refused(rank, world_size):
+    """12 ops over every pair of Shard(0)/Shard(1)/Replicate inputs, with and without
+    gradients: each combination eager DTensor runs is either equal to eager under keraunos.jit
+    (results, and with gradients the inputs' gradients) or refused by capture; never different."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = _mesh(world_size)
+    F = torch.nn.functional
+    ops = {
+        "add": lambda a, b: a + b * 2,
+        "sum(0)": lambda a, b: (a * b).sum(0),
+        "sum(1)": lambda a, b: (a - b).sum(1),
+        "mean": lambda a, b: (a * b).mean(),
+        "softmax": lambda a, b: F.softmax(a + b, dim=-1),
+        "a @ b.t()": lambda a, b: a @ b.t(),
+        "a.t() @ b": lambda a, b: (a.t() * 2) @ b,
+        "reshape": lambda a, b: (a + b).reshape(-1),
+        "cat": lambda a, b: torch.cat([a, b], 0).tanh(),
+        "gelu, layer_norm": lambda a, b: F.layer_norm(F.gelu(a + b), (6,)),
+        "amax": lambda a, b: (a + b).amax(dim=0),
+        "redistribute": lambda a, b: (a + b).redistribute(mesh, [Replicate()]).exp(),
+    }
+    placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+    counts = {"eager refuses": 0, "same": 0, "refused": 0}
+    different = []
+    seed = 0
+    for name, op in ops.items():
+        for pa in placements:
+            for pb in placements:
+                for grad in (False, True):
+                    seed += 1
+                    torch.manual_seed(seed)
+                    A, B = torch.randn(4, 6), torch.randn(4, 6)
+
+                    def inputs():
+                        return (distribute_tensor(A, mesh, pa).requires_grad_(grad),
+                                distribute_tensor(B, mesh, pb).requires_grad_(grad))
+                    ea, eb = inputs()
+                    try:
+                        expected = op(ea, eb)
+                    except Exception:  # noqa: BLE001 - a combination eager DTensor refuses
+                        counts["eager refuses"] += 1
+                        continue
+                    ka, kb = inputs()
+                    try:
+                        got = keraunos.jit(op)(ka, kb)
+                    except (CaptureError, UnsupportedInputError):
+                        counts["refused"] += 1
+                        continue
+                    same = _same_dtensor(expected.detach(), got.detach(), 1e-5)
+                    if grad and same:
+                        expected.full_tensor().pow(2).sum().backward()
+                        got.full_tensor().pow(2).sum().backward()
+                        same = _same_dtensor(ea.grad, ka.grad, 1e-5) and \
+                            _same_dtensor(eb.grad, kb.grad, 1e-5)
+                    if same:
+                        counts["same"] += 1
+                    else:
+                        different.append(f"{name} {pa} {pb} grad={grad}")
+    return {"counts": counts, "different": different}

@@ -33,6 +33,7 @@ SCENARIOS = [
     "tensor_parallel_under_the_torch_compile_backend",
     "dtensor_programs_capture_cannot_replay_are_refused",
     "dtensor_outputs_reaching_different_inputs_are_refused",
+    "dtensor_op_sweep_matches_eager_or_is_refused",
     "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
     "fsdp2_mixed_precision_trains_like_eager",
     "fsdp2_activation_checkpointing_trains_like_eager",
@@ -162,11 +163,21 @@ def test_dtensor_programs_capture_cannot_replay_are_refused(outcomes):
         assert kind == "CaptureError" and "writes a tensor in place" in message
         kind, message = rank["grad read"]
         assert kind == "CaptureError" and "`.grad` of a DTensor" in message
+        kind, message = rank["resharded gradient"]
+        assert kind == "CaptureError" and "(Shard(dim=0),), where its input has" in message
 
 
 def test_dtensor_outputs_reaching_different_inputs_are_refused(outcomes):
     for kind, message in values(outcomes, "dtensor_outputs_reaching_different_inputs_are_refused"):
         assert kind == "CaptureError" and "reach different inputs" in message
+
+
+def test_dtensor_ops_over_placement_pairs_match_eager_or_are_refused(outcomes):
+    # 12 ops x 9 placement pairs x with and without gradients: equal to eager, or refused (with
+    # gradients, when an input's gradient is sharded otherwise than the input); never different.
+    for rank in values(outcomes, "dtensor_op_sweep_matches_eager_or_is_refused"):
+        assert rank["different"] == [], rank
+        assert rank["counts"] == {"eager refuses": 0, "same": 143, "refused": 73}, rank
 
 
 def _check_fsdp2(outcomes, name, hits=4):

@@ -104,10 +104,16 @@ def _hand_back(ctx, name: str, leaf, grad) -> None:
     if placements == _normalized(leaf.placements):
         return  # to_local's own
     holder = ctx.dtensors.grad_placements.get(name)
+    local, grad_local = leaf._local_tensor, grad._local_tensor
+    # to_local's backward takes a gradient of the local tensor's own shape: a gradient sharded
+    # otherwise than its input (an implicit redistribution has no backward) cannot pass.
     if holder is None or grad.shape != leaf.shape or grad.device_mesh != leaf.device_mesh or \
+            grad_local.shape != local.shape or grad_local.dtype != local.dtype or \
             not dtensor.placements_have_source(placements):
         raise _refuse(f"the gradient of {name} is a DTensor with placements {placements}, "
-                      f"which keraunos cannot hand back to it")
+                      f"where its input has {tuple(leaf.placements)}: keraunos hands a gradient "
+                      f"back through to_local(), which takes a local gradient of the input's "
+                      f"own shape")
     holder.placements = placements
 
 
