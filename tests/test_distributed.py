@@ -177,7 +177,9 @@ def test_dtensor_ops_over_placement_pairs_match_eager_or_are_refused(outcomes):
     # gradients, when an input's gradient is sharded otherwise than the input); never different.
     for rank in values(outcomes, "dtensor_op_sweep_matches_eager_or_is_refused"):
         assert rank["different"] == [], rank
-        assert rank["counts"] == {"eager refuses": 0, "same": 143, "refused": 73}, rank
+        # 143 same and 73 refused with torch 2.13; other releases may shard some otherwise.
+        counts = rank["counts"]
+        assert sum(counts.values()) == 216 and counts["same"] > 2 * counts["refused"], rank
 
 
 def _check_fsdp2(outcomes, name, hits=4):
