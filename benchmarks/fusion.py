@@ -178,7 +178,8 @@ def child(workload: str, system: str, iters: int, device: str) -> dict:
 
 def measure(workload: str, system: str, iters: int, cache_dir: str, device: str) -> dict:
     """``child`` in a process of its own, on the Inductor cache directory ``cache_dir``."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS="1")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS="1",
+               KERAUNOS_CACHE_DIR=os.path.join(cache_dir, "keraunos-store"))  # cold: both empty
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", workload, system,
                           "--iters", str(iters), "--device", device],
                          env=env, capture_output=True, text=True)

@@ -171,7 +171,10 @@ def _child_argv(args) -> list[str]:
 
 
 def measure(system: str, args, cache_dir: str) -> dict | None:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "KERAUNOS_FUSE": ""}
+    # keraunos's store goes with Inductor's cache: a cold run finds neither (it keeps which ISA
+    # test libraries load and each region's compiled module), a restart finds both.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "KERAUNOS_FUSE": "",
+           "KERAUNOS_CACHE_DIR": os.path.join(cache_dir, "keraunos-store")}
     if system == "regional-async":
         env["TORCHINDUCTOR_FX_COMPILE_MODE"] = "async+subprocess"
         # With the FX graph cache on, torch 2.13's async mode raises on every cache miss

@@ -1,6 +1,7 @@
 """Errors keraunos raises, and how it points at the user's own code."""
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -23,16 +24,22 @@ _SITE_DIR_NAMES = ("site-packages", "dist-packages")
 def _inside(filename: str, directory: str) -> bool:
     """Whether ``filename`` is in ``directory`` or below it: a prefix of the whole directory
     name, so that torch's directory does not hold ``torchvision`` or ``torch_geometric``."""
-    return filename.startswith(os.path.join(directory, ""))
+    return filename.startswith(_as_prefix(directory))
 
 
-def _is_stdlib(filename: str) -> bool:
+@functools.lru_cache(maxsize=None)
+def _as_prefix(directory: str) -> str:
+    return os.path.join(directory, "")
+
+
+def is_stdlib(filename: str) -> bool:
     if not _inside(filename, _STDLIB_DIR):
         return False
     first = os.path.relpath(filename, _STDLIB_DIR).split(os.sep, 1)[0]
     return first not in _SITE_DIR_NAMES
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every frame of every logging call at capture
 def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
     """Whether a frame of this file is machinery (torch, keraunos, generated traces, and unless
     ``skip_stdlib`` is false the standard library), not the user's program. Libraries built on
@@ -41,7 +48,7 @@ def is_internal(filename: str, skip_stdlib: bool = True) -> bool:
         return not any(_inside(filename, d) for d in _USER_DIRS_INSIDE_KERAUNOS)
     return (_inside(filename, _TORCH_DIR) or filename.startswith("<frozen")
             or filename.startswith("<keraunos")
-            or (skip_stdlib and _is_stdlib(filename)))
+            or (skip_stdlib and is_stdlib(filename)))
 
 
 class KeraunosError(Exception):
@@ -72,8 +79,16 @@ class ScopeMutationError(CaptureError):
     ``DataDependentError`` it takes the ``fallback`` route (dynamo replays such changes)."""
 
 
+class UnguardableStateError(CaptureError):
+    """The program reads state of an object it finds by name (a global, a closure variable, a
+    bound method's object) that keraunos cannot check on later calls (an ``OrderedDict`` of
+    hooks, a ``defaultdict`` of tensors): compiled in, a later change would go unseen. Like a
+    ``DataDependentError`` it takes the ``fallback`` route (dynamo guards such reads)."""
+
+
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
-FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError)
+FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
+                   UnguardableStateError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

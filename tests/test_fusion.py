@@ -687,6 +687,7 @@ def test_a_region_inductor_cannot_compile_runs_on_torch_with_a_warning(monkeypat
         raise RuntimeError("lowering failed")
     monkeypatch.setattr(compiler, "_compile", refuse)
     monkeypatch.setattr(compiler, "_kernels", {})
+    monkeypatch.setattr(compiler.kernel_store, "load", lambda key: None)  # compiled, not loaded
     monkeypatch.setattr(compiler, "_warned", set())
 
     def f(x):
@@ -711,6 +712,7 @@ def test_kernels_g_plus_plus_fails_to_build_run_the_region_lines_with_a_warning(
         return kernel
     monkeypatch.setattr(compiler, "_compile", failing_build)
     monkeypatch.setattr(compiler, "_kernels", {})
+    monkeypatch.setattr(compiler.kernel_store, "load", lambda key: None)
     monkeypatch.setattr(compiler, "_warned", set())
 
     def f(x):

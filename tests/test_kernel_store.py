@@ -12,6 +12,7 @@ import textwrap
 import warnings
 
 import pytest
+import torch
 
 from keraunos.executors.fusion import compiler
 
@@ -131,3 +132,139 @@ def test_the_probe_runs_as_inductors_own_when_the_store_cannot_be_used(tmp_path)
             assert isa_probe.remembered(lambda i, p: calls.append(p) or True, "avx512",
                                         str(library), where)
     assert len(calls) == 2
+
+
+# Inductor's region modules kept in the store (executors/fusion/kernel_store.py): a later process
+# loads a region's kernel without compile_fx. A "later process" here is this one with its
+# in-process kernels forgotten and a store of the test's own.
+
+needs_cxx = pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
+                               reason="Inductor cannot build C++ kernels on this machine")
+
+
+@pytest.fixture
+def own_store(tmp_path, monkeypatch):
+    """A store of this test's own, and no kernel compiled before it in this process."""
+    from keraunos import store
+    monkeypatch.setattr(store, "_default", store.Store(tmp_path / "store"))
+    monkeypatch.setattr(compiler, "_kernels", {})
+    return store._default
+
+
+def _gpt():
+    import copy
+    from keraunos.examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
+    return model, copy.deepcopy(model), torch.randint(0, 256, (1, 8))
+
+
+def copy_of(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+def _no_compile_fx(monkeypatch):
+    from torch._inductor import compile_fx
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compile_fx ran although the store holds the region")
+    monkeypatch.setattr(compile_fx, "compile_fx", refuse)
+
+
+def _fused_run(model, x):
+    import keraunos
+    jitted = keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
+    with torch.no_grad():
+        out = jitted(x)
+        jitted(x)  # every region has made its first call
+    return jitted, out
+
+
+@needs_cxx
+def test_a_restart_loads_each_region_from_the_store_without_compile_fx(own_store, monkeypatch):
+    import keraunos
+    from keraunos.executors.fusion import kernel_store
+    model, reference, x = _gpt()
+    jitted, _ = _fused_run(model, x)
+    first = keraunos.last_fusions(jitted)
+    keys = {f.kernel.store_key for f in first}
+    assert None not in keys and len(keys) >= 2, [f.kernel for f in first]
+    assert all(own_store.get(kernel_store.NAMESPACE, k) for k in keys)
+
+    monkeypatch.setattr(compiler, "_kernels", {})  # the restart: nothing compiled in-process
+    _no_compile_fx(monkeypatch)
+    jitted, out = _fused_run(copy_of(reference), x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(jitted(x), reference(x), rtol=1e-4, atol=1e-4)
+    again = keraunos.last_fusions(jitted)
+    assert [f.kernel.cache for f in again] == [compiler.STORED] * len(first)
+    assert {f.kernel.store_key for f in again} == keys
+
+
+@needs_cxx
+def test_a_stored_module_that_does_not_load_is_compiled_again(own_store, monkeypatch):
+    import keraunos
+    from keraunos.executors.fusion import kernel_store
+
+    def f(x):
+        return (torch.sin(x * 3).exp() + 2).tanh().mul(0.5).sub(x)
+
+    x = torch.randn(7)
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
+    jitted(x)
+    jitted(x)
+    [key] = {r.kernel.store_key for r in keraunos.last_fusions(jitted)}
+    assert own_store.get(kernel_store.NAMESPACE, key) is not None
+    own_store.put(kernel_store.NAMESPACE, key, b"this is not Inductor's module(")
+    monkeypatch.setattr(compiler, "_kernels", {})
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
+    torch.testing.assert_close(jitted(x), f(x))
+    torch.testing.assert_close(jitted(x), f(x))
+    [region] = keraunos.last_fusions(jitted)
+    assert region.kernel.cache != compiler.STORED
+    # the first call compiled it and kept the good module in place of the bad one
+    assert b"def call(" in own_store.get(kernel_store.NAMESPACE, key)
+
+
+@needs_cxx
+def test_a_region_that_writes_its_input_is_not_stored(own_store):
+    import keraunos
+    from keraunos.executors.fusion import kernel_store
+
+    def f(x, buffer):
+        buffer.mul_(0.5).add_(x.exp().sin())
+        return (x.cos() * 2 + 1).tanh()
+
+    x, buffer = torch.randn(6), torch.randn(6)
+    expected_buffer = buffer.clone()
+    expected = f(x, expected_buffer)
+    jitted = keraunos.jit(f, executors=["inductor", "torch"], fuse="wait")
+    torch.testing.assert_close(jitted(x, buffer), expected)
+    torch.testing.assert_close(buffer, expected_buffer)
+    writing = [r for r in keraunos.last_fusions(jitted) if r.written]
+    assert writing, "no region writes its input: nothing was tested"
+    for r in writing:
+        assert own_store.get(kernel_store.NAMESPACE, r.kernel.store_key or "") is None
+
+
+def test_symbolic_and_non_cpu_regions_have_no_store_key():
+    import sympy
+    from keraunos.executors.fusion import kernel_store
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    static = ((4, 8), (8, 1), torch.float32, cpu)
+    env = (1, torch.float32, False, torch.__version__, "h", ())
+    assert kernel_store.key_of(("src", (static,), (0,), env, None)) is not None
+    assert kernel_store.key_of(("src", (static,), (0,), env, ("fact",))) is None
+    s0 = sympy.Symbol("s0")
+    assert kernel_store.key_of(("src", (((s0, 8), (8, 1), torch.float32, cpu),), (0,), env,
+                                None)) is None
+    assert kernel_store.key_of(("src", (("int", s0),), (0,), env, None)) is None
+    assert kernel_store.key_of(("src", (((4, 8), (8, 1), torch.float32, meta),), (0,), env,
+                                None)) is None
+    # anything that decides the code changes the key
+    assert kernel_store.key_of(("src", (static,), (0,), env, None)) != kernel_store.key_of(
+        ("src2", (static,), (0,), env, None))
+    assert kernel_store.key_of(("src", (static,), (0,), env, None)) != kernel_store.key_of(
+        ("src", (static,), (0,), (2, *env[1:]), None))

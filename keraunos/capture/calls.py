@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core import tree
 from ..core.aten import AtenRecorder, constant_line, is_lifted_constant
 from ..core.effects import draws_random, is_inplace_by_name
 from ..core.glue import SET_GLOBAL_STATE
@@ -152,8 +153,8 @@ class CallsMixin:
             if type(x) is slice and self.symbols is not None:  # x[:, :n]: pytree keeps slices
                 return slice(to_proxy(x.start), to_proxy(x.stop), to_proxy(x.step))
             return self.proxy(x) if isinstance(x, torch.Tensor) else x
-        p_args, p_kwargs = pytree.tree_map(to_proxy, (args, kwargs))
-        outputs = pytree.tree_map(
+        p_args, p_kwargs = tree.map_leaves(to_proxy, (args, kwargs))
+        outputs = tree.map_leaves(
             lambda x: self.output_proxy(x) if isinstance(x, torch.Tensor) else x, out)
         tags = set()
         if mutated or is_inplace_by_name(symbol):

@@ -71,7 +71,8 @@ class CaptureContext(InputsMixin, ReadsMixin, CallsMixin):
         self._init_reads()
         self._init_inputs(module)
         self.data = DataSpecialization(self)
-        self.scopes = ScopeGuards(self.fn, self.root_objects, self.guard)
+        self.scopes = ScopeGuards(self.fn, self.root_objects, self.guard, self.watch_scope_object)
+        self._target = fn  # as jitted: a bound method's object is read as ``self``
         # The scope guards' state under the names the interceptors and capture_program use.
         self.helper_codes = self.scopes.helper_codes
         self.scope_containers = self.scopes.containers
@@ -91,8 +92,11 @@ class CaptureContext(InputsMixin, ReadsMixin, CallsMixin):
         return self.data.specialize(symbol, func, args, kwargs)
 
     def guard_function_scope(self) -> None:
-        """Guard the jitted function's globals and closure: see ``ScopeGuards``."""
+        """Guard the jitted function's globals and closure, and a bound method's object: see
+        ``ScopeGuards``."""
         self.scopes.guard_function_scope()
+        if self.root_module is None:
+            self.scopes.guard_bound_self(self._target)
 
     def guard_helper_scope(self, frame) -> None:
         """Guard the globals and closure of a function the program called: see ``ScopeGuards``."""

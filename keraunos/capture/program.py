@@ -26,7 +26,7 @@ from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ..errors import CaptureError
+from ..errors import CaptureError, UnguardableStateError
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .recorder import _data_dependent_error
 from .ambient import AmbientSnapshot
@@ -191,6 +191,9 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
         ctx.restore_classes()
         restore_global_state(state_before)
         changed = ctx.scope_containers.undo_changes()  # globals' lists as before the call
+        changed += ctx.undo_scope_writes()  # and the attributes set on objects found by name
+    if ctx.unguardable_reads:  # raised where it happened, unless the program caught it
+        raise UnguardableStateError(ctx.unguardable_reads[0])
     if changed:
         raise ctx.scope_containers.refuse(changed)
     t1 = time.perf_counter()

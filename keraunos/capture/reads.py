@@ -9,6 +9,8 @@ derives from its parameters (``_DERIVED_CACHES``), read as forward rebuilds them
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,11 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.provenance import ATTR, BUFFER, PARAMETER, SUBMODULE, Path, root
 from ..core.tags import STATIC_MEMORY_LOCATION
-from ..errors import CaptureError, UnsupportedInputError, user_source
+from ..errors import (CaptureError, UnguardableStateError, UnsupportedInputError, is_stdlib,
+                      user_source)
 from . import guards
 from .guards import is_plain
 from .recording import (_recording_argument_class, _recording_module_class,
-                        _recording_object_class, original_class)
+                        _recording_object_class, _recording_scope_class, original_class)
 
 
 @dataclass
@@ -46,6 +49,10 @@ class ReadsMixin:
         self.argument_objects: set[int] = set()  # ids of plain objects passed in (writable)
         self._swapped: list[tuple[Any, type]] = []
         self._object_paths: dict[int, Path] = {}
+        self.scope_objects: set[int] = set()  # ids of objects reached by name (see watch_scope_object)
+        self.unguardable_reads: list[str] = []  # what of theirs could not be checked
+        # Attributes the program set on those objects: (object, name, value before or _ABSENT).
+        self._scope_writes: dict[tuple[int, str], tuple[Any, str, Any]] = {}
 
     def module_path(self, module) -> Path:
         path = self.module_paths.get(id(module))
@@ -115,25 +122,68 @@ class ReadsMixin:
         self._overlay.setdefault(id(module), {})[name] = value
         self.attribute_writes.append(AttributeWrite(self.module_path(module), name, value))
 
-    def _watch_object(self, obj: Any, path: Path, writable: bool = False) -> bool:
+    def _watch_object(self, obj: Any, path: Path, writable: bool = False,
+                      scope: bool = False) -> bool:
         """Swap in a recording class; whether ``obj`` is watched (at ``path``) afterwards.
         ``writable``: the object came with the call, so the program's writes to it are recorded
-        and replayed by the epilogue rather than made to the object during capture."""
+        and replayed by the epilogue rather than made to the object during capture. ``scope``:
+        the program reaches it by name (``watch_scope_object``)."""
         if id(obj) in self._object_paths or isinstance(obj, torch.nn.Module):
             return self._object_paths.get(id(obj)) == path
         cls = original_class(obj)
         if not hasattr(obj, "__dict__") or cls.__module__ == "builtins" or isinstance(obj, type) \
                 or callable(obj):
             return False
+        stand_in = (_recording_argument_class if writable else
+                    _recording_scope_class if scope else _recording_object_class)
         try:
-            obj.__class__ = (_recording_argument_class if writable else _recording_object_class)(cls)
-        except (TypeError, AttributeError):  # a frozen dataclass (DTensor's Shard) refuses it
-            return False
+            obj.__class__ = stand_in(cls)
+        except (TypeError, AttributeError, dataclasses.FrozenInstanceError):
+            return False  # a class that cannot be swapped (a frozen dataclass's own check)
         self._object_paths[id(obj)] = path
         self._swapped.append((obj, cls))
         if writable:
             self.argument_objects.add(id(obj))
+        if scope:
+            self.scope_objects.add(id(obj))
         return True
+
+    def watch_scope_object(self, obj: Any, path: Path) -> None:
+        """An object the program reaches by name, at ``path``: a global or closure variable of
+        the function or of a helper it calls, or the object of a jitted bound method. Capture
+        would otherwise read its attributes unseen and bake them in (``x * cfg.scale`` after
+        ``cfg.scale = 3.0`` must recompile): it must stay the same object, each attribute the
+        program reads is guarded, the plain lists and dicts it holds are watched like the
+        globals' own (changed: undone, and the fallback route), and an attribute the program sets
+        on it is undone after capture with the same outcome. Objects of the standard library (a
+        logger, a lock) are left alone."""
+        if id(obj) in self._object_paths or not _user_object(obj):
+            return
+        if self._watch_object(obj, path, scope=True):
+            self.guard(guards.IDENTITY, path, obj)
+
+    def scope_object_setattr(self, obj, name: str, value: Any) -> None:
+        """``obj.name = value`` on an object reached by name: made (the rest of the program reads
+        it), and remembered so that it is undone after capture (``undo_scope_writes``)."""
+        d = object.__getattribute__(obj, "__dict__")
+        self._scope_writes.setdefault((id(obj), name), (obj, name, d.get(name, _ABSENT)))
+        original_class(obj).__setattr__(obj, name, value)
+        self._overlay.setdefault(id(obj), {})[name] = value  # what later reads see
+
+    def undo_scope_writes(self) -> list[str]:
+        """Put back every attribute the program set on an object reached by name; what was
+        set, in words (``ScopeContainers.undo_changes``'s form)."""
+        changed = []
+        for obj, name, before in reversed(self._scope_writes.values()):
+            d = object.__getattribute__(obj, "__dict__")
+            if before is _ABSENT:
+                d.pop(name, None)
+            else:
+                d[name] = before
+            changed.append(f"the attribute {name!r} of {self._object_paths[id(obj)]} "
+                           f"({original_class(obj).__qualname__})")
+        self._scope_writes.clear()
+        return changed
 
     def object_setattr(self, obj, name: str, value: Any) -> None:
         """``obj.name = value`` on an object passed in: seen by later reads, replayed by the
@@ -161,9 +211,38 @@ class ReadsMixin:
             if name in d or is_plain(value):
                 return self.value_input(value, Path(self._object_paths[id(obj)], ATTR, name))
             return value
+        if id(obj) in self.scope_objects:
+            return self._scope_getattr(obj, d, cls, name)
         if name in d:
             return self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
         return object.__getattribute__(obj, name)
+
+    def _scope_getattr(self, obj, d: dict, cls: type, name: str) -> Any:
+        """A read of an object found by name: taken in once (a later read gets what the first
+        got, or what the program set since), a plain list or dict it holds watched."""
+        overlay = self._overlay.setdefault(id(obj), {})
+        if name in overlay:
+            return overlay[name]
+        if name not in d:
+            return object.__getattribute__(obj, name)
+        path = self._object_paths[id(obj)]
+        try:
+            value = overlay[name] = self.value_input(d[name], Path(path, ATTR, name))
+        except UnsupportedInputError as e:
+            # Remembered as well as raised: a program that catches the error must not leave
+            # the read unchecked (``refuse_unguardable_reads``, after capture).
+            self.unguardable_reads.append(
+                f"keraunos cannot capture {user_source()}\n  it reads {path}.{name}, a "
+                f"{type(d[name]).__qualname__} held by an object it finds by name, which "
+                f"keraunos cannot check on later calls ({e}).\n  What to do: "
+                f"keraunos.jit(..., fallback=\"dynamo\") (the default) runs it through "
+                f"torch.compile(backend=\"keraunos\"), which guards such reads; or pass what "
+                f"the program reads as arguments.")
+            raise UnguardableStateError(self.unguardable_reads[-1]) from None
+        if value is d[name]:  # the object's own value: a plain list or dict, say
+            self.scope_containers.watch(f"{path}.{name} (an attribute of a {cls.__qualname__})",
+                                        value)
+        return value
 
     def object_state_read(self, obj) -> None:
         """The program reads the whole state of a watched object at once: it copies or pickles
@@ -219,6 +298,17 @@ class ReadsMixin:
         for obj, cls in reversed(self._swapped):
             obj.__class__ = cls
         self._swapped.clear()
+
+
+_ABSENT = object()  # an attribute an object did not have before the program set it
+
+
+def _user_object(obj) -> bool:
+    """Whether ``obj`` is the program's data rather than the standard library's machinery (a
+    logger, a lock, a thread-local), which it only calls."""
+    module = sys.modules.get(original_class(obj).__module__)
+    filename = getattr(module, "__file__", None)
+    return not (filename and is_stdlib(filename))
 
 
 def _rnn_flat_weights(ctx: ReadsMixin, module: torch.nn.RNNBase) -> list:

@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensor,
                                            UnsupportedOperatorException)
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from ..core import tree
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
@@ -37,12 +37,12 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if ctx.in_vmap:  # recorded below, at the ATen level (see CaptureContext.record_vmap)
             return func(*args, **kwargs)
-        args, kwargs = pytree.tree_map(
+        args, kwargs = tree.map_leaves(
             lambda x: ctx.real_tensor_reached_program(x)
             if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
             and id(x) not in ctx.proxy_of else x,
             (args, kwargs))
-        if any(_is_functorch_wrapped(x) for x in pytree.tree_leaves((args, kwargs))):
+        if any(_is_functorch_wrapped(x) for x in tree.leaves((args, kwargs))):
             raise _transform_error()
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
@@ -54,7 +54,7 @@ class Recorder(TorchFunctionMode):
             return ctx.specialize_on_data(symbol, func, args, kwargs)
         if func is torch.Tensor.__iter__:  # iterating a tensor is unbinding it
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        tensors = [x for x in tree.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         versions = [_version(t) for t in tensors]
         ctx.record_global_state()
         try:
@@ -71,7 +71,7 @@ class Recorder(TorchFunctionMode):
             mutated = [tensors[0]]  # inference tensors keep no version counter
         if _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs):
             return out
-        produces_tensor = any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out))
+        produces_tensor = any(isinstance(x, torch.Tensor) for x in tree.leaves(out))
         if produces_tensor or mutated or is_inplace_by_name(symbol) or \
                 draws_random(symbol, args, kwargs):
             ctx.record(symbol, args, kwargs, out, mutated)
@@ -91,7 +91,7 @@ class Recorder(TorchFunctionMode):
         if id(func) in _TO_PYTHON and not self.ctx.specialize_data:
             raise _data_dependent_error(symbol, DataDependentOutputException(func))
         if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-               and not self.ctx.backed(x) for x in pytree.tree_leaves((args, kwargs))):
+               and not self.ctx.backed(x) for x in tree.leaves((args, kwargs))):
             raise CaptureError(
                 f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
                 f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
@@ -136,7 +136,7 @@ class Recorder(TorchFunctionMode):
                 if source is not None and hasattr(error, "add_note"):
                     error.add_note(f"keraunos: raised by `{symbol.name}` at {source}")
                 raise error from None
-        if any(_is_functorch_wrapped(x) for x in pytree.tree_leaves(out)):
+        if any(_is_functorch_wrapped(x) for x in tree.leaves(out)):
             # A transform entered by explicit calls (dynamo's graph of torch.func.jvp makes
             # duals with _make_dual): the same refusal as for its inputs.
             raise _transform_error()
@@ -209,7 +209,7 @@ def _meta_kernel_may_be_lax(symbol, tensors, args, kwargs) -> bool:
         return True
     if id(symbol.fn) in _SUBTRACTIONS:
         return any(type(x) is bool or (isinstance(x, torch.Tensor) and x.dtype is torch.bool)
-                   for x in pytree.tree_leaves((args, kwargs)))
+                   for x in tree.leaves((args, kwargs)))
     return False
 
 
@@ -220,7 +220,7 @@ def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
     """The exception the real kernel raises for this call, run on zeros shaped like the fakes
     (errors that depend on shapes, strides and dtypes, which are the ones fake kernels raise);
     ``None`` when it does not raise or the call is too large to rerun."""
-    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors = [x for x in tree.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     try:
         # Symbolic sizes at their values in this call: comparing them would add a guard.
         if sum(size_hint(t.numel()) for t in tensors) > _REAL_RERUN_MAX_ELEMENTS:

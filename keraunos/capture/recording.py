@@ -31,6 +31,9 @@ class Recorded:
 MODULE = Recorded("module", "module_getattr", "module_setattr", whole_state_read=False)
 OBJECT = Recorded("object", "object_getattr", None, whole_state_read=True)  # a config, say
 ARGUMENT = Recorded("argument", "object_getattr", "object_setattr", whole_state_read=True)
+# An object the program reaches by name (a global, a closure variable, a bound method's self):
+# reads are guarded; a write is undone after capture, which then takes the fallback route.
+SCOPE = Recorded("scope object", "object_getattr", "scope_object_setattr", whole_state_read=True)
 
 _recording_classes: dict[tuple[type, Recorded], type] = {}
 
@@ -105,3 +108,8 @@ def _recording_object_class(cls: type) -> type:
 def _recording_argument_class(cls: type) -> type:
     """For plain objects passed to the program: reads and writes recorded."""
     return _recording_class(cls, ARGUMENT)
+
+
+def _recording_scope_class(cls: type) -> type:
+    """For objects the program reaches by name: reads recorded, writes remembered to undo."""
+    return _recording_class(cls, SCOPE)

@@ -26,10 +26,12 @@ class ScopeGuards:
     program reads; helpers' globals dicts and closure cells are put in ``root_objects`` (the
     capture's objects at the root of paths), and ``guard`` is the capture's ``guard``."""
 
-    def __init__(self, fn, root_objects: dict[str, Any], guard: Callable):
+    def __init__(self, fn, root_objects: dict[str, Any], guard: Callable,
+                 watch_object: Callable[[Any, Path], None]):
         self.fn = fn
         self.root_objects = root_objects
         self.guard = guard
+        self.watch_object = watch_object  # an object found by name: the reads' watch_scope_object
         self.helper_codes: set = set()  # code of the Python functions the program called
         # (globals path, globals dict, names loaded) and (path, cell) of those functions.
         self.helper_scopes: list[tuple[Path, dict, tuple]] = []
@@ -80,17 +82,32 @@ class ScopeGuards:
         for name in sorted(names):
             if name in fn.__globals__:
                 self.containers.watch(f"the global `{name}`", fn.__globals__[name])
-            if name in fn.__globals__ and is_plain(fn.__globals__[name]):
-                self.guard(guards.VALUE, Path(root("globals"), ITEM, name), fn.__globals__[name])
+                self._guard_value(Path(root("globals"), ITEM, name), fn.__globals__[name])
         for i, cell in enumerate(fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
             self.containers.watch(f"`{code.co_freevars[i]}` of the closure", value)
-            if is_plain(value):
-                self.guard(guards.VALUE,
-                           Path(Path(root("closure"), ITEM, i), ATTR, "cell_contents"), value)
+            self._guard_value(Path(Path(root("closure"), ITEM, i), ATTR, "cell_contents"), value)
+
+    def _guard_value(self, path: Path, value) -> None:
+        """A value the program finds by name: a plain one is compiled in (guarded by value), an
+        object is watched (its reads guarded)."""
+        if is_plain(value):
+            self.guard(guards.VALUE, path, value)
+        elif not isinstance(value, torch.Tensor):
+            self.watch_object(value, path)
+
+    def guard_bound_self(self, method) -> None:
+        """The object of a jitted bound method (``keraunos.jit(optimizer.step)``): the program
+        reads it as ``self``, by name like a global."""
+        obj = getattr(method, "__self__", None)
+        if obj is None or isinstance(obj, (torch.nn.Module, type)) or not hasattr(method, "__func__"):
+            return
+        key = f"<self of {getattr(method, '__qualname__', 'the method')}>"
+        self.root_objects[key] = obj
+        self.watch_object(obj, root(key))
 
     def guard_helper_scope(self, frame) -> None:
         """A Python function the program called (a helper, a submodule's forward): the plain
@@ -111,9 +128,8 @@ class ScopeGuards:
             if name in frame.f_globals:
                 self.containers.watch(f"the global `{name}` of {code.co_name}",
                                             frame.f_globals[name])
-            if name in frame.f_globals and is_plain(frame.f_globals[name]):
-                self.guard(guards.VALUE, Path(globals_path, ITEM, name), frame.f_globals[name])
-        if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
+                self._guard_value(Path(globals_path, ITEM, name), frame.f_globals[name])
+        if code.co_freevars and any(_held_by_name(frame.f_locals.get(v))
                                     for v in code.co_freevars):
             for cell in _closure_cells(code, frame):
                 key = f"<closure cell {id(cell):#x}>"
@@ -121,12 +137,11 @@ class ScopeGuards:
                 path = Path(root(key), ATTR, "cell_contents")
                 self.helper_cells.append((path, cell))
                 try:
-                    self.containers.watch(f"a closure variable of {code.co_name}",
-                                                cell.cell_contents)
+                    value = cell.cell_contents
                 except ValueError:  # an empty cell
-                    pass
-                if is_plain(cell.cell_contents):
-                    self.guard(guards.VALUE, path, cell.cell_contents)
+                    continue
+                self.containers.watch(f"a closure variable of {code.co_name}", value)
+                self._guard_value(path, value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -135,8 +150,11 @@ def _loaded_globals(code) -> tuple[str, ...]:
                          if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}))
 
 
-def _plain_or_tensor(value) -> bool:
-    return isinstance(value, torch.Tensor) or is_plain(value)
+def _held_by_name(value) -> bool:
+    """A closure value capture takes in: a tensor, a plain value, or an object of the program's
+    (whose attribute reads are guarded), not a function or a class."""
+    return isinstance(value, torch.Tensor) or is_plain(value) or (
+        hasattr(value, "__dict__") and not callable(value) and not isinstance(value, type))
 
 
 def _closure_cells(code, frame) -> list:
@@ -150,7 +168,7 @@ def _closure_cells(code, frame) -> list:
         pairs = list(zip(code.co_freevars, fn.__closure__))
         try:
             if all(cell.cell_contents is values[name] for name, cell in pairs):
-                cells += [cell for _, cell in pairs if _plain_or_tensor(cell.cell_contents)]
+                cells += [cell for _, cell in pairs if _held_by_name(cell.cell_contents)]
         except ValueError:  # an empty cell
             continue
     return cells

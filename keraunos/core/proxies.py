@@ -115,6 +115,7 @@ class NameGenerator:
     def __init__(self):
         self._used: set[str] = set()
         self._counter = 0
+        self._suffix: dict[str, int] = {}  # base -> the last suffix tried (32 layers' weights)
 
     def fresh(self, hint: str | None = None) -> str:
         if hint:
@@ -123,10 +124,13 @@ class NameGenerator:
                 base = "_" + base
             if base in _RESERVED:
                 base = base + "_"
-            name, i = base, 0
+            name, i = base, self._suffix.get(base, 0)
+            if i:
+                name = f"{base}_{i}"
             while name in self._used:
                 i += 1
                 name = f"{base}_{i}"
+            self._suffix[base] = i
             self._used.add(name)
             return name
         while True:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from . import tree
 from .code import Code
 from .proxies import Proxy
 from .tags import Tag
@@ -126,11 +127,11 @@ class BoundSymbol:
     module_stack: tuple = ()
 
     def input_proxies(self) -> list[Proxy]:
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = tree.leaves((self.args, self.kwargs))
         return [x for x in leaves if isinstance(x, Proxy)]
 
     def output_proxies(self) -> list[Proxy]:
-        return [x for x in pytree.tree_leaves(self.outputs) if isinstance(x, Proxy)]
+        return [x for x in tree.leaves(self.outputs) if isinstance(x, Proxy)]
 
     def replace(self, **changes) -> "BoundSymbol":
         fields = dict(symbol=self.symbol, args=self.args, kwargs=self.kwargs, outputs=self.outputs,
@@ -144,7 +145,7 @@ class BoundSymbol:
         """This line with its input proxies renamed by ``mapping`` (name -> proxy)."""
         def swap(x):
             return mapping.get(x.name, x) if isinstance(x, Proxy) else x
-        args, kwargs = pytree.tree_map(swap, (self.args, self.kwargs))
+        args, kwargs = tree.map_leaves(swap, (self.args, self.kwargs))
         return self.replace(args=args, kwargs=kwargs)
 
 

@@ -3,7 +3,10 @@
 ``compile_fx`` runs inside a ``TracingContext`` whose fake mode has a ``ShapeEnv``, with fake
 inputs of the recorded metadata and grad mode off (every region is an inference graph), so
 Inductor's AOTAutograd and FX graph caches serve identical regions of later processes from disk.
-Within a process, ``Kernel``s are kept by region key: identical layers share one.
+Within a process, ``Kernel``s are kept by region key: identical layers share one. Across
+processes, a region of static sizes whose graph runs alone is kept in keraunos's store as
+Inductor's generated module (``kernel_store``), which a later process loads without
+``compile_fx``.
 
 Each region's call goes through ``RegionCall``, which checks on its first call that the inputs
 arrive with the strides the kernel was compiled for and that the outputs leave with the strides
@@ -37,7 +40,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
-from . import fx_graph, isa_probe, symbolic
+from . import fx_graph, isa_probe, kernel_store, symbolic
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -71,9 +74,11 @@ class Kernel:
     code: str               # Inductor's generated wrapper, with its C++ or Triton kernels
     path: str | None        # where that code lives on disk
     seconds: float          # compile time (with the wait for g++, once ``ready``)
-    cache: str              # how Inductor got it: "compiled", "AOTAutograd cache", "FX graph cache"
+    cache: str              # how it was got: "compiled", "AOTAutograd cache", "FX graph cache",
+                            # or STORED (Inductor's module, from keraunos's store)
     guards: list = field(default_factory=list)  # symbolic sizes: facts it assumes (sympy)
     pending: list = field(default_factory=list)  # Inductor's put-off waits for its C++ kernels
+    store_key: str | None = None  # its key in keraunos's store (None: not kept there)
     _lock: object = field(default_factory=threading.Lock, repr=False)
     _unwrapped: object = field(default=None, repr=False)  # see ``direct``; False: none
 
@@ -105,6 +110,9 @@ class Kernel:
         mode is on, which the wrappers would switch off."""
         if self._unwrapped is None:
             self._unwrapped = _unwrapped(self.compiled, args, outs) or False
+            if self._unwrapped is not False and self.store_key is not None:
+                # the graph alone gives what the wrappers give: a later process may load it
+                kernel_store.save(self.store_key, self._unwrapped)
         graph, compiled = self._unwrapped, self.compiled
         if graph is False:
             return compiled
@@ -223,13 +231,53 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     found = _kernels.get(key)
     if found is not None:
         return found, True
-    try:
-        kernel = _compile(make_graph, inputs, outputs, region_name,
-                          layout or symbolic.Layout(inputs), graph)
-    except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
-        kernel = CompileFailure(e)
+    store_key = kernel_store.key_of(key)
+    kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
+    if kernel is None:
+        try:
+            kernel = _compile(make_graph, inputs, outputs, region_name,
+                              layout or symbolic.Layout(inputs), graph)
+            kernel.store_key = store_key
+        except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
+            kernel = CompileFailure(e)
     _kernels[key] = kernel
     return kernel, False
+
+
+STORED = "keraunos store"
+
+
+def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Kernel | None:
+    """The kernel a process before this one compiled for the same key, from Inductor's module
+    kept in keraunos's store (``kernel_store``): no ``compile_fx``; None when none is kept."""
+    with stopwatch() as elapsed:
+        _probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
+        with _collecting_from_inductor() as (_, pending):
+            loaded = kernel_store.load(store_key)
+        if loaded is None:
+            return None
+        call, code, path = loaded
+        shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
+    kernel = Kernel(_stored_call(call), shown, next(_kernel_numbers), region_name, code, path,
+                    elapsed(), STORED, [], pending, store_key)
+    kernel._unwrapped = False  # ``compiled`` is already the module's own call
+    return kernel
+
+
+def _stored_call(call):
+    """A stored module's ``call`` as ``compile_fx``'s callables are called (``*inputs``), with
+    what its wrappers do where it matters: grad mode off, and Dynamo kept out (a jitted call
+    inside a torch.compile'd function must not trace Inductor's generated code)."""
+    @torch._disable_dynamo
+    def wrapped(args):
+        with torch.no_grad():
+            return call(args)
+
+    def run(*args):
+        if _eval_frame_callback() is None and not _grad_enabled():
+            return call(list(args))
+        return wrapped(list(args))
+    return run
 
 
 class _Turns:

@@ -1,0 +1,103 @@
+"""Inductor's compiled region graphs kept in keraunos's store, so that a restart loads a region's
+kernel without running ``compile_fx`` again.
+
+On a restart Inductor's own caches already spare the lowering and the g++ builds, but each
+distinct region still goes through ``compile_fx``: the region graph's FakeTensor propagation,
+AOTAutograd's and the FX graph cache's lookups (hashing torch's own source once per process), the
+wrappers around the loaded graph. About 0.25 s a distinct region on this 2-core machine, most of
+the fused tier's time on a warm restart. What a region's call needs is only Inductor's generated
+wrapper module (its ``call`` and the C++ kernels it loads by their source's hash), so that is
+what is kept: under a key of everything that decides the code (``fx_graph.region_key``: the
+graph, each input's layout, which inputs share memory, threads, default dtype, Inductor's config,
+torch's version) and of the machine it was generated for (the CPU's vector instructions, which
+the kernels' source assumes), plus keraunos's version.
+
+Only what a plain module can reproduce exactly is kept: a region whose graph Inductor ran past
+``compile_fx``'s wrappers with the same outputs (``compiler.Kernel.direct`` checks it on the
+first call: no input written, no output sharing an input's memory), with static sizes (a symbolic
+region's guards are facts of a ShapeEnv that is not kept), no constants of the graph's own, on
+the CPU. A stored module that does not load (a corrupted row that still checksums, a changed
+torch) is a miss: the region is compiled as before. The C++ kernels themselves stay in Inductor's
+cache directory; one that is gone is built again by the load.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+
+import torch
+
+from ... import store
+from ...version import __version__
+
+NAMESPACE = "inductor-region"  # the store's namespace for these rows
+FORMAT = 1                     # bump when what a row holds, or how it is loaded, changes
+
+
+def key_of(region_key: tuple) -> str | None:
+    """The store's key for a region of ``region_key`` (``fx_graph.region_key``), or None when
+    such a region is not kept (symbolic sizes or a size symbol among its inputs; not the CPU)."""
+    source, metas, aliases, environment, facts = region_key
+    if facts is not None:
+        return None
+    for meta in metas:
+        if meta[0] == "int":  # a size symbol passed in: the region is symbolic
+            return None
+        shape, stride, _, device = meta
+        if device.type != "cpu" or not all(type(v) is int for v in (*shape, *stride)):
+            return None
+    text = repr((FORMAT, __version__, _machine(), _backends(), source, metas, aliases,
+                 environment))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _machine() -> tuple:
+    """What the generated C++ assumes of the machine: its architecture and vector instructions
+    (the kernels' source is written for the widest the CPU has), and torch's build."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return (platform.machine(), platform.system(), hashlib.sha256(flags.encode()).hexdigest(),
+            torch.__version__, torch.version.git_version)
+
+
+def _backends() -> tuple:
+    """Settings a lowering may read besides Inductor's config (read on every key: they can
+    change between compiles)."""
+    return (torch.get_float32_matmul_precision(), torch.backends.mkldnn.is_available(),
+            torch.backends.mkldnn.enabled)
+
+
+def save(key: str, graph) -> bool:
+    """Keep ``graph`` (Inductor's ``CompiledFxGraph``) under ``key`` when its module alone
+    reproduces it: no written inputs, no constants. Whether it was kept."""
+    if (graph.mutated_input_idxs or graph.constants or getattr(graph, "torchbind_constants", None)
+            or getattr(graph, "opaque_value_type_classes", None)):
+        return False
+    source = getattr(graph, "source_code", None)
+    if not source:
+        return False
+    store.default_store().put(NAMESPACE, key, source.encode())
+    return True
+
+
+def load(key: str):
+    """The region's ``call`` (a list of inputs -> the outputs) from the module kept under
+    ``key``, with the module's source; None when there is none, or it does not load. Run where
+    Inductor's waits for C++ builds are collected (``compiler._collecting_from_inductor``): the
+    module's kernels are then futures until the region's first call."""
+    data = store.default_store().get(NAMESPACE, key)
+    if data is None:
+        return None
+    try:
+        source = data.decode()
+        from torch._inductor.codecache import PyCodeCache
+        module = PyCodeCache.load(source)
+        return module.call, source, module.__file__
+    except Exception:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
+        return None

@@ -1,0 +1,195 @@
+"""Objects the program finds by name: a global or closure variable of the jitted function or of a
+helper it calls, and the object of a jitted bound method (``keraunos.jit(optimizer.step)``).
+
+Capture used to read their attributes unseen and compile the values in: after ``cfg.scale = 3.0``
+a cached program kept multiplying by 2, and a method that filled a dict of its object's on the
+first call (an optimizer's state) left a fake tensor there and initialised it again on every
+call. Each read is now guarded (a change recompiles), and a program that changes such an object
+(sets an attribute, fills a dict it holds) has the change undone and takes the fallback route.
+Every test compares with eager.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import keraunos
+from keraunos.errors import ScopeMutationError, UnguardableStateError
+
+
+class Settings:
+    def __init__(self):
+        self.scale = 2.0
+        self.offsets = {"a": 1.0}
+        self.bias = torch.ones(3)
+
+
+SETTINGS = Settings()
+
+
+def scaled(x):
+    return x * SETTINGS.scale + SETTINGS.offsets["a"] + SETTINGS.bias
+
+
+def test_a_global_objects_attributes_are_guarded():
+    x = torch.randn(3)
+    jitted = keraunos.jit(scaled)
+    assert_close(jitted(x), scaled(x))
+    try:
+        SETTINGS.scale = 3.0
+        assert_close(jitted(x), scaled(x))
+        SETTINGS.offsets["a"] = 5.0
+        assert_close(jitted(x), scaled(x))
+        SETTINGS.bias = torch.zeros(3)
+        assert_close(jitted(x), scaled(x))
+    finally:
+        SETTINGS.scale, SETTINGS.offsets, SETTINGS.bias = 2.0, {"a": 1.0}, torch.ones(3)
+    assert keraunos.cache_misses(jitted) >= 3  # each change recompiled
+
+
+def test_a_closure_objects_attributes_are_guarded():
+    settings = Settings()
+
+    def f(x):
+        return x * settings.scale
+
+    x = torch.randn(4)
+    jitted = keraunos.jit(f)
+    assert_close(jitted(x), f(x))
+    settings.scale = -1.5
+    assert_close(jitted(x), f(x))
+
+
+class Scaler:
+    def __init__(self):
+        self.k = 2.0
+        self.t = torch.ones(3)
+
+    def apply(self, x):
+        return x * self.k + self.t
+
+
+def test_a_bound_methods_object_is_read_as_self_with_guards():
+    scaler, x = Scaler(), torch.randn(3)
+    jitted = keraunos.jit(scaler.apply)
+    assert_close(jitted(x), scaler.apply(x))
+    scaler.k, scaler.t = 10.0, torch.full((3,), 4.0)
+    assert_close(jitted(x), scaler.apply(x))
+
+
+class Accumulator:
+    def __init__(self):
+        self.state = {}
+
+    def step(self, x):
+        if "m" not in self.state:
+            self.state["m"] = torch.zeros_like(x)
+        self.state["m"].add_(x)
+        return self.state["m"] * 1
+
+
+def test_a_method_that_fills_its_objects_dict_falls_back_and_matches_eager():
+    x = torch.randn(3)
+    ours, eager = Accumulator(), Accumulator()
+    jitted = keraunos.jit(ours.step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        for _ in range(3):
+            assert_close(jitted(x), eager.step(x))
+    assert type(ours.state["m"]) is torch.Tensor  # a real tensor, never capture's fake
+    assert_close(ours.state["m"], eager.state["m"])
+    with pytest.raises(ScopeMutationError, match="self of Accumulator.step.*state"):
+        keraunos.jit(Accumulator().step, fallback="error")(x)
+
+
+class Counter:
+    def __init__(self):
+        self.calls = 0
+
+
+COUNTER = Counter()
+
+
+def counted(x):
+    COUNTER.calls = COUNTER.calls + 1
+    return x + COUNTER.calls
+
+
+def test_an_attribute_the_program_sets_on_a_global_object_is_undone_and_falls_back():
+    x = torch.zeros(2)
+    with pytest.raises(ScopeMutationError, match="attribute 'calls'"):
+        keraunos.jit(counted, fallback="error")(x)
+    assert COUNTER.calls == 0  # undone
+    jitted = keraunos.jit(counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = [jitted(x).tolist() for _ in range(3)]
+    assert results == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]] and COUNTER.calls == 3
+
+
+def test_jitting_an_optimizer_step_trains_like_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference, x = copy.deepcopy(model), torch.randn(5, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = keraunos.jit(optimizer.step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            if i == 2:  # a scheduler's change of the learning rate is seen
+                for o in (optimizer, eager_optimizer):
+                    o.param_groups[0]["lr"] = 5e-3
+            for m, o, s in ((model, optimizer, step), (reference, eager_optimizer,
+                                                        eager_optimizer.step)):
+                o.zero_grad(set_to_none=True)
+                m(x).square().mean().backward()
+                s()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_close(p, q)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert type(optimizer.state[p][key]) is torch.Tensor
+            assert_close(optimizer.state[p][key], eager_optimizer.state[q][key])
+
+
+def test_state_keraunos_cannot_check_takes_the_fallback_route():
+    class Hooked:
+        def __init__(self):
+            import collections
+            self.hooks = collections.OrderedDict(a=1.0)
+
+        def apply(self, x):
+            return x * self.hooks["a"]
+
+    obj, x = Hooked(), torch.randn(3)
+    with pytest.raises(UnguardableStateError, match="hooks"):
+        keraunos.jit(obj.apply, fallback="error")(x)
+    jitted = keraunos.jit(obj.apply)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_close(jitted(x), obj.apply(x))
+        obj.hooks["a"] = 3.0
+        assert_close(jitted(x), obj.apply(x))
+
+
+LOG = logging.getLogger("keraunos.tests.scope_objects")
+
+
+def logs_and_computes(x):
+    LOG.debug("computing")
+    return x.sin()
+
+
+def test_a_standard_library_object_is_only_called_not_watched():
+    x = torch.randn(3)
+    jitted = keraunos.jit(logs_and_computes)
+    assert_close(jitted(x), logs_and_computes(x))
+    assert_close(jitted(x), logs_and_computes(x))
+    assert keraunos.cache_misses(jitted) == 1
+    assert type(LOG) is logging.Logger
