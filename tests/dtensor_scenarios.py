@@ -51,6 +51,13 @@ def _tp_mlp():
     return block, {"0": ColwiseParallel(), "2": RowwiseParallel()}
 
 
+_PLACEMENTS = []  # the placements a jitted function redistributes to, found by name
+
+
+def _redistributed(x):
+    return (x * 2).redistribute(x.device_mesh, _PLACEMENTS)
+
+
 def dtensor_function_matches_eager(rank, world_size):
     """A function of DTensors returning DTensors (sharded, replicated by an explicit
     redistribute, partial), without gradients; then an input of other placements."""
@@ -75,9 +82,16 @@ def dtensor_function_matches_eager(rank, world_size):
     add = keraunos.jit(lambda x, y: x + y)
     other = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
     twice = [_same_dtensor(a + a, add(a, a)), _same_dtensor(a + other, add(a, other))]
+    # Placements the program finds by name are compared by value: changed, they recompile.
+    global _PLACEMENTS
+    redistributed, found_by_name = keraunos.jit(_redistributed), []
+    for placements in ([Replicate()], [Replicate()], [Shard(1)]):
+        _PLACEMENTS = placements
+        found_by_name.append(_same_dtensor(_redistributed(a), redistributed(a)))
+    found_by_name.append(keraunos.cache_misses(redistributed))
     return {"same": same, "leak": capture_values_in(got), "resharded": resharded,
             "misses": keraunos.cache_misses(jf), "hits": keraunos.cache_hits(jf),
-            "same DTensor twice": twice,
+            "same DTensor twice": twice, "placements found by name": found_by_name,
             "gather in trace": "torch.ops._c10d_functional.all_gather_into_tensor" in text,
             "spec checked": "placements (Shard(dim=0),)" in checks}
 

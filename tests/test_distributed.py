@@ -113,6 +113,7 @@ def test_dtensor_function_is_flattened_to_local_ops_and_matches_eager(outcomes):
         assert rank["gather in trace"] and rank["spec checked"]
         assert rank["resharded"] and (rank["misses"], rank["hits"]) == (2, 1)
         assert rank["same DTensor twice"] == [True, True]
+        assert rank["placements found by name"] == [True, True, True, 2]
 
 
 def test_tensor_parallel_inference_matches_eager_and_shows_the_all_reduce(outcomes):
