@@ -10,6 +10,7 @@ Every test compares with eager.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import warnings
@@ -193,3 +194,57 @@ def test_a_standard_library_object_is_only_called_not_watched():
     assert_close(jitted(x), logs_and_computes(x))
     assert keraunos.cache_misses(jitted) == 1
     assert type(LOG) is logging.Logger
+
+
+class Outer:
+    def __init__(self):
+        self.inner = Settings()
+
+
+OUTER = Outer()
+
+
+def through_inner(x):
+    return x * OUTER.inner.scale
+
+
+def sets_inner(x):
+    OUTER.inner.scale = OUTER.inner.scale + 1.0
+    return x * OUTER.inner.scale
+
+
+def test_an_object_held_by_a_global_object_is_watched_as_well():
+    x = torch.randn(3)
+    jitted = keraunos.jit(through_inner)
+    assert_close(jitted(x), through_inner(x))
+    try:
+        OUTER.inner.scale = 7.0
+        assert_close(jitted(x), through_inner(x))
+        with pytest.raises(ScopeMutationError, match="scale"):
+            keraunos.jit(sets_inner, fallback="error")(x)
+        assert OUTER.inner.scale == 7.0  # undone
+    finally:
+        OUTER.inner.scale = 2.0
+
+
+TABLE = collections.OrderedDict(a=1.0)
+ENABLED = {"sin"}
+
+
+def table_read(x):
+    y = x * TABLE["a"]
+    return y.sin() if "sin" in ENABLED else y.cos()
+
+
+def test_a_global_ordered_dict_or_set_of_plain_values_is_compared_by_value():
+    x = torch.randn(3)
+    jitted = keraunos.jit(table_read)
+    assert_close(jitted(x), table_read(x))
+    try:
+        TABLE["a"] = 4.0
+        assert_close(jitted(x), table_read(x))
+        ENABLED.clear()
+        assert_close(jitted(x), table_read(x))
+    finally:
+        TABLE["a"] = 1.0
+        ENABLED.add("sin")

@@ -10,6 +10,7 @@ lines' tensors (``proxy``, ``output_proxy``).
 from __future__ import annotations
 
 import dataclasses
+from collections import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,16 @@ class InputsMixin:
             # A DTensor's mesh (dynamo's graphs take it as an argument): the very same mesh.
             self.guard(guards.IDENTITY, path, value)
             return value
+        if _found_by_name(path):
+            # Held by an object the program found by name (``cfg.inner``, ``cfg.act``): the very
+            # same object, watched as its holder is (reads guarded; a write undone, and the
+            # fallback route). A container of another kind (an OrderedDict, a set) is read in C,
+            # unseen: it cannot be checked.
+            if isinstance(value, (abc.Mapping, abc.Set, abc.MutableSequence)):
+                raise UnsupportedInputError(_unsupported_input_message(path, value))
+            self.guard(guards.IDENTITY, path, value)
+            self.watch_scope_object(value, path)
+            return value
         if path.is_module_derived() or path.key in ("globals", "closure"):
             # Anything else the module or function holds (a config object, a function) must be the
             # very same object; plain objects are also watched field by field as they are read.
@@ -216,6 +227,14 @@ class InputsMixin:
             proxy = TensorProxy(self.names.fresh(), fake)
             self._register(fake, proxy)
         return proxy
+
+
+def _found_by_name(path: Path) -> bool:
+    """Whether ``path`` starts at something the program finds by name: the jitted function's
+    globals or closure, a helper's (``scopes.py``), or a jitted bound method's object."""
+    key = path.origin.key
+    return key in ("globals", "closure") or (type(key) is str and key.startswith(
+        ("<self of ", "<globals of ", "<closure cell ")))
 
 
 def _is_namedtuple(value) -> bool:

@@ -8,6 +8,7 @@ values found there become value guards (``SCALE = 3.0`` after compiling must rec
 """
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import gc
@@ -94,7 +95,7 @@ class ScopeGuards:
     def _guard_value(self, path: Path, value) -> None:
         """A value the program finds by name: a plain one is compiled in (guarded by value), an
         object is watched (its reads guarded)."""
-        if is_plain(value):
+        if is_plain(value) or _plain_collection(value):
             self.guard(guards.VALUE, path, value)
         elif not isinstance(value, torch.Tensor):
             self.watch_object(value, path)
@@ -148,6 +149,20 @@ class ScopeGuards:
 def _loaded_globals(code) -> tuple[str, ...]:
     return tuple(sorted({i.argval for i in dis.get_instructions(code)
                          if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}))
+
+
+# Containers besides list, dict and tuple whose items the program reads in C, unseen: when they
+# hold plain values they are compared by value (a copy) like a plain dict.
+_COLLECTIONS = (collections.OrderedDict, collections.defaultdict, collections.deque, set,
+                frozenset)
+
+
+def _plain_collection(value) -> bool:
+    if type(value) not in _COLLECTIONS:
+        return False
+    if isinstance(value, dict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    return all(is_plain(v) for v in value)
 
 
 def _held_by_name(value) -> bool:
