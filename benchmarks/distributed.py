@@ -1,6 +1,7 @@
 """A DDP and an FSDP2 training step on 2 local gloo ranks: eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/distributed.py [--steps N] [--layers L] [--width W] [--skip-compile]
+     [--sections ddp,fsdp,tp]
 
 Every system trains the same small litgpt GPT (random weights) with SGD, on the same batches,
 in the same two processes (gloo over 127.0.0.1, one intra-op thread each); the systems take
@@ -12,6 +13,9 @@ step (compile included), and whether its losses matched eager's.
   design), `DDP(torch.compile(m))` (DDPOptimizer splits its graph at bucket boundaries).
 - FSDP2: `fully_shard` per block and root; keraunos where `keraunos.jit` of it works (it says
   `refused` otherwise), and `torch.compile` per block, as torchtitan does.
+- Tensor parallel: each block's MLP `parallelize_module`d (ColwiseParallel fc_1 and fc_2,
+  RowwiseParallel proj); eager, `keraunos.jit` of the model, the keraunos backend, and
+  `torch.compile` (Inductor).
 
 On CPU with gloo this measures overheads only: communication is a memcpy between two local
 processes, so a backward that all-reduces every bucket at its end (keraunos today) costs about
@@ -77,6 +81,32 @@ def _fsdp_systems(args):
     return systems
 
 
+def _tp_systems(args):
+    """Tensor parallel: each block's MLP column-wise (fc_1, fc_2) then row-wise (proj), the
+    rest replicated; every rank sees the same batches."""
+    import keraunos
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def tp(m):
+        for block in m.transformer.h:
+            parallelize_module(block.mlp, mesh, {"fc_1": ColwiseParallel(),
+                                                 "fc_2": ColwiseParallel(),
+                                                 "proj": RowwiseParallel()})
+        return m
+    systems = {
+        "eager TP(m)": tp,
+        "keraunos jit(TP(m))": lambda m: keraunos.jit(tp(m)),
+    }
+    if not args.skip_compile:
+        systems["torch.compile(TP(m), backend=keraunos)"] = lambda m: torch.compile(
+            tp(m), backend="keraunos")
+        systems["torch.compile(TP(m))"] = lambda m: torch.compile(tp(m))
+    return systems
+
+
 def _batches(rank: int, steps: int, seq: int):
     g = torch.Generator().manual_seed(100 + rank)
     return [(torch.randint(0, 512, (2, seq), generator=g),
@@ -92,14 +122,16 @@ def _one_step(model, opt, idx, targets):
     return loss.detach()
 
 
-def _time_systems(systems, args, rank):
-    """Per system: step times (rank 0's clock, after a barrier per step), first step, losses."""
+def _time_systems(systems, args, rank, same_batches=False):
+    """Per system: step times (rank 0's clock, after a barrier per step), first step, losses.
+    ``same_batches``: every rank trains on rank 0's batches (tensor parallel)."""
     built = {}
     for name, wrap in systems.items():
         try:
             model = wrap(make_model(args.layers, args.width))
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            batches = _batches(rank, args.warmup + args.steps * args.rounds, 32)
+            batches = _batches(0 if same_batches else rank,
+                               args.warmup + args.steps * args.rounds, 32)
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -135,16 +167,16 @@ def _report(title, built, rank):
     eager = next(iter(built.values()))
     base = statistics.median(eager["times"]) if eager["error"] is None else None
     print(f"\n{title}")
-    print(f"  {'system':34s} {'step (median)':>14s} {'vs eager':>9s} {'first step':>11s}  losses")
+    print(f"  {'system':40s} {'step (median)':>14s} {'vs eager':>9s} {'first step':>11s}  losses")
     for name, b in built.items():
         if b["error"] is not None:
-            print(f"  {name:34s} refused or failed: {b['error']}")
+            print(f"  {name:40s} refused or failed: {b['error']}")
             continue
         med = statistics.median(b["times"])
         same = all(torch.allclose(a, e, rtol=1e-4, atol=1e-5)
                    for a, e in zip(b["losses"], eager["losses"]))
         ratio = f"{med / base:8.2f}x" if base else "        -"
-        print(f"  {name:34s} {med * 1e3:11.2f} ms {ratio} {b['first']:9.2f} s  "
+        print(f"  {name:40s} {med * 1e3:11.2f} ms {ratio} {b['first']:9.2f} s  "
               f"{'as eager' if same else 'DIFFER'}")
 
 
@@ -152,14 +184,20 @@ def _rank_main(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=600))  # compiles on busy machines
+    sections = set(args.sections.split(","))
     try:
-        _report("DDP training step, 2 gloo ranks", _time_systems(_ddp_systems(args), args, rank),
-                rank)
-        from torch.distributed.device_mesh import init_device_mesh
-        init_device_mesh("cpu", (world,))
-        _report("FSDP2 training step, 2 gloo ranks",
-                _time_systems(_fsdp_systems(args), args, rank), rank)
+        if "ddp" in sections:
+            _report("DDP training step, 2 gloo ranks",
+                    _time_systems(_ddp_systems(args), args, rank), rank)
+        if "fsdp" in sections:
+            from torch.distributed.device_mesh import init_device_mesh
+            init_device_mesh("cpu", (world,))
+            _report("FSDP2 training step, 2 gloo ranks",
+                    _time_systems(_fsdp_systems(args), args, rank), rank)
+        if "tp" in sections:
+            _report("Tensor parallel training step (MLPs column- then row-wise), 2 gloo ranks",
+                    _time_systems(_tp_systems(args), args, rank, same_batches=True), rank)
     finally:
         dist.destroy_process_group()
 
@@ -172,6 +210,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--sections", default="ddp,fsdp,tp",
+                        help="which of ddp, fsdp, tp to run (comma-separated)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

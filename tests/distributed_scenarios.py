@@ -235,12 +235,14 @@ def both_ddp_orders_train_alike(rank, world_size):
 
 
 # ------------------------------------------------------------------------------ DTensor
-def dtensor_input_is_refused(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh("cpu", (world_size,))
-    t = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
-    return _refusal(keraunos.jit(lambda x: x * 2), t)
+# DTensor and tensor parallel: tests/dtensor_scenarios.py, run in this spawn too.
+from dtensor_scenarios import (  # noqa: E402,F401
+    dtensor_function_matches_eager, dtensor_op_sweep_matches_eager_or_is_refused,
+    dtensor_outputs_reaching_different_inputs_are_refused,
+    dtensor_outputs_with_gradients_match_eager,
+    dtensor_programs_capture_cannot_replay_are_refused, tensor_parallel_attention_trains_like_eager,
+    tensor_parallel_inference_matches_eager, sharded_batch_with_replicated_weight_matches_eager,
+    tensor_parallel_mlp_trains_like_eager, tensor_parallel_under_the_torch_compile_backend)
 
 
 # -------------------------------------------------------------------------- FSDP2 (fully_shard)

@@ -14,11 +14,13 @@ share storage become fakes that share storage.
 - ``reads.ReadsMixin``: module and object attribute reads and writes, the recording classes;
 - ``calls.CallsMixin``: the torch calls recorded as lines, in-place writes, grad-mode switches;
 - ``data.DataSpecialization`` (``ctx.data``): values read from tensor data;
-- ``scopes.ScopeGuards`` (``ctx.scopes``): the globals and closures of the program's functions.
+- ``scopes.ScopeGuards`` (``ctx.scopes``): the globals and closures of the program's functions;
+- ``dtensor.DTensorState`` (``ctx.dtensors``): the program's DTensors and their stand-ins.
 The first three are mixins, because their methods share the context's state and are called by
-name (the recording classes call ``module_getattr``, ...); the last two own their state and are
-reached through the forwarding methods below. This module keeps what they all share: the fake
-mode, the size symbols, the names, the guards, and the objects at the root of paths.
+name (the recording classes call ``module_getattr``, ...); the others own their state and are
+reached through the forwarding methods below, or directly. This module keeps what they all
+share: the fake mode, the size symbols, the names, the guards, and the objects at the root of
+paths.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ..core.provenance import Path
 from ..core.proxies import NameGenerator
 from .calls import CallsMixin
 from .data import DataSpecialization
+from .dtensor import DTensorState
 from .guards import Guard, GuardKind
 from .inputs import InputsMixin
 from .reads import ReadsMixin
@@ -57,6 +60,7 @@ class CaptureContext(InputsMixin, ReadsMixin, CallsMixin):
         self.guards: list[Guard] = []
         self._guarded: set = set()
         self.specialize_data = False  # set by capture_program: jit(..., specialize_data=True)
+        self.dtensors = DTensorState()  # the program's DTensors (dtensor.py)
         # The Python function whose globals and closure the program reads.
         self.fn = _python_function(type(module).forward if module is not None else fn)
         self.root_module = module

@@ -13,6 +13,7 @@ import copy
 import enum
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,8 +30,14 @@ if torch.distributed.is_available():  # dist.ReduceOp.SUM, an argument of the co
     PLAIN_TYPES += (torch.distributed.ReduceOp.RedOpType,)
 
 
+def _is_placement(value: Any) -> bool:
+    """A DTensor placement (``Shard(0)``, ``Replicate()``): immutable, compared by equality."""
+    placements = sys.modules.get("torch.distributed.tensor.placement_types")
+    return placements is not None and isinstance(value, placements.Placement)
+
+
 def is_plain(value: Any) -> bool:
-    if isinstance(value, PLAIN_TYPES) or isinstance(value, enum.Enum):
+    if isinstance(value, PLAIN_TYPES) or isinstance(value, enum.Enum) or _is_placement(value):
         return True
     if type(value) in (tuple, list):
         return all(is_plain(v) for v in value)

@@ -24,6 +24,7 @@ from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from . import guards
 from .guards import is_plain
+from .dtensor import dtensor_input, is_capture_dtensor, is_device_mesh, is_dtensor
 from .leaks import is_tensor_subclass_with_dispatch
 from .recording import original_class
 from .symbolic import _from_call
@@ -73,15 +74,16 @@ class InputsMixin:
                         self.tensor_paths.setdefault(id(t), Path(path, kind, key))
 
     def tensor_input(self, real: torch.Tensor, path: Path, tags=()) -> FakeTensor:
+        if is_dtensor(real):  # flattened to its local tensor: see dtensor.py
+            return dtensor_input(self, real, path, tags)
         if is_tensor_subclass_with_dispatch(real):
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {type(real).__qualname__}, a tensor subclass that "
-                f"runs its own __torch_dispatch__ (DTensor, a quantized or nested tensor, ...); "
-                f"keraunos does not capture through such subclasses yet, and taking it for a "
-                f"plain tensor would compute something else.\n  What to do: pass its local or "
-                f"plain tensor (DTensor.to_local(), .to_dense(), .dequantize()), or call this "
-                f"part outside the jitted function (torch.compile(..., backend=\"keraunos\") "
-                f"does not take them either yet).")
+                f"runs its own __torch_dispatch__ (a quantized or nested tensor, ...); keraunos "
+                f"captures through DTensor only, and taking it for a plain tensor would compute "
+                f"something else.\n  What to do: pass its plain tensor (.to_dense(), "
+                f".dequantize()), or call this part outside the jitted function "
+                f"(torch.compile(..., backend=\"keraunos\") does not take them either yet).")
         if real.layout != torch.strided:
             raise UnsupportedInputError(
                 f"keraunos.jit: {path} is a {real.layout} tensor; keraunos captures strided "
@@ -158,6 +160,10 @@ class InputsMixin:
                 v = getattr(value, f.name)
                 object.__setattr__(copy, f.name, self.value_input(v, Path(path, ATTR, f.name), tags))
             return copy
+        if is_device_mesh(value):
+            # A DTensor's mesh (dynamo's graphs take it as an argument): the very same mesh.
+            self.guard(guards.IDENTITY, path, value)
+            return value
         if _found_by_name(path):
             # Held by an object the program found by name (``cfg.inner``, ``cfg.act``): the very
             # same object, watched as its holder is (reads guarded; a write undone, and the
@@ -185,6 +191,8 @@ class InputsMixin:
     def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
         """A real tensor met inside the program: a parameter read without our seeing the read
         (``self.parameters()``), a global, a closure variable, or an object attribute."""
+        if is_capture_dtensor(t):  # a stand-in, or a DTensor the program made
+            return t
         path = self.tensor_paths.get(id(t))
         tags = (STATIC_MEMORY_LOCATION,)
         if path is None:

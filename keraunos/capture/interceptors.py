@@ -58,6 +58,11 @@ def _guarded_apply(cls, *args, **kwargs):
     ctx = active_context()
     if ctx is not None and torch.is_grad_enabled() and not _inside_recorded_call() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)):
+        if (cls.__module__ or "").startswith("torch.distributed.tensor"):
+            # DTensor's from_local, to_local, redistribute: their backward is part of the
+            # DTensor backward capture derives (capture/dtensor_autograd.py).
+            ctx.dtensors.autograd = True
+            return _function_apply.__func__(cls, *args, **kwargs)
         raise CaptureError(
             f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
             f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "

@@ -18,8 +18,9 @@ _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
 
 
 def is_tensor_subclass_with_dispatch(t: torch.Tensor) -> bool:
-    """A tensor whose type runs its own ``__torch_dispatch__`` (DTensor, a subclass made with
-    ``_make_wrapper_subclass``): its ops are not the ops of a plain tensor of its shape."""
+    """A tensor whose type runs its own ``__torch_dispatch__`` (a subclass made with
+    ``_make_wrapper_subclass``): its ops are not the ops of a plain tensor of its shape. Capture
+    takes DTensors apart itself (``dtensor.py``); it refuses the others."""
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return False

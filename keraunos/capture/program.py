@@ -42,6 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
+from .dtensor import is_dtensor, program_has_dtensors, rebuild_dtensor
+from .dtensor_autograd import region_line
 from .leaks import capture_values_in
 from .prologue import MutableGroup, build_prologue
 from ..core.provenance import root
@@ -55,6 +57,9 @@ class Program:
     # Prologue-check index -> words, for explaining cache misses.
     check_descriptions: list[str]
     stages: dict[str, float] = field(default_factory=dict)
+    # Objects the compilation needs alive while it runs, and nothing after: the local tensors
+    # of DTensors that capture made (a prologue check holds its example tensor weakly).
+    keep_alive: list = field(default_factory=list)
 
 
 def _plain_view(t, ctx) -> bool:
@@ -160,6 +165,9 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     names = NameGenerator()
     ctx = CaptureContext(names, module, fn, requested_dynamic())
     ctx.specialize_data = specialize_data
+    # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
+    # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).
+    ctx.dtensors.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
     fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
     fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
     ctx.guard_function_scope()
@@ -204,9 +212,12 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     out_template, writes, container_writes = _result_templates(ctx, out, returns)
     for g in groups:
         returns.add_output(g.updated)
+    params = _computation_inputs(ctx, groups)
+    if _dtensor_autograd(ctx):
+        # DTensor's autograd, not the local program's: one line with its own backward.
+        body = [region_line(ctx, params, body, returns)]
     # (The return line holds ``returns.flat`` itself: tensors the replayed calls log join it.)
     body.append(glue.RETURN.bind(returns.flat))
-    params = _computation_inputs(ctx, groups)
     computation = Trace("computation", params, body, ["Constructed by capture"])
     epilogue = build_epilogue(ctx, out_template, returns.flat, groups, writes, container_writes,
                               _replays(ctx, returns))
@@ -215,7 +226,8 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     if ctx.symbols is not None and ctx.symbols.bindings:
         for trace in (computation, epilogue.trace):
             refuse_raw_symbols(trace)
-    return Program(prologue, computation, epilogue.trace, descriptions)
+    return Program(prologue, computation, epilogue.trace, descriptions,
+                   keep_alive=ctx.dtensors.keep_alive)
 
 
 def _working_copies(ctx: CaptureContext) -> tuple[list[MutableGroup], list[BoundSymbol],
@@ -354,6 +366,10 @@ class _Returns:
         self.input_names = {e.proxy.name for e in ctx.inputs}
         self.view_source = _view_sources(ctx)
         self.collected: dict[int, Any] = {}  # id(fake) -> its node: a tensor returned twice is one
+        self.dtensor_of: dict[str, Any] = {}  # a returned local tensor's name -> its DTensor
+        # A DTensor program with gradients returns what it made, views too: their gradients are
+        # DTensor's (see dtensor_autograd.py), not those of views rebuilt outside.
+        self.dtensor_autograd = _dtensor_autograd(ctx)
         self.number = ctx.symbols.code if ctx.symbols is not None else None
 
     def add_output(self, proxy: TensorProxy) -> None:
@@ -378,6 +394,15 @@ class _Returns:
 
     def collect(self, tensor):
         ctx = self.ctx
+        if is_dtensor(tensor):  # rebuilt around its local tensor: see dtensor.py
+            if id(tensor) not in self.collected:
+                stand_in = ctx.real_tensor_reached_program(tensor)
+                local = self.collect(stand_in._local_tensor)
+                if isinstance(local, TensorProxy):  # its gradient comes as this DTensor's
+                    self.dtensor_of[local.name] = stand_in
+                self.collected[id(tensor)] = Build(rebuild_dtensor, "call", {
+                    "local": local, "spec": stand_in._spec})
+            return self.collected[id(tensor)]
         if not isinstance(tensor, FakeTensor):  # returned without any op: a global, say
             tensor = ctx.real_tensor_reached_program(tensor)
             self.input_names.add(ctx.proxy(tensor).name)
@@ -393,7 +418,7 @@ class _Returns:
             return self._of_written_memory(tensor, proxy, key)
         if proxy.name in self.input_names:  # the input itself: the very object, as in eager
             return FromInput(proxy, proxy, (), (), 0)
-        if _plain_view(tensor, ctx):
+        if _plain_view(tensor, ctx) and not self.dtensor_autograd:
             view = self._view(tensor, proxy, key)
             if view is not None:
                 return view
@@ -444,6 +469,11 @@ class _Returns:
                 ctx, tuple(tensor.shape), tuple(tensor.stride()),
                 tensor.storage_offset() - base.storage_offset()), _view_grad(tensor, base))
         return None
+
+
+def _dtensor_autograd(ctx: CaptureContext) -> bool:
+    """Whether DTensor's autograd ran in the program (so its backward is capture's to record)."""
+    return ctx.dtensors.autograd and torch.is_grad_enabled()
 
 
 def _result_templates(ctx: CaptureContext, out: Any, returns: _Returns):

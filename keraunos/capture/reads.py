@@ -23,6 +23,7 @@ from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import (CaptureError, UnguardableStateError, UnsupportedInputError, is_stdlib,
                       user_source)
 from . import guards
+from .dtensor import is_device_mesh
 from .guards import is_plain
 from .recording import (_recording_argument_class, _recording_module_class,
                         _recording_object_class, _recording_scope_class, original_class)
@@ -158,6 +159,9 @@ class ReadsMixin:
         on it is undone after capture with the same outcome. Objects of the standard library (a
         logger, a lock) are left alone."""
         if id(obj) in self._object_paths or not _user_object(obj) or _made_by_the_program(obj):
+            return
+        if is_device_mesh(obj):  # DTensor's mesh: the same mesh is all (its state is torch's)
+            self.guard(guards.IDENTITY, path, obj)
             return
         if self._watch_object(obj, path, scope=True):
             self.guard(guards.IDENTITY, path, obj)

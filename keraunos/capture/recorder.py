@@ -12,6 +12,7 @@ from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
 from ..errors import CaptureError, DataDependentError, FunctionTransformError, user_source
 from .distributed import capture_collective, is_distributed_function
+from .dtensor import has_capture_dtensor, record_dtensor_call
 from .interceptors import paused_watch
 from .naming import torch_symbol
 from ..core.symbolic import hint as size_hint
@@ -47,6 +48,8 @@ class Recorder(TorchFunctionMode):
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
         self._refuse_before_the_call(symbol, func, args, kwargs)
+        if has_capture_dtensor((args, kwargs)) or ctx.dtensors.record_aten:  # see dtensor.py
+            return record_dtensor_call(ctx, func, args, kwargs)
         if id(func) in _TO_PYTHON:  # specialize_data=True (else refused above)
             return ctx.specialize_on_data(symbol, func, args, kwargs)
         if func is torch.Tensor.__iter__:  # iterating a tensor is unbinding it

@@ -21,7 +21,7 @@ class Build:
     """A node of the return-value template: a container to rebuild around its children."""
 
     python_type: type
-    kind: str  # tuple, list, namedtuple, structseq, dict, dataclass, object
+    kind: str  # tuple, list, namedtuple, structseq, dict, dataclass, object, call
     children: Any  # list for sequences, dict for mappings and dataclasses
 
 
@@ -138,7 +138,15 @@ def _rebuild_mapping(node: Build, w) -> str:  # a dict, or a dict subclass
     return f"{_type_name(node, w)}({{{items}}})"
 
 
+def _rebuild_call(node: Build, w) -> str:
+    """A value made by a function of its children (``python_type`` is the function):
+    ``rebuild_dtensor(local=t3, spec=_spec0)``."""
+    function = w.constant(node.python_type, node.python_type.__name__)
+    return f"{function}(" + ", ".join(f"{k}={template_code(c, w)}"
+                                      for k, c in node.children.items()) + ")"
+
+
 # How each kind of ``Build`` node is rebuilt; any other kind is a mapping.
 _REBUILD = {"tuple": _rebuild_sequence, "list": _rebuild_sequence, "object": _rebuild_object,
             "structseq": _rebuild_structseq, "namedtuple": _rebuild_namedtuple,
-            "dataclass": _rebuild_dataclass}
+            "dataclass": _rebuild_dataclass, "call": _rebuild_call}
