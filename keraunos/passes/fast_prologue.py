@@ -8,7 +8,9 @@ and buffer and checks each submodule's type. That walk moves into a function of 
 - the call's arguments and global state, as before;
 - each module attribute the program read (``training``, ``eps``, a config object and its fields),
   by identity with the value it was compiled for, read straight from the module's ``__dict__``;
-- all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``).
+- all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``), which also
+  tells inference mode apart: its own check is dropped where there is such a call
+  (``capture/ambient.py`` says why).
 
 A module attribute reassigned to an equal value therefore recompiles once: identity is the check
 that is both exact and cheapest.
@@ -193,6 +195,8 @@ def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
 def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trace:
     check_names = [b.args[0].name for b in checks]
     if checks:
+        implied = [b for b in lines if _implied_by_tensor_checks(b)]
+        lines = [b for b in lines if not _implied_by_tensor_checks(b)]
         guards = tensor_guards(checks)
         names = [b.fields.path for b in checks]
         arg_list = _splice(check_names, static_names, statics_expr)
@@ -200,18 +204,39 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trac
         def fused(w):
             g = w.constant(guards, "tensor_guards")
             n = w.constant(names, "tensor_names")
+            reason = f"{g}.check_verbose({arg_list}, tensor_check_names={n})"
+            also = ""
+            for b in implied:  # a miss names the setting first when it is what differs
+                reason = f"{w.constant(b.fields.description, 'ambient')}.before_tensor_reason({reason})"
+                also = f"; they also tell {b.fields.description.ambient.label} apart"
             return [f"if not {g}.check({arg_list}):",
-                    f"  return {g}.check_verbose({arg_list}, tensor_check_names={n})"
-                    f"  # {len(checks)} tensors checked in one C++ call"] + _tensor_comments(checks)
+                    f"  return {reason}  # {len(checks)} tensors checked in one C++ call{also}"
+                    ] + _tensor_comments(checks)
         lines = lines + [_glue("check tensors", fused)]
     inputs, pro_to_epi = ret.args
-    input_names = [p.name for p in inputs]
-
-    def returned(w):
-        spliced = _splice(input_names, static_names, statics_expr)
-        return [f"return ({spliced + ',' if spliced else ''}), {w.value(tuple(pro_to_epi))}"]
+    spliced = _splice([p.name for p in inputs], static_names, statics_expr)
+    returned = ReturnInputs(spliced, tuple(pro_to_epi))
     lines = lines + [_glue("return", returned)]
     return trace.derive(lines, "Fast Prologue (python executor)")
+
+
+@dataclass(frozen=True)
+class ReturnInputs:
+    """The fast prologue's last line, ``return (inputs,), pro_to_epi``, in two parts that the hit
+    path (``jit.py``) also writes: ``inputs`` as call arguments (``x, *_s[1]``) and what the
+    prologue hands the epilogue."""
+
+    inputs: str
+    pro_to_epi: tuple
+
+    def __call__(self, w) -> list[str]:
+        return [f"return ({self.inputs + ',' if self.inputs else ''}), {w.value(self.pro_to_epi)}"]
+
+
+def _implied_by_tensor_checks(b: BoundSymbol) -> bool:
+    """An ambient check that the C++ tensor checks make redundant (inference mode)."""
+    ambient = getattr(getattr(b.fields, "description", None), "ambient", None)
+    return b.symbol is CHECK and ambient is not None and ambient.implied_by_tensor_checks
 
 
 # The batched checks name what they check in comments, in the words of the unbatched prologue, so
