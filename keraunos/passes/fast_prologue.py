@@ -7,7 +7,9 @@ and buffer and checks each submodule's type. That walk moves into a function of 
 
 - the call's arguments and global state, as before;
 - each module attribute the program read (``training``, ``eps``, a config object and its fields),
-  by identity with the value it was compiled for, read straight from the module's ``__dict__``;
+  by identity with the value it was compiled for, read straight from the module's ``__dict__``,
+  one Python line each (``if _attribute_dicts[0]['training'] is not True: return 7``): dynamo's
+  C++ guard tree over the same dicts costs as much per attribute, plus 2k instructions a call;
 - all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``), which also
   tells inference mode apart: its own check is dropped where there is such a call
   (``capture/ambient.py`` says why).
@@ -29,7 +31,7 @@ from ..core.tags import AFTER_STRUCTURE
 from ..core.runner import trace_step
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
-from .guard_trees import attribute_guards, tensor_guards
+from .guard_trees import tensor_guards
 
 
 def _glue(label: str, lines, binds=None) -> BoundSymbol:
@@ -99,20 +101,13 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     walk_trace = _walk_trace(trace, walk, cache, (static_names, dict_vars, object_dicts,
                                                   module_vars))
     refresh = walk_trace.python_callable()
-    guards = None
-    if entries:
-        current = refresh()  # the walk the first call would make; its dicts are the examples
-        if type(current) is tuple:
-            guards = attribute_guards(entries, current[2])
-    module_part = _attribute_lines(module_part, entries, guards, keep)
+    module_part = _attribute_lines(module_part, entries, keep)
     bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
     walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
     binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
     load = _load_line(cache, refresh, static_names if bound_statics else [], dict_vars,
                       module_vars, tuple(binds))
     lines = [b for b in rest if not _from_module(b)] + [load]
-    if guards is not None:
-        lines.append(_attribute_check_line(guards, entries))
     lines += module_part + late
     return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
 
@@ -173,15 +168,6 @@ def _load_line(cache, refresh, static_names, dict_vars, module_vars, binds) -> B
     return _glue("load module structure", load, binds=binds)
 
 
-def _attribute_check_line(guards, entries) -> BoundSymbol:
-    def check_attributes(w):
-        g = w.constant(guards, "attribute_guards")
-        return [f"if not {g}.check(_attribute_dicts):",
-                f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
-                f"checked by identity in one C++ call"] + _attribute_comments(entries)
-    return _glue("check module attributes", check_attributes)
-
-
 def _from_module(b: BoundSymbol) -> bool:
     path = _subject(b)
     return path is not None and path.is_module_derived()
@@ -239,13 +225,8 @@ def _implied_by_tensor_checks(b: BoundSymbol) -> bool:
     return b.symbol is CHECK and ambient is not None and ambient.implied_by_tensor_checks
 
 
-# The batched checks name what they check in comments, in the words of the unbatched prologue, so
+# The batched tensor check names what it checks in comments, in the words of the unbatched prologue, so
 # that the prologue that runs stays readable; comments cost nothing per call.
-def _attribute_comments(entries) -> list[str]:
-    return ["# it checks, each by identity with the value compiled for:"] + [
-        f"#   {description}" for _, _, _, description, _ in entries]
-
-
 def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
     rows = [(f"{b.args[0].name} from {b.fields.path}:", b.fields.expected) for b in checks]
     width = max(len(who) for who, _ in rows)
@@ -314,11 +295,11 @@ def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
 
 
 def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[str]):
-    """Module-attribute reads from cached ``__dict__``s, their checks as one C++ guard tree.
+    """Module-attribute reads from cached ``__dict__``s, and their identity checks.
 
-    Returns the lines left, the guard tree (``None`` when there is nothing to fuse, or when this
-    torch has no guard-tree API: the checks then stay Python lines) and the constant ``__dict__``s
-    of objects whose identity is checked (a config object, say), read like module dicts."""
+    Returns the lines left, the checks as ``(dict index, key, expected object, description,
+    check index)`` and the constant ``__dict__``s of objects whose identity is checked (a config
+    object, say), read like module dicts."""
     source_of = {n: i for i, n in enumerate(dict_vars)}  # var -> index of its __dict__
     object_dicts: list[dict] = []
     var_of_path = {}
@@ -351,16 +332,26 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     return lines, entries, object_dicts
 
 
-def _attribute_lines(lines, entries, guards, keep):
-    if guards is None:
-        for index, key, expected, description, check_index in entries:
-            lines.append(_glue("check", lambda w, i=index, k=key, e=expected, d=description,
-                               c=check_index: [f"if _attribute_dicts[{i}][{k!r}] is not "
-                                               f"{w.constant(e, 'expected')}: return {c}  # {d}"]))
+def _attribute_lines(lines, entries, keep):
+    """The identity checks of the attributes read from the cached dicts, first (an object's own
+    dict is read only after its identity check), then the lines left that something reads."""
+    checks = [_glue("check", lambda w, i=index, k=key, e=expected, d=description, c=check_index:
+                    [f"if _attribute_dicts[{i}][{k!r}] is not {_identity(w, e)}: return {c}"
+                     f"  # {d}"])
+              for index, key, expected, description, check_index in entries]
+
     def defines(b):  # the one name a cached attribute read binds
         return b.outputs.name if b.symbol is glue.PYTHON and b.outputs is not None else None
     used = _names_used([b for b in lines if defines(b) is None]) | keep
-    return [b for b in lines if defines(b) is None or defines(b) in used]
+    return checks + [b for b in lines if defines(b) is None or defines(b) in used]
+
+
+def _identity(w, expected) -> str:
+    """``expected`` as the check names it: ``True``, ``False`` and ``None`` as themselves, since
+    only they are one object by language rule; anything else by a constant's name."""
+    if expected is None or type(expected) is bool:
+        return repr(expected)
+    return w.constant(expected, "expected")
 
 
 def _tuple(names: list[str]) -> str:
