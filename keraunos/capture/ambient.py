@@ -23,7 +23,7 @@ setting fails under the other, whatever grad mode says (``torch.enable_grad()`` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -48,6 +48,9 @@ class Ambient:
     in_global_state_guard: bool
     names: Mapping[str, Any] = field(default_factory=dict)
     implied_by_tensor_checks: bool = False
+    # Where ``expression`` raises in some states (``read`` then gives a tuple instead), the
+    # expression an entry compiled in such a state checks (its names are in ``names`` too).
+    expression_when_tuple: str | None = None
 
 
 def _autocast_device_types() -> tuple[str, ...]:
@@ -73,6 +76,21 @@ def _autocast_entries(device: str) -> tuple[Ambient, ...]:
     )
 
 
+# What torch's getter summarizes, read one by one where it cannot (below).
+_FP32_PRECISIONS = (("generic", "all"), ("cuda", "matmul"), ("mkldnn", "matmul"))
+
+
+def _float32_matmul_precision() -> str | tuple[str, ...]:
+    """``torch.get_float32_matmul_precision()``; once a program set precisions per backend
+    (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), torch's getter raises (it has no
+    one name for them) and the precisions are read one by one instead."""
+    try:
+        return torch._C._get_float32_matmul_precision()
+    except RuntimeError:
+        return tuple(torch._C._get_fp32_precision_getter(backend, op)
+                     for backend, op in _FP32_PRECISIONS)
+
+
 AMBIENT_STATE: tuple[Ambient, ...] = (
     Ambient("grad mode", "torch.is_grad_enabled()", torch.is_grad_enabled, True),
     # Under no_grad and inference_mode grad mode reads the same; their outputs do not
@@ -90,8 +108,10 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
             "torch.is_deterministic_algorithms_warn_only_enabled()",
             torch.is_deterministic_algorithms_warn_only_enabled, True),
     Ambient("float32 matmul precision", "_get_float32_matmul_precision()",
-            torch.get_float32_matmul_precision, False,
-            {"_get_float32_matmul_precision": torch._C._get_float32_matmul_precision}),
+            _float32_matmul_precision, False,
+            {"_get_float32_matmul_precision": torch._C._get_float32_matmul_precision,
+             "_float32_matmul_precision": _float32_matmul_precision},
+            expression_when_tuple="_float32_matmul_precision()"),
     Ambient("TF32 matmuls (cuBLAS)", "torch.backends.cuda.matmul.allow_tf32",
             lambda: torch.backends.cuda.matmul.allow_tf32, True),
     Ambient("float16 reduced-precision reductions (cuBLAS)",
@@ -107,6 +127,14 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
     # Fused CPU kernels bake the thread count in; GlobalStateGuard compares it anyway.
     Ambient("intra-op threads", "torch.get_num_threads()", torch.get_num_threads, True),
 )
+
+
+def _expression_for(ambient: Ambient, value: Any) -> Ambient:
+    """``ambient``, checked by the expression that does not raise in the state ``value`` was
+    read in. In the other state that one raises: the prologue then means "not this entry"."""
+    if type(value) is tuple and ambient.expression_when_tuple is not None:
+        return replace(ambient, expression=ambient.expression_when_tuple)
+    return ambient
 
 
 def _show(value: Any) -> str:
@@ -133,7 +161,7 @@ class AmbientSnapshot:
     def python_checked(self) -> list[tuple[Ambient, Any]]:
         """The entries the prologue compares in Python, with their values at capture."""
         in_cxx = self.cxx_guard is not None
-        return [(a, v) for a, v in zip(AMBIENT_STATE, self.values)
+        return [(_expression_for(a, v), v) for a, v in zip(AMBIENT_STATE, self.values)
                 if not (in_cxx and a.in_global_state_guard)]
 
     def cxx_description(self) -> "AmbientDifference":
