@@ -18,7 +18,8 @@ function that runs those three steps for it in a row: the prologue's checks as t
 alias check where sharing matters, then the computation and the epilogue (read off the entry on
 every call: a tier switch replaces the computation). It returns ``(result,)``, or what the
 failed check returns (the index of its description, or a reason), and ``call`` goes the general
-way with the other entries. Print one with ``print(entry.hit_trace)``.
+way with the other entries. Print one with
+``print(keraunos.state_of(jitted).last_entry.hit_trace)``.
 
 There is no separate step that connects the result to autograd (the design's
 ``maybe_connect_to_autograd``): for an entry with a backward trace, ``computation_fn`` runs the
@@ -360,6 +361,7 @@ def call(state: _JitState, args: tuple, kwargs: dict):
         if type(r) is tuple:
             next(state.hit_count)
             return r[0]
+        # Timed from here: the general path's lookup (the hit path's checks are not timed).
         entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, None, 1)
     else:
         entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
@@ -412,6 +414,8 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
 
 
 def _calling_hit_path(entry: CacheEntry) -> Callable:
+    """The hit path of an entry whose prologue was not written by the fast prologue: it calls
+    the three functions in a row."""
     prologue, alias_check = entry.prologue_fn, entry.alias_check
 
     def hit(args, kwargs):

@@ -31,7 +31,7 @@ from ..core.tags import AFTER_STRUCTURE
 from ..core.runner import trace_step
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
-from .guard_trees import tensor_guards
+from .guard_trees import TensorTree, tensor_guards
 
 
 def _glue(label: str, lines, binds=None) -> BoundSymbol:
@@ -189,13 +189,19 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trac
 
         def fused(w):
             g = w.constant(guards, "tensor_guards")
-            n = w.constant(names, "tensor_names")
-            reason = f"{g}.check_verbose({arg_list}, tensor_check_names={n})"
+            if isinstance(guards, TensorTree):  # one tuple: ``check((x, w))``
+                checked = f"({arg_list},)"
+                reason = f"{g}.reason({checked})"
+            else:
+                checked = arg_list
+                reason = (f"{g}.check_verbose({arg_list}, "
+                          f"tensor_check_names={w.constant(names, 'tensor_names')})")
             also = ""
             for b in implied:  # a miss names the setting first when it is what differs
-                reason = f"{w.constant(b.fields.description, 'ambient')}.before_tensor_reason({reason})"
+                reason = (f"{w.constant(b.fields.description, 'ambient')}"
+                          f".before_tensor_reason({reason})")
                 also = f"; they also tell {b.fields.description.ambient.label} apart"
-            return [f"if not {g}.check({arg_list}):",
+            return [f"if not {g}.check({checked}):",
                     f"  return {reason}  # {len(checks)} tensors checked in one C++ call{also}"
                     ] + _tensor_comments(checks)
         lines = lines + [_glue("check tensors", fused)]
