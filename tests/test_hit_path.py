@@ -132,3 +132,38 @@ def test_tier_switch_is_seen_by_the_hit_path():
     entry.computation_fn = switched  # what tiers.py's switch does
     assert_close(jitted(x), x * 3)
     assert calls == [1]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+
+def test_many_tensors_checked_by_the_guard_tree_miss_on_a_parameter_change():
+    model = _mlp()
+    jitted = keraunos.jit(model)
+    x = torch.randn(2, 8)
+    jitted(x)
+    assert "_tensor_guards0.check((" in str(keraunos.last_prologue_traces(jitted)[-1])
+    model[2].weight.requires_grad_(False)
+    out = jitted(x)
+    assert_close(out, model(x))
+    out.sum().backward()
+    assert model[2].weight.grad is None and model[0].weight.grad is not None
+    reasons = " ".join(keraunos.last_cache_miss_reasons(jitted))
+    assert "tensor 'module.2.weight' requires_grad mismatch" in reasons
+    assert "torch._dynamo.config" not in reasons
+
+
+def test_many_tensors_tell_inference_mode_apart():
+    model = _mlp()
+    jitted = keraunos.jit(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        jitted(x)
+    with torch.inference_mode():
+        out, expected = jitted(x), model(x)
+    assert out.is_inference() == expected.is_inference() is True
+    assert_close(out, expected)
+    assert "inference mode is on, compiled with off" in " ".join(
+        keraunos.last_cache_miss_reasons(jitted))
