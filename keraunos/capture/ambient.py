@@ -203,7 +203,8 @@ class AmbientDifference(str):
         now, then = a.read(), self.snapshot.values[AMBIENT_STATE.index(a)]
         if now == then:
             return reason
-        return f"{a.label} is {_show(now)}, compiled with {_show(then)}; the tensor checks: {reason}"
+        return (f"{a.label} is {_show(now)}, compiled with {_show(then)}; "
+                f"the tensor checks: {reason}")
 
     def __reduce__(self):  # a copy is the plain text
         return str, (str(self),)

@@ -10,9 +10,9 @@ and buffer and checks each submodule's type. That walk moves into a function of 
   by identity with the value it was compiled for, read straight from the module's ``__dict__``,
   one Python line each (``if _attribute_dicts[0]['training'] is not True: return 7``): dynamo's
   C++ guard tree over the same dicts costs as much per attribute, plus 2k instructions a call;
-- all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``), which also
-  tells inference mode apart: its own check is dropped where there is such a call
-  (``capture/ambient.py`` says why).
+- all tensors' metadata, in one C++ call (``TensorGuards``, or dynamo's guard tree from a few
+  tensors on: see ``guard_trees.py``), which also tells inference mode apart: its own check is
+  dropped where there is such a call (``capture/ambient.py`` says why).
 
 A module attribute reassigned to an equal value therefore recompiles once: identity is the check
 that is both exact and cheapest.
@@ -231,8 +231,8 @@ def _implied_by_tensor_checks(b: BoundSymbol) -> bool:
     return b.symbol is CHECK and ambient is not None and ambient.implied_by_tensor_checks
 
 
-# The batched tensor check names what it checks in comments, in the words of the unbatched prologue, so
-# that the prologue that runs stays readable; comments cost nothing per call.
+# The batched tensor check names what it checks in comments, in the words of the unbatched
+# prologue, so that the prologue that runs stays readable; comments cost nothing per call.
 def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
     rows = [(f"{b.args[0].name} from {b.fields.path}:", b.fields.expected) for b in checks]
     width = max(len(who) for who, _ in rows)
