@@ -538,8 +538,9 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             state.last_entry = entry
             return entry, (args, kwargs), None
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
-        checking = _clock()
         r = entry.prologue_fn(*args, **kwargs)
+        checking = _clock()  # once more, warm: what a hit's checks take (compile_stats)
+        entry.prologue_fn(*args, **kwargs)
         entry.check_seconds = _clock() - checking
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
@@ -550,7 +551,9 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
         entry.alias_check = _alias_check_for(entry)
+        t0 = _clock()
         entry.hit_fn, entry.hit_trace = hit_path(entry)
+        entry.stages["hit path"] = _clock() - t0  # its code generation, after the first call's
         if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
