@@ -551,9 +551,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
         entry.alias_check = _alias_check_for(entry)
-        t0 = _clock()
         entry.hit_fn, entry.hit_trace = hit_path(entry)
-        entry.stages["hit path"] = _clock() - t0  # its code generation, after the first call's
         if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
