@@ -42,6 +42,8 @@ import sys
 import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never touch the network
+# The keraunos of this checkout (a git worktree too), not whichever one is installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

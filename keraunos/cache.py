@@ -43,6 +43,12 @@ class CacheEntry:
     written_positions: tuple | None = None
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True
+    # The hit path (jit.hit_path): checks, computation and epilogue in one generated function,
+    # made once the alias check is chosen; its trace (None where it calls the prologue), and
+    # what the prologue's checks took on the compiling call (``compile_stats`` on such a hit).
+    hit_fn: Callable = lambda args, kwargs: "no hit path yet"
+    hit_trace: Trace | None = None
+    check_seconds: float = 0.0
     fusion_regions: list = field(default_factory=list)  # keraunos.last_fusions
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background

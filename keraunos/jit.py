@@ -13,6 +13,14 @@ by name:
 valid for a call when its prologue's checks pass and ``check_storage_aliases`` finds the inputs
 share memory exactly as they did when it was compiled. On a miss it compiles a new entry.
 
+The most recently used entry is tried first by its *hit path* (``hit_path``), one generated
+function that runs those three steps for it in a row: the prologue's checks as they are, the
+alias check where sharing matters, then the computation and the epilogue (read off the entry on
+every call: a tier switch replaces the computation). It returns ``(result,)``, or what the
+failed check returns (the index of its description, or a reason), and ``call`` goes the general
+way with the other entries. Print one with
+``print(keraunos.state_of(jitted).last_entry.hit_trace)``.
+
 There is no separate step that connects the result to autograd (the design's
 ``maybe_connect_to_autograd``): for an entry with a backward trace, ``computation_fn`` runs the
 forward inside a ``torch.autograd.Function`` (``autograd/function.py``), because autograd records
@@ -38,6 +46,9 @@ from torch.utils import _pytree as pytree
 from . import debug
 from . import executors as executors_module
 from .cache import CacheEntry, CacheMode
+from .core import glue
+from .core.trace import Trace
+from .passes.fast_prologue import ReturnInputs
 from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
@@ -147,8 +158,11 @@ class _JitState:
         # Hits are counted by ``next``, one C call: threads lose no count, and no lock is held.
         self.hit_count = itertools.count()
         self.misses = 0  # counted under ``lock``
-        self.last_entry: CacheEntry | None = None
-        self.last_lookup = 0.0
+        # The entry that served the last call the general path served, what its lookup took,
+        # and hits + misses then (the hit path records nothing: see ``last_entry``).
+        self._last_entry: CacheEntry | None = None
+        self._last_lookup = 0.0
+        self._served_at = 0
         self.compiled_at_call = 0  # hits + misses when the last miss happened
         self.last_miss_reasons: list[str] = []
         self.warned_recompiles = False
@@ -172,6 +186,33 @@ class _JitState:
     @property
     def hits(self) -> int:
         return int(repr(self.hit_count)[len("count("):-1])  # an itertools.count shows its next value
+
+    # The hit path serves the front entry and records nothing but the hit, so a call since the
+    # last one the general path served was a hit of the front entry.
+    @property
+    def last_entry(self) -> CacheEntry | None:
+        """The entry that served the last call."""
+        if self._served_at == self.hits + self.misses or not self.entries:
+            return self._last_entry
+        return self.entries[0]
+
+    @last_entry.setter
+    def last_entry(self, entry: CacheEntry | None) -> None:
+        self._last_entry = entry
+        self._served_at = self.hits + self.misses
+
+    @property
+    def last_lookup(self) -> float:
+        """What the last call's cache lookup took; after a hit of the hit path (untimed), what
+        the entry's checks took on the call that compiled it."""
+        if self._served_at == self.hits + self.misses or not self.entries:
+            return self._last_lookup
+        return self.entries[0].check_seconds
+
+    @last_lookup.setter
+    def last_lookup(self, seconds: float) -> None:
+        self._last_lookup = seconds
+        self._served_at = self.hits + self.misses
 
     @property
     def name(self) -> str:
@@ -238,7 +279,7 @@ def _alias_check_for(entry: CacheEntry) -> Callable:
     """The cheapest check that is exact for this entry, decided once instead of on every call."""
     positions, written = entry.alias_positions, entry.written_positions
     if positions is None or (entry.alias_pattern is None and written == ()):
-        return lambda inputs: True
+        return sharing_cannot_matter
     if len(positions) == 2 and entry.alias_pattern is None:
         a, b = positions
         return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
@@ -261,6 +302,12 @@ def _alias_check_for(entry: CacheEntry) -> Callable:
             return True  # only inputs the program reads are passed twice
         return check
     return lambda inputs: _alias_pattern(entry, inputs) == entry.alias_pattern
+
+
+def sharing_cannot_matter(inputs) -> bool:
+    """The alias check of an entry whose inputs' sharing cannot change what it computes (no
+    input is written, none shared memory when it was compiled): the hit path leaves it out."""
+    return True
 
 
 def _items_at(positions: tuple) -> Callable:
@@ -298,27 +345,97 @@ def maybe_call_epilogue(entry: CacheEntry, result, pro_to_epi):
 
 
 def call(state: _JitState, args: tuple, kwargs: dict):
-    """One call: the most recently used entry first, inline (the hit path of a warm program,
-    what decides a small function's overhead), then ``get_computation_and_inputs`` for the
-    others and the miss. Each of the entry's fields is read per call: a tier switch replaces
-    its computation in place."""
-    start = _clock()
+    """One call: the hit path of the most recently used entry (what decides a small function's
+    overhead), then ``get_computation_and_inputs`` for the others and the miss. A hit of the
+    hit path records nothing but the count: no clock read, no ``last_entry`` (``_JitState``
+    derives both)."""
     entries = state.entries
     if entries:
         entry = entries[0]
         try:
-            r = entry.prologue_fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - "not this entry": see get_computation_and_inputs
-            r = None
-        if type(r) is tuple and entry.alias_check(r[0]):
+            r = entry.hit_fn(args, kwargs)
+        except Exception:  # noqa: BLE001
+            if _prologue_accepts(entry, args, kwargs):
+                raise  # the program's own error, from its computation or epilogue
+            r = None  # "not this entry": see get_computation_and_inputs
+        if type(r) is tuple:
             next(state.hit_count)
-            state.last_entry = entry
-            state.last_lookup = _clock() - start
-            return entry.epilogue_fn(entry.computation_fn(*r[0]), r[1])
-        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, start, 1)
+            return r[0]
+        # Timed from here: the general path's lookup (the hit path's checks are not timed).
+        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, None, 1)
     else:
-        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, start)
+        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
     return entry.epilogue_fn(entry.computation_fn(*inputs), pro_to_epi)
+
+
+def _prologue_accepts(entry: CacheEntry, args: tuple, kwargs: dict) -> bool:
+    """Whether ``entry``'s prologue and alias check accept this call (it raised in its hit path:
+    from the checks, it is a miss; after them, the program's own error)."""
+    try:
+        r = entry.prologue_fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        return False
+    return type(r) is tuple and entry.alias_check(r[0])
+
+
+# ------------------------------------------------------------------------------ hit paths
+def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
+    """The entry's hit path and its trace: ``hit(args, kwargs)`` runs the fast prologue's lines,
+    then, instead of returning the inputs, the alias check where sharing matters and the
+    computation and epilogue, returning ``(result,)``. When the epilogue only hands back the one
+    output, the computation's own ``(result,)`` is returned as it is. A prologue that is not the
+    fast prologue's (the dynamo fallback's, say) gets a hit path that calls it."""
+    prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
+    ret = prologue.bound_symbols[-1] if prologue is not None else None
+    returned = getattr(ret.fields, "lines", None) if ret is not None else None
+    if not isinstance(returned, ReturnInputs):
+        return _calling_hit_path(entry), None
+    inputs, pro_to_epi = returned.inputs, returned.pro_to_epi
+    alias_check = entry.alias_check
+
+    def run(w):
+        lines = []
+        if alias_check is not sharing_cannot_matter:
+            lines.append(f"if not {w.constant(alias_check, 'alias_check')}(({inputs},)): "
+                         f"return 'the inputs share memory differently'")
+        if _returns_the_only_output(entry.epilogue_traces[-1]):
+            lines.append(f"return _entry.computation_fn({inputs})  # (result,): the epilogue "
+                         f"only returns the one output")
+        else:
+            lines.append(f"return (_entry.epilogue_fn(_entry.computation_fn({inputs}), "
+                         f"{w.value(pro_to_epi)}),)")
+        return lines
+    line = glue.PYTHON.bind(label="hit", lines=run, outputs=None, executor="python")
+    trace = Trace("hit", ["args", "kwargs"], prologue.bound_symbols[:-1] + [line],
+                  prologue.header + ["Constructed by Hit Path (jit.py): the prologue's checks, "
+                                     "then the computation and the epilogue"],
+                  {**prologue.namespace, "_entry": entry})
+    return trace.python_callable(), trace
+
+
+def _calling_hit_path(entry: CacheEntry) -> Callable:
+    """The hit path of an entry whose prologue was not written by the fast prologue: it calls
+    the three functions in a row."""
+    prologue, alias_check = entry.prologue_fn, entry.alias_check
+
+    def hit(args, kwargs):
+        r = prologue(*args, **kwargs)
+        if type(r) is not tuple or not alias_check(r[0]):
+            return r if type(r) is not tuple else "the inputs share memory differently"
+        return (entry.epilogue_fn(entry.computation_fn(*r[0]), r[1]),)
+    return hit
+
+
+def _returns_the_only_output(epilogue: Trace) -> bool:
+    """The epilogue is ``t, = outputs; return t``: the computation's outputs are ``(result,)``."""
+    *unpacks, ret = epilogue.bound_symbols
+    if ret.symbol is not glue.RETURN_VALUE or any(b.symbol is not glue.UNPACK_OUTPUTS
+                                                  for b in unpacks):
+        return False
+    outputs = [b.outputs for b in unpacks if b.fields.origin == "outputs"]
+    from_prologue = [b.outputs for b in unpacks if b.fields.origin == "pro_to_epi"]
+    return (len(outputs) == 1 and len(outputs[0]) == 1 and not any(from_prologue)
+            and len(ret.args) == 1 and ret.args[0] is outputs[0][0])
 
 
 def _call_checking_results(state: _JitState, args: tuple, kwargs: dict):
@@ -422,6 +539,9 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             return entry, (args, kwargs), None
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
         r = entry.prologue_fn(*args, **kwargs)
+        checking = _clock()  # once more, warm: what a hit's checks take (compile_stats)
+        entry.prologue_fn(*args, **kwargs)
+        entry.check_seconds = _clock() - checking
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
                                  f"the call it was compiled for ({explain(entry, args, kwargs)})")
@@ -431,6 +551,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if entry.alias_positions is not None:
             entry.alias_pattern = _alias_pattern(entry, r[0])
         entry.alias_check = _alias_check_for(entry)
+        entry.hit_fn, entry.hit_trace = hit_path(entry)
         if state.options.cache is not CacheMode.NO_CACHING:
             _insert(state, entry)
         state.last_entry = entry
@@ -557,9 +678,11 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
                f"it in the prologue; keraunos.jit(..., fallback=\"error\") raises instead of "
                f"falling back.")
     _warn_at_user_line(message, stacklevel=5)
-    return CacheEntry(prologue_fn=lambda *a, **k: ((a, k), None),
-                      computation_fn=lambda args, kwargs: compiled(*args, **kwargs),
-                      epilogue_fn=lambda result, _: result)
+    entry = CacheEntry(prologue_fn=lambda *a, **k: ((a, k), None),
+                       computation_fn=lambda args, kwargs: compiled(*args, **kwargs),
+                       epilogue_fn=lambda result, _: result)
+    entry.hit_fn, entry.hit_trace = hit_path(entry)
+    return entry
 
 
 def _warn_at_user_line(message: str, stacklevel: int) -> None:

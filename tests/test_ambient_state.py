@@ -185,3 +185,23 @@ def test_every_entry_is_checked_with_or_without_the_cxx_guard(monkeypatch, cxx):
     with torch.autocast("cpu", dtype=torch.float16):
         jitted(x)
     assert "autocast on cpu is on, compiled with off" in _misses(jitted)
+
+
+def test_matmul_precision_set_per_backend_is_checked_without_raising():
+    # torch.get_float32_matmul_precision() raises once a precision is set per backend: the
+    # prologue then reads the backends' precisions one by one, and gives eager's results.
+    jitted = keraunos.jit(lambda a, b: a @ b)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    jitted(a, b)
+    previous = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        for _ in range(2):
+            assert_close(jitted(a, b), a @ b, rtol=0, atol=0)
+        misses = keraunos.cache_misses(jitted)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = previous
+    assert misses == 2 and keraunos.cache_hits(jitted) == 1
+    assert torch.get_float32_matmul_precision() == "highest"  # restored: one name again
+    assert_close(jitted(a, b), a @ b, rtol=0, atol=0)
+    assert keraunos.cache_misses(jitted) == 2  # the first entry again

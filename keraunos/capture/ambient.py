@@ -9,12 +9,22 @@ capture, and a difference is a cache miss that names the setting.
 ``AMBIENT_STATE`` is the one list. A new kind of ambient state is one more ``Ambient`` in it:
 the prologue checks it, the miss explanation names it. Entries that dynamo's C++
 ``GlobalStateGuard`` also compares are checked by one call of it (a fifth of a microsecond for
-all of them); the rest are one Python comparison each.
+all of them); the rest are one Python comparison each, calling the C function that reads the
+setting by a name of the prologue's own (``_get_autocast_dtype('cpu')``): ``torch.x`` costs a
+module attribute lookup per call, and ``torch.get_float32_matmul_precision`` is a Python wrapper
+around ``torch._C._get_float32_matmul_precision``.
+
+Inference mode needs no check of its own where the prologue checks a tensor's metadata in C++
+(``implied_by_tensor_checks``): dynamo's tensor guards compare each tensor's dispatch keys as the
+thread's dispatch state modifies them, and entering or leaving inference mode changes that state
+(autograd keys excluded, ``ADInplaceOrView`` no longer included), so a tensor checked under one
+setting fails under the other, whatever grad mode says (``torch.enable_grad()`` inside
+``torch.inference_mode()`` leaves the keys as inference mode set them). Dynamo relies on the same.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -28,12 +38,19 @@ except ImportError:  # a build without dynamo's guards: every entry is checked i
 class Ambient:
     """One piece of ambient state: ``label`` names it in a miss explanation, ``expression`` is
     the prologue's source that reads it (``torch`` is in every prologue's namespace), ``read``
-    reads it now; ``in_global_state_guard``: ``GlobalStateGuard`` compares it too."""
+    reads it now; ``in_global_state_guard``: ``GlobalStateGuard`` compares it too; ``names``: the
+    prologue globals its expression calls besides ``torch``; ``implied_by_tensor_checks``: a
+    failing C++ tensor check already tells it apart (the module docstring says why)."""
 
     label: str
     expression: str
     read: Callable[[], Any]
     in_global_state_guard: bool
+    names: Mapping[str, Any] = field(default_factory=dict)
+    implied_by_tensor_checks: bool = False
+    # Where ``expression`` raises in some states (``read`` then gives a tuple instead), the
+    # expression an entry compiled in such a state checks (its names are in ``names`` too).
+    expression_when_tuple: str | None = None
 
 
 def _autocast_device_types() -> tuple[str, ...]:
@@ -53,21 +70,34 @@ def _autocast_entries(device: str) -> tuple[Ambient, ...]:
                 lambda: torch.is_autocast_enabled(device), True),
         # Compared even while autocast is off (`with torch.autocast(device):` inside the
         # program takes this dtype), which GlobalStateGuard does not do: so in Python.
-        Ambient(f"autocast dtype on {device}", f"torch.get_autocast_dtype({device!r})",
-                lambda: torch.get_autocast_dtype(device), False),
+        Ambient(f"autocast dtype on {device}", f"_get_autocast_dtype({device!r})",
+                lambda: torch.get_autocast_dtype(device), False,
+                {"_get_autocast_dtype": torch.get_autocast_dtype}),
     )
 
 
-def _matmul_fp32_precision() -> str:
-    return torch.get_float32_matmul_precision()
+# What torch's getter summarizes, read one by one where it cannot (below).
+_FP32_PRECISIONS = (("generic", "all"), ("cuda", "matmul"), ("mkldnn", "matmul"))
+
+
+def _float32_matmul_precision() -> str | tuple[str, ...]:
+    """``torch.get_float32_matmul_precision()``; once a program set precisions per backend
+    (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), torch's getter raises (it has no
+    one name for them) and the precisions are read one by one instead."""
+    try:
+        return torch._C._get_float32_matmul_precision()
+    except RuntimeError:
+        return tuple(torch._C._get_fp32_precision_getter(backend, op)
+                     for backend, op in _FP32_PRECISIONS)
 
 
 AMBIENT_STATE: tuple[Ambient, ...] = (
     Ambient("grad mode", "torch.is_grad_enabled()", torch.is_grad_enabled, True),
     # Under no_grad and inference_mode grad mode reads the same; their outputs do not
     # (inference tensors), so inference mode is a setting of its own.
-    Ambient("inference mode", "torch.is_inference_mode_enabled()",
-            torch.is_inference_mode_enabled, False),
+    Ambient("inference mode", "_is_inference_mode_enabled()", torch.is_inference_mode_enabled,
+            False, {"_is_inference_mode_enabled": torch.is_inference_mode_enabled},
+            implied_by_tensor_checks=True),
     Ambient("default dtype", "torch.get_default_dtype()", torch.get_default_dtype, True),
     *(entry for device in _autocast_device_types() for entry in _autocast_entries(device)),
     Ambient("autocast's cast cache", "torch.is_autocast_cache_enabled()",
@@ -77,8 +107,11 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
     Ambient("deterministic algorithms, warn only",
             "torch.is_deterministic_algorithms_warn_only_enabled()",
             torch.is_deterministic_algorithms_warn_only_enabled, True),
-    Ambient("float32 matmul precision", "torch.get_float32_matmul_precision()",
-            _matmul_fp32_precision, False),
+    Ambient("float32 matmul precision", "_get_float32_matmul_precision()",
+            _float32_matmul_precision, False,
+            {"_get_float32_matmul_precision": torch._C._get_float32_matmul_precision,
+             "_float32_matmul_precision": _float32_matmul_precision},
+            expression_when_tuple="_float32_matmul_precision()"),
     Ambient("TF32 matmuls (cuBLAS)", "torch.backends.cuda.matmul.allow_tf32",
             lambda: torch.backends.cuda.matmul.allow_tf32, True),
     Ambient("float16 reduced-precision reductions (cuBLAS)",
@@ -94,6 +127,14 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
     # Fused CPU kernels bake the thread count in; GlobalStateGuard compares it anyway.
     Ambient("intra-op threads", "torch.get_num_threads()", torch.get_num_threads, True),
 )
+
+
+def _expression_for(ambient: Ambient, value: Any) -> Ambient:
+    """``ambient``, checked by the expression that does not raise in the state ``value`` was
+    read in. In the other state that one raises: the prologue then means "not this entry"."""
+    if type(value) is tuple and ambient.expression_when_tuple is not None:
+        return replace(ambient, expression=ambient.expression_when_tuple)
+    return ambient
 
 
 def _show(value: Any) -> str:
@@ -120,7 +161,7 @@ class AmbientSnapshot:
     def python_checked(self) -> list[tuple[Ambient, Any]]:
         """The entries the prologue compares in Python, with their values at capture."""
         in_cxx = self.cxx_guard is not None
-        return [(a, v) for a, v in zip(AMBIENT_STATE, self.values)
+        return [(_expression_for(a, v), v) for a, v in zip(AMBIENT_STATE, self.values)
                 if not (in_cxx and a.in_global_state_guard)]
 
     def cxx_description(self) -> "AmbientDifference":
@@ -130,7 +171,7 @@ class AmbientSnapshot:
         return AmbientDifference(self, "as compiled: " + ", ".join(labels))
 
     def description(self, ambient: Ambient, value: Any) -> "AmbientDifference":
-        return AmbientDifference(self, f"as compiled: {ambient.label} {_show(value)}")
+        return AmbientDifference(self, f"as compiled: {ambient.label} {_show(value)}", ambient)
 
     def differences(self) -> list[str]:
         return [f"{a.label} is {_show(now)}, compiled with {_show(then)}"
@@ -142,9 +183,10 @@ class AmbientDifference(str):
     """A check's description: as a string, what the prologue's comment says; ``explain_miss()``
     names what differs now (the C++ check compares many settings at once)."""
 
-    def __new__(cls, snapshot: AmbientSnapshot, text: str):
+    def __new__(cls, snapshot: AmbientSnapshot, text: str, ambient: Ambient | None = None):
         self = super().__new__(cls, text)
         self.snapshot = snapshot
+        self.ambient = ambient  # the one setting a Python check compares; None for the C++ one
         return self
 
     def explain_miss(self) -> str:
@@ -153,6 +195,16 @@ class AmbientDifference(str):
             reason = self.snapshot.cxx_guard.reason().strip()
             differences = [f"{reason} differs from when compiled"]
         return "; ".join(differences)
+
+    def before_tensor_reason(self, reason: str) -> str:
+        """A failed tensor check's ``reason``, after this setting's difference when there is one
+        (for a check the tensor checks stand in for: ``implied_by_tensor_checks``)."""
+        a = self.ambient
+        now, then = a.read(), self.snapshot.values[AMBIENT_STATE.index(a)]
+        if now == then:
+            return reason
+        return (f"{a.label} is {_show(now)}, compiled with {_show(then)}; "
+                f"the tensor checks: {reason}")
 
     def __reduce__(self):  # a copy is the plain text
         return str, (str(self),)

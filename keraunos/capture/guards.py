@@ -308,6 +308,7 @@ def _check_ambient(b, g: Guard) -> None:
         b.namespace[name] = snapshot.cxx_guard
         b.check(snapshot.cxx_description(), lambda w: f"not {name}.check()", False)
     for ambient, value in snapshot.python_checked():
+        b.namespace.update(ambient.names)  # the C functions it calls, by names of their own
         b.check(snapshot.description(ambient, value),
                 lambda w, a=ambient, v=value: f"{a.expression} is not {w.value(v)}"
                 if isinstance(v, (bool, torch.dtype)) or v is None

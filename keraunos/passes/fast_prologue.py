@@ -7,8 +7,12 @@ and buffer and checks each submodule's type. That walk moves into a function of 
 
 - the call's arguments and global state, as before;
 - each module attribute the program read (``training``, ``eps``, a config object and its fields),
-  by identity with the value it was compiled for, read straight from the module's ``__dict__``;
-- all tensors' metadata, in one C++ call (``TensorGuards``, see ``guard_trees.py``).
+  by identity with the value it was compiled for, read straight from the module's ``__dict__``,
+  one Python line each (``if _attribute_dicts[0]['training'] is not True: return 7``): dynamo's
+  C++ guard tree over the same dicts costs as much per attribute, plus 2k instructions a call;
+- all tensors' metadata, in one C++ call (``TensorGuards``, or dynamo's guard tree from a few
+  tensors on: see ``guard_trees.py``), which also tells inference mode apart: its own check is
+  dropped where there is such a call (``capture/ambient.py`` says why).
 
 A module attribute reassigned to an equal value therefore recompiles once: identity is the check
 that is both exact and cheapest.
@@ -27,7 +31,7 @@ from ..core.tags import AFTER_STRUCTURE
 from ..core.runner import trace_step
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
-from .guard_trees import attribute_guards, tensor_guards
+from .guard_trees import TensorTree, tensor_guards
 
 
 def _glue(label: str, lines, binds=None) -> BoundSymbol:
@@ -97,20 +101,13 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     walk_trace = _walk_trace(trace, walk, cache, (static_names, dict_vars, object_dicts,
                                                   module_vars))
     refresh = walk_trace.python_callable()
-    guards = None
-    if entries:
-        current = refresh()  # the walk the first call would make; its dicts are the examples
-        if type(current) is tuple:
-            guards = attribute_guards(entries, current[2])
-    module_part = _attribute_lines(module_part, entries, guards, keep)
+    module_part = _attribute_lines(module_part, entries, keep)
     bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
     walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
     binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
     load = _load_line(cache, refresh, static_names if bound_statics else [], dict_vars,
                       module_vars, tuple(binds))
     lines = [b for b in rest if not _from_module(b)] + [load]
-    if guards is not None:
-        lines.append(_attribute_check_line(guards, entries))
     lines += module_part + late
     return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
 
@@ -171,15 +168,6 @@ def _load_line(cache, refresh, static_names, dict_vars, module_vars, binds) -> B
     return _glue("load module structure", load, binds=binds)
 
 
-def _attribute_check_line(guards, entries) -> BoundSymbol:
-    def check_attributes(w):
-        g = w.constant(guards, "attribute_guards")
-        return [f"if not {g}.check(_attribute_dicts):",
-                f"  return {g}.reason(_attribute_dicts)  # {guards.count} module attributes "
-                f"checked by identity in one C++ call"] + _attribute_comments(entries)
-    return _glue("check module attributes", check_attributes)
-
-
 def _from_module(b: BoundSymbol) -> bool:
     path = _subject(b)
     return path is not None and path.is_module_derived()
@@ -193,34 +181,58 @@ def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
 def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trace:
     check_names = [b.args[0].name for b in checks]
     if checks:
+        implied = [b for b in lines if _implied_by_tensor_checks(b)]
+        lines = [b for b in lines if not _implied_by_tensor_checks(b)]
         guards = tensor_guards(checks)
         names = [b.fields.path for b in checks]
         arg_list = _splice(check_names, static_names, statics_expr)
 
         def fused(w):
             g = w.constant(guards, "tensor_guards")
-            n = w.constant(names, "tensor_names")
-            return [f"if not {g}.check({arg_list}):",
-                    f"  return {g}.check_verbose({arg_list}, tensor_check_names={n})"
-                    f"  # {len(checks)} tensors checked in one C++ call"] + _tensor_comments(checks)
+            if isinstance(guards, TensorTree):  # one tuple: ``check((x, w))``
+                checked = f"({arg_list},)"
+                reason = f"{g}.reason({checked})"
+            else:
+                checked = arg_list
+                reason = (f"{g}.check_verbose({arg_list}, "
+                          f"tensor_check_names={w.constant(names, 'tensor_names')})")
+            also = ""
+            for b in implied:  # a miss names the setting first when it is what differs
+                reason = (f"{w.constant(b.fields.description, 'ambient')}"
+                          f".before_tensor_reason({reason})")
+                also = f"; they also tell {b.fields.description.ambient.label} apart"
+            return [f"if not {g}.check({checked}):",
+                    f"  return {reason}  # {len(checks)} tensors checked in one C++ call{also}"
+                    ] + _tensor_comments(checks)
         lines = lines + [_glue("check tensors", fused)]
     inputs, pro_to_epi = ret.args
-    input_names = [p.name for p in inputs]
-
-    def returned(w):
-        spliced = _splice(input_names, static_names, statics_expr)
-        return [f"return ({spliced + ',' if spliced else ''}), {w.value(tuple(pro_to_epi))}"]
+    spliced = _splice([p.name for p in inputs], static_names, statics_expr)
+    returned = ReturnInputs(spliced, tuple(pro_to_epi))
     lines = lines + [_glue("return", returned)]
     return trace.derive(lines, "Fast Prologue (python executor)")
 
 
-# The batched checks name what they check in comments, in the words of the unbatched prologue, so
-# that the prologue that runs stays readable; comments cost nothing per call.
-def _attribute_comments(entries) -> list[str]:
-    return ["# it checks, each by identity with the value compiled for:"] + [
-        f"#   {description}" for _, _, _, description, _ in entries]
+@dataclass(frozen=True)
+class ReturnInputs:
+    """The fast prologue's last line, ``return (inputs,), pro_to_epi``, in two parts that the hit
+    path (``jit.py``) also writes: ``inputs`` as call arguments (``x, *_s[1]``) and what the
+    prologue hands the epilogue."""
+
+    inputs: str
+    pro_to_epi: tuple
+
+    def __call__(self, w) -> list[str]:
+        return [f"return ({self.inputs + ',' if self.inputs else ''}), {w.value(self.pro_to_epi)}"]
 
 
+def _implied_by_tensor_checks(b: BoundSymbol) -> bool:
+    """An ambient check that the C++ tensor checks make redundant (inference mode)."""
+    ambient = getattr(getattr(b.fields, "description", None), "ambient", None)
+    return b.symbol is CHECK and ambient is not None and ambient.implied_by_tensor_checks
+
+
+# The batched tensor check names what it checks in comments, in the words of the unbatched
+# prologue, so that the prologue that runs stays readable; comments cost nothing per call.
 def _tensor_comments(checks: list[BoundSymbol]) -> list[str]:
     rows = [(f"{b.args[0].name} from {b.fields.path}:", b.fields.expected) for b in checks]
     width = max(len(who) for who, _ in rows)
@@ -289,11 +301,11 @@ def _attribute_parents(rest: list[BoundSymbol], structural_vars) -> set[str]:
 
 
 def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[str]):
-    """Module-attribute reads from cached ``__dict__``s, their checks as one C++ guard tree.
+    """Module-attribute reads from cached ``__dict__``s, and their identity checks.
 
-    Returns the lines left, the guard tree (``None`` when there is nothing to fuse, or when this
-    torch has no guard-tree API: the checks then stay Python lines) and the constant ``__dict__``s
-    of objects whose identity is checked (a config object, say), read like module dicts."""
+    Returns the lines left, the checks as ``(dict index, key, expected object, description,
+    check index)`` and the constant ``__dict__``s of objects whose identity is checked (a config
+    object, say), read like module dicts."""
     source_of = {n: i for i, n in enumerate(dict_vars)}  # var -> index of its __dict__
     object_dicts: list[dict] = []
     var_of_path = {}
@@ -326,16 +338,26 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
     return lines, entries, object_dicts
 
 
-def _attribute_lines(lines, entries, guards, keep):
-    if guards is None:
-        for index, key, expected, description, check_index in entries:
-            lines.append(_glue("check", lambda w, i=index, k=key, e=expected, d=description,
-                               c=check_index: [f"if _attribute_dicts[{i}][{k!r}] is not "
-                                               f"{w.constant(e, 'expected')}: return {c}  # {d}"]))
+def _attribute_lines(lines, entries, keep):
+    """The identity checks of the attributes read from the cached dicts, first (an object's own
+    dict is read only after its identity check), then the lines left that something reads."""
+    checks = [_glue("check", lambda w, i=index, k=key, e=expected, d=description, c=check_index:
+                    [f"if _attribute_dicts[{i}][{k!r}] is not {_identity(w, e)}: return {c}"
+                     f"  # {d}"])
+              for index, key, expected, description, check_index in entries]
+
     def defines(b):  # the one name a cached attribute read binds
         return b.outputs.name if b.symbol is glue.PYTHON and b.outputs is not None else None
     used = _names_used([b for b in lines if defines(b) is None]) | keep
-    return [b for b in lines if defines(b) is None or defines(b) in used]
+    return checks + [b for b in lines if defines(b) is None or defines(b) in used]
+
+
+def _identity(w, expected) -> str:
+    """``expected`` as the check names it: ``True``, ``False`` and ``None`` as themselves, since
+    only they are one object by language rule; anything else by a constant's name."""
+    if expected is None or type(expected) is bool:
+        return repr(expected)
+    return w.constant(expected, "expected")
 
 
 def _tuple(names: list[str]) -> str:
