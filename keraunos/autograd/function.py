@@ -103,7 +103,16 @@ def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split
     """The computation callable of a cache entry with a backward."""
     compiled = _Compiled(forward_fn, backward_fn, split)
     apply = KeraunosFunction.apply
+    # ``Function.apply`` runs Python before its C apply: a check for ``setup_context`` (this
+    # Function has none) and, outside functorch transforms, an unwrap of dead functorch wrappers
+    # (a generator and a call per argument: a sixth of an MLP's hit in grad mode). The inputs of
+    # a hit passed the prologue's tensor checks, whose dispatch keys tell any functorch wrapper
+    # apart, so outside transforms the C apply gets them directly; inside one, ``apply`` as is.
+    apply_in_c = super(torch.autograd.Function, KeraunosFunction).apply
+    transforms_active = torch._C._are_functorch_transforms_active
 
     def computation_with_autograd(*inputs):
-        return apply(compiled, *inputs)
+        if transforms_active():
+            return apply(compiled, *inputs)
+        return apply_in_c(compiled, *inputs)
     return computation_with_autograd
