@@ -107,6 +107,8 @@ def fusible(bsym: BoundSymbol) -> bool:
     if symbol.style == "getter" and not any(symbol.attribute is g for g in _VIEW_GETTERS):
         return False
     forbidden = forbidding(bsym, "fuse")
+    if not _own_write_tag(bsym):
+        forbidden = forbidden - {MUTATION}
     if forbidden - {MUTATION} or _draws_random(bsym):
         return False
     if (forbidden or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
@@ -131,11 +133,43 @@ def fusible(bsym: BoundSymbol) -> bool:
 
 
 # In-place methods that change a tensor's metadata or storage, not only its values: a compiled
-# graph cannot replay them on its input. By id (the values keep the methods alive).
-_METADATA_WRITES = {id(m): m for m in (getattr(torch.Tensor, name) for name in (
-    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
-    "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "share_memory_", "fix_",
-    "map_", "apply_", "map2_"))}
+# graph cannot replay them on its input. By id (the values keep the methods alive); ATen's
+# in-place overloads of these names by name.
+_METADATA_WRITE_NAMES = ("resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_",
+                         "transpose_", "t_", "swapdims_", "swapaxes_", "detach_",
+                         "requires_grad_", "share_memory_", "fix_", "map_", "apply_", "map2_")
+_METADATA_WRITES = {id(m): m for m in (getattr(torch.Tensor, name)
+                                       for name in _METADATA_WRITE_NAMES)}
+
+
+def _own_write_tag(bsym: BoundSymbol) -> bool:
+    """Whether the line's ``MUTATION`` tag says that the line itself writes. The forward of the
+    autograd split runs a torch line as its ATen calls, each with the torch line's tags: an
+    activation applied in place (``F.hardswish(h, inplace=True)``) becomes the copy autograd saves
+    of ``h`` (``aten.clone``) and the write (``aten.hardswish_``), both tagged. An ATen overload
+    whose schema writes nothing (the clone) writes nothing; the schema is the op's own word. (An
+    opaque line keeps its tag: its effects are unknown.)"""
+    if MUTATION not in bsym.tags:
+        return False
+    fn = getattr(bsym.symbol, "fn", None)
+    return not (isinstance(fn, torch._ops.OpOverload) and not fn._schema.is_mutable
+                and OPAQUE not in bsym.tags)
+
+
+def _aten_write(op) -> bool:
+    """An ATen in-place overload that writes its first argument, only it, and returns it
+    (``aten.hardswish_.default``, ``aten.add_.Tensor``), and not its metadata (``aten.t_``)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    schema = op._schema
+    arguments, returns = schema.arguments, schema.returns
+
+    def written(a):
+        return a.alias_info is not None and a.alias_info.is_write
+    return (schema.name.endswith("_") and bool(arguments) and written(arguments[0])
+            and not any(written(a) for a in arguments[1:]) and len(returns) == 1
+            and written(returns[0])
+            and schema.name.split("::")[-1] not in _METADATA_WRITE_NAMES)
 
 
 def _fusible_write(bsym: BoundSymbol) -> bool:
@@ -150,8 +184,9 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     symbol = bsym.symbol
     short = symbol.name.rsplit(".", 1)[-1]  # PyTorch's naming convention: ``add_``
     inplace_function = symbol.style == "function" and bsym.kwargs.get("inplace") is True
-    if not inplace_function and (symbol.style != "method" or not short.endswith("_")
-                                 or short.endswith("__") or id(symbol.fn) in _METADATA_WRITES):
+    if not inplace_function and not _aten_write(symbol.fn) and (
+            symbol.style != "method" or not short.endswith("_") or short.endswith("__")
+            or id(symbol.fn) in _METADATA_WRITES):
         return False
     target = bsym.args[0] if bsym.args else None
     if not isinstance(target, TensorProxy) or target.storage is None:
@@ -172,7 +207,7 @@ def writes(bsym: BoundSymbol) -> TensorProxy | None:
     if not isinstance(bsym.symbol, TorchSymbol) or not bsym.args or not isinstance(
             bsym.args[0], TensorProxy):
         return None
-    return bsym.args[0] if MUTATION in bsym.tags or is_inplace_by_name(bsym.symbol) else None
+    return bsym.args[0] if _own_write_tag(bsym) or is_inplace_by_name(bsym.symbol) else None
 
 
 def _size_argument(x) -> bool:
@@ -403,7 +438,7 @@ def _connect(region: Region, last_use: dict[str, int], io: _Proxies) -> None:
 def _written(bsym: BoundSymbol, io: _Proxies) -> list[TensorProxy]:
     """The tensors a line may write: the first argument of an in-place op (``k_cache.index_copy_(
     0, pos, k)`` writes the cache, not ``k``); every tensor of another line that writes."""
-    if not bsym.tags & {MUTATION, OPAQUE}:
+    if not (_own_write_tag(bsym) or OPAQUE in bsym.tags):
         return []
     if isinstance(bsym.symbol, TorchSymbol) and OPAQUE not in bsym.tags \
             and is_inplace_by_name(bsym.symbol) and isinstance(bsym.args[0], TensorProxy):
@@ -448,8 +483,13 @@ def _unsafe_writes(region: Region) -> list[int]:
                and any(b.symbol.fn is v for v in _AS_STRIDED)
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
     unsafe, written, written_otherwise = [], set(), set()
+    names_written: dict[int, set[str]] = {}  # storage -> the names its writes wrote
+    reread: set[int] = set()  # written memory that a line read after its last write
     for k, b in enumerate(region.lines):
         w = writes(b)
+        reread |= {p.storage for p in b.input_proxies()
+                   if isinstance(p, TensorProxy) and p.storage in written
+                   and (w is None or p.name != w.name)}
         if w is None:
             continue
         # An output may be memory the region makes and writes (``topk``'s values, then
@@ -458,21 +498,40 @@ def _unsafe_writes(region: Region) -> list[int]:
         # Activations applied in place one after another to memory the region made
         # (``nn.Hardswish(inplace=True)`` then ``nn.ReLU(inplace=True)``) are a chain of
         # pointwise values once functionalized: no input memory is written, nothing is reread.
-        chained = (_inplace_activation(b) and w.storage not in inputs_of
-                   and w.storage not in written_otherwise)
+        # So is an activation applied right after another write of the same tensor (a residual
+        # block's ``out += identity`` then ``relu(out, inplace=True)``), when no line read the
+        # written memory in between: it reads only the values the write left.
+        chained = _inplace_activation(b) and w.storage not in inputs_of and (
+            w.storage not in written_otherwise
+            or (names_written.get(w.storage) == {w.name} and w.storage not in reread))
         if (w.storage is None or inputs_of.get(w.storage, 0) > 1
                 or (handed_out and (w.storage in inputs_of or handed_out > 1))
                 or w.storage in strided or (w.storage in written and not chained)):
             unsafe.append(region.start + k)
         written.add(w.storage)
+        names_written.setdefault(w.storage, set()).add(w.name)
+        reread.discard(w.storage)
         if not _inplace_activation(b):
             written_otherwise.add(w.storage)
     return unsafe
 
 
+# ATen's in-place activations that PyTorch does not tag pointwise.
+_ACTIVATION_NAMES = ("hardswish_", "gelu_", "mish_")
+
+
 def _inplace_activation(bsym: BoundSymbol) -> bool:
-    """``F.relu(h, inplace=True)`` and the like: a pointwise function written in place."""
-    return bsym.symbol.style == "function" and bsym.kwargs.get("inplace") is True
+    """``F.relu(h, inplace=True)`` and the like: a pointwise function written in place; or its
+    ATen form in the forward of the autograd split (``aten.hardswish_(h)``), which reads no
+    other tensor."""
+    if bsym.symbol.style == "function" and bsym.kwargs.get("inplace") is True:
+        return True
+    op = bsym.symbol.fn
+    if not _aten_write(op) or not (torch.Tag.pointwise in op.tags or op._schema.name.split(
+            "::")[-1] in _ACTIVATION_NAMES):
+        return False
+    return not any(isinstance(x, TensorProxy)
+                   for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs)))
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
