@@ -1332,3 +1332,21 @@ def test_in_place_activation_after_a_write_that_another_line_read_stays_exact():
         assert_close(jitted(x, y), fn(x, y), **TOL)
         x, y = torch.randn(4, 6), torch.randn(4, 6)
         assert_close(jitted(x, y), fn(x, y), **TOL)  # the cached entry
+
+
+def test_regions_of_dense_convolutions_keep_eager_layout_and_grouped_ones_go_channels_last():
+    from keraunos.executors.fusion import channels_last
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1),
+                          nn.BatchNorm2d(8))
+    grouped = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.Hardswish(),
+                            nn.Conv2d(8, 8, 3, groups=8), nn.BatchNorm2d(8))
+    x = torch.randn(2, 3, 8, 8)
+    for model, choice in ((dense, False), (grouped, None)):
+        jitted = keraunos.jit(model.eval(), fuse="wait")
+        with torch.no_grad():
+            assert_close(jitted(x), model(x), **TOL)
+        (region,) = keraunos.last_fusions(jitted)
+        assert channels_last.layout_optimization(region.lines) is choice
+        # Inductor's copy of the images into channels-last, only where it is chosen
+        assert ("(192, 1, 24, 3)" in region.kernel_code) is (choice is None)

@@ -26,7 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import compiler, fx_graph, layers, regions, symbolic
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
@@ -229,11 +229,14 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
     name = f"inductor_region{counter[0]}"
     layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
     graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
-    key = fx_graph.region_key(graph, r.inputs, environment)
-    kernel, existed = compiler.kernel_for(
-        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs, r.outputs,
-                                                                 layout)),
-        r.inputs, r.outputs, name, layout, graph)
+    channels_last_choice = channels_last.layout_optimization(r.lines)
+    key = fx_graph.region_key(graph, r.inputs,
+                              environment + (("layout_optimization", channels_last_choice),))
+    with channels_last.inductor_layout(channels_last_choice):
+        kernel, existed = compiler.kernel_for(
+            key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,
+                                                                     r.outputs, layout)),
+            r.inputs, r.outputs, name, layout, graph)
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
