@@ -10,10 +10,10 @@ runs with ``fuse="wait"`` (the program the default switches to once fused; bench
 times the switch). Prints each median and its ratio to torch.compile's. torchvision is imported
 by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed on these machines).
 
-``--region-layout-optimization off`` compiles keraunos's regions with Inductor's
-``layout_optimization`` off (torch.compile keeps its default, on): on CPU Inductor otherwise lays
-out every graph with a convolution channels-last, and a region pays for the copies of its
-activations and weights into that layout and back on every call (docs/benchmarks.md, "Vision").
+``--region-layout-optimization off`` compiles every one of keraunos's regions with Inductor's
+``layout_optimization`` off (torch.compile keeps its default, on); by default (``auto``) each
+region's layout is keraunos's choice (``executors/fusion/channels_last.py``: off where a region's
+convolutions are all dense, Inductor's channels-last elsewhere).
 """
 from __future__ import annotations
 
@@ -32,16 +32,15 @@ SYSTEMS = ("eager", "keraunos", "torch.compile")
 
 
 @contextlib.contextmanager
-def _region_layout_optimization(on: bool):
-    """Inductor's ``layout_optimization`` while keraunos compiles its regions (``fuse="wait"``
-    compiles them in the first call, on this thread)."""
-    from torch._inductor import config
-    saved = config.layout_optimization
-    config.layout_optimization = on
-    try:
+def _region_layout_optimization(off: bool):
+    """Inductor's ``layout_optimization`` off while keraunos compiles its regions, if ``off``
+    (``fuse="wait"`` compiles them in the first call, on this thread)."""
+    if not off:
         yield
-    finally:
-        config.layout_optimization = saved
+        return
+    from torch._inductor import config
+    with config.patch(layout_optimization=False):
+        yield
 
 
 def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
@@ -64,14 +63,14 @@ def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
 
 
 def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
-            region_layout_optimization: bool = True) -> dict:
+            regions_layout_off: bool = False) -> dict:
     torch.manual_seed(0)
     base = getattr(import_torchvision().models, name)()
     calls = {}
     for system in SYSTEMS:
         call = _caller(system, copy.deepcopy(base).train(train), x, train)
         start = time.perf_counter()
-        with _region_layout_optimization(region_layout_optimization or system != "keraunos"):
+        with _region_layout_optimization(regions_layout_off and system == "keraunos"):
             call()  # compiles
         print(f"  {name} {'train' if train else 'eval'}: {system} compiled in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
@@ -93,7 +92,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--region-layout-optimization", choices=("on", "off"), default="on",
+    parser.add_argument("--region-layout-optimization", choices=("auto", "off"), default="auto",
                         help="Inductor's layout_optimization for keraunos's regions")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -102,7 +101,7 @@ def main() -> int:
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             results.append((name, mode, measure(name, mode == "train", args.rounds, x,
-                                                args.region_layout_optimization == "on")))
+                                                args.region_layout_optimization == "off")))
     print(f"torch {torch.__version__}, 1 thread, ({args.batch}, 3, {args.size}, {args.size}), "
           f"medians of {args.rounds} rounds in turns; ratios to torch.compile; regions' layout "
           f"optimization {args.region_layout_optimization}")
