@@ -1350,3 +1350,25 @@ def test_regions_of_dense_convolutions_keep_eager_layout_and_grouped_ones_go_cha
         assert channels_last.layout_optimization(region.lines) is choice
         # Inductor's copy of the images into channels-last, only where it is chosen
         assert ("(192, 1, 24, 3)" in region.kernel_code) is (choice is None)
+
+
+def test_write_through_a_view_of_a_written_input_in_a_training_forward_is_kept():
+    """Fuzz 7000:173. The forward of the autograd split holds the capture's ``a[:, 1:3]`` and the
+    lowered ``aten.clamp_`` of it, whose proxies carry different storage numbers for one memory;
+    a region that handed the view out as a new tensor lost the write."""
+    def f(a):
+        a.abs_()
+        a[:, 1:3].clamp_(-0.5, 0.5)
+        return a
+
+    leaf = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
+    with fusion.regions.fusing_single_ops():
+        got = jitted(leaf.clone())
+    want = f(leaf.clone())
+    assert_close(got, want, **TOL)
+    got.sum().backward()
+    grad = leaf.grad.clone()
+    leaf.grad = None
+    want.sum().backward()
+    assert_close(grad, leaf.grad, **TOL)
