@@ -9,10 +9,16 @@ Random weights, a batch of ``--batch`` images of ``--size`` pixels, one intra-op
 runs with ``fuse="wait"`` (the program the default switches to once fused; benchmarks/tiers.py
 times the switch). Prints each median and its ratio to torch.compile's. torchvision is imported
 by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed on these machines).
+
+``--region-layout-optimization off`` compiles every one of keraunos's regions with Inductor's
+``layout_optimization`` off (torch.compile keeps its default, on); by default (``auto``) each
+region's layout is keraunos's choice (``executors/fusion/channels_last.py``: off where a region's
+convolutions are all dense, Inductor's channels-last elsewhere).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -23,6 +29,18 @@ import keraunos
 from keraunos.testing.vision import import_torchvision
 
 SYSTEMS = ("eager", "keraunos", "torch.compile")
+
+
+@contextlib.contextmanager
+def _region_layout_optimization(off: bool):
+    """Inductor's ``layout_optimization`` off while keraunos compiles its regions, if ``off``
+    (``fuse="wait"`` compiles them in the first call, on this thread)."""
+    if not off:
+        yield
+        return
+    from torch._inductor import config
+    with config.patch(layout_optimization=False):
+        yield
 
 
 def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
@@ -44,14 +62,16 @@ def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
     return step
 
 
-def measure(name: str, train: bool, rounds: int, x: torch.Tensor) -> dict:
+def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
+            regions_layout_off: bool = False) -> dict:
     torch.manual_seed(0)
     base = getattr(import_torchvision().models, name)()
     calls = {}
     for system in SYSTEMS:
         call = _caller(system, copy.deepcopy(base).train(train), x, train)
         start = time.perf_counter()
-        call()  # compiles
+        with _region_layout_optimization(regions_layout_off and system == "keraunos"):
+            call()  # compiles
         print(f"  {name} {'train' if train else 'eval'}: {system} compiled in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
         call()
@@ -72,15 +92,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--region-layout-optimization", choices=("auto", "off"), default="auto",
+                        help="Inductor's layout_optimization for keraunos's regions")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 3, args.size, args.size)
     results = []
     for name in args.models.split(","):
         for mode in args.modes.split(","):
-            results.append((name, mode, measure(name, mode == "train", args.rounds, x)))
+            results.append((name, mode, measure(name, mode == "train", args.rounds, x,
+                                                args.region_layout_optimization == "off")))
     print(f"torch {torch.__version__}, 1 thread, ({args.batch}, 3, {args.size}, {args.size}), "
-          f"medians of {args.rounds} rounds in turns; ratios to torch.compile")
+          f"medians of {args.rounds} rounds in turns; ratios to torch.compile; regions' layout "
+          f"optimization {args.region_layout_optimization}")
     for name, mode, medians in results:
         base = medians["torch.compile"]
         print(f"  {name:<20} {mode:<6} " + "  ".join(

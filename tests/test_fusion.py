@@ -1265,3 +1265,112 @@ def test_in_place_activation_of_an_input_or_of_a_viewed_tensor_writes_what_eager
         x_eager = x.clone()
         assert_close(jitted(x), fn(x_eager), **TOL)  # the cached entry
         assert_close(x, x_eager, **TOL)
+
+
+class _ResidualBlock(nn.Module):
+    """torchvision's BasicBlock: ``out += identity`` after the second batch norm, then a relu
+    applied in place; with a hardswish applied in place after the first (mobilenet's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.hardswish, self.relu = nn.Hardswish(inplace=True), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.hardswish(self.bn1(self.conv1(x)))))
+        out += x
+        return self.relu(out)
+
+
+def _lines_outside_regions(trace):
+    return [b for b in trace.bound_symbols
+            if not isinstance(b.symbol, fusion.FusionSymbol) and hasattr(b.symbol, "fn")]
+
+
+def test_residual_blocks_fuse_whole_in_eval_and_in_the_training_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _ResidualBlock(), _ResidualBlock())
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    jitted = keraunos.jit(model.eval(), fuse="wait")
+    with torch.no_grad():
+        assert_close(jitted(x), eager.eval()(x), **TOL)
+    # Each block's bn2, add_ and relu in its region: only the stem's convolution stays out.
+    outside = _lines_outside_regions(keraunos.last_traces(jitted)[-1])
+    assert [b.symbol.name for b in outside] == ["torch.conv2d"]
+    # Training: the forward runs batch norm and hardswish as ATen calls (``aten.clone`` saves
+    # the value hardswish_ overwrites); they join the regions too.
+    jitted = keraunos.jit(model.train(), fuse="wait")
+    out, want = jitted(x), eager.train()(x)
+    assert_close(out, want, **TOL)
+    outside = _lines_outside_regions(keraunos.last_traces(jitted)[-1])
+    assert not [b.symbol.name for b in outside if "hardswish" in b.symbol.name
+                or "clone" in b.symbol.name and "num_batches" not in b.outputs.name]
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert_grads_match(model, eager, **TOL)
+    for (name, buffer), want_buffer in zip(model.named_buffers(), eager.buffers()):
+        assert_close(buffer, want_buffer, **TOL, msg=name)
+
+
+def test_in_place_activation_after_a_write_that_another_line_read_stays_exact():
+    def read_between(x, y):
+        h = x * 2
+        h.add_(y)
+        total = h.sum(0)  # reads the written memory before relu writes it again
+        F.relu(h, inplace=True)
+        return h * 3, total
+
+    def of_a_view(x, y):
+        h = x * 2
+        h[0].add_(y[0])  # writes part of h through a view, then relu writes all of it
+        F.relu(h, inplace=True)
+        return h + 1
+
+    for fn in (read_between, of_a_view):
+        x, y = torch.randn(4, 6), torch.randn(4, 6)
+        jitted = keraunos.jit(fn, fuse="wait")
+        assert_close(jitted(x, y), fn(x, y), **TOL)
+        x, y = torch.randn(4, 6), torch.randn(4, 6)
+        assert_close(jitted(x, y), fn(x, y), **TOL)  # the cached entry
+
+
+def test_regions_of_dense_convolutions_keep_eager_layout_and_grouped_ones_go_channels_last():
+    from keraunos.executors.fusion import channels_last
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1),
+                          nn.BatchNorm2d(8))
+    grouped = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.Hardswish(),
+                            nn.Conv2d(8, 8, 3, groups=8), nn.BatchNorm2d(8))
+    x = torch.randn(2, 3, 8, 8)
+    for model, choice in ((dense, False), (grouped, None)):
+        jitted = keraunos.jit(model.eval(), fuse="wait")
+        with torch.no_grad():
+            assert_close(jitted(x), model(x), **TOL)
+        (region,) = keraunos.last_fusions(jitted)
+        assert channels_last.layout_optimization(region.lines) is choice
+        # Inductor's copy of the images into channels-last, only where it is chosen
+        assert ("(192, 1, 24, 3)" in region.kernel_code) is (choice is None)
+
+
+def test_write_through_a_view_of_a_written_input_in_a_training_forward_is_kept():
+    """Fuzz 7000:173. The forward of the autograd split holds the capture's ``a[:, 1:3]`` and the
+    lowered ``aten.clamp_`` of it, whose proxies carry different storage numbers for one memory;
+    a region that handed the view out as a new tensor lost the write."""
+    def f(a):
+        a.abs_()
+        a[:, 1:3].clamp_(-0.5, 0.5)
+        return a
+
+    leaf = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
+    with fusion.regions.fusing_single_ops():
+        got = jitted(leaf.clone())
+    want = f(leaf.clone())
+    assert_close(got, want, **TOL)
+    got.sum().backward()
+    grad = leaf.grad.clone()
+    leaf.grad = None
+    want.sum().backward()
+    assert_close(grad, leaf.grad, **TOL)

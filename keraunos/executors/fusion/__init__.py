@@ -26,7 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import compiler, fx_graph, layers, regions, symbolic
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
@@ -221,19 +221,21 @@ def _switches_grad_mode(lines) -> bool:
 
 def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
-    written_storages = {w.storage for w in map(regions.writes, r.lines) if w is not None}
-    written = tuple(k for k, p in enumerate(r.inputs)
-                    if isinstance(p, TensorProxy) and p.storage in written_storages)
+    writes_memory = any(regions.writes(b) is not None for b in r.lines)
+    written = tuple(r.written_inputs)
     if set(written) & set(checked):  # an incoming gradient of any strides, written in place:
         return None                  # a call that relaid it would write the copy
     name = f"inductor_region{counter[0]}"
     layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
     graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
-    key = fx_graph.region_key(graph, r.inputs, environment)
-    kernel, existed = compiler.kernel_for(
-        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs, r.outputs,
-                                                                 layout)),
-        r.inputs, r.outputs, name, layout, graph)
+    channels_last_choice = channels_last.layout_optimization(r.lines)
+    key = fx_graph.region_key(graph, r.inputs,
+                              environment + (("layout_optimization", channels_last_choice),))
+    with channels_last.inductor_layout(channels_last_choice):
+        kernel, existed = compiler.kernel_for(
+            key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,
+                                                                     r.outputs, layout)),
+            r.inputs, r.outputs, name, layout, graph)
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
@@ -245,7 +247,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
         call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
             region_trace.python_callable() if kernel.guards else None),
             make_fallback=region_trace.python_callable, layout=layout, written=written,
-            writes=bool(written_storages))
+            writes=writes_memory)
     except compiler.SymbolicUnguardable as e:
         compiler.warn_once(f"keraunos: a region of {trace_name} was compiled assuming "
                            f"{', '.join(map(str, e.args[0]))}, which it cannot check; its "
@@ -259,7 +261,7 @@ def _fuse_region(r: Region, trace_name, counter, environment, always_checked, do
                           list(r.lines), [r.inputs[k].name for k in written])
     return BoundSymbol(FusionSymbol(region, call), tuple(r.inputs), outputs=tuple(r.outputs),
                        subsymbols=list(r.lines), executor=InductorExecutor.name,
-                       tags={MUTATION} if written_storages else set())
+                       tags={MUTATION} if writes_memory else set())
 
 
 # Ops Inductor hands to the library calls eager makes too (BLAS, oneDNN): no win from a region.

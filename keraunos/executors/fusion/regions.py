@@ -107,6 +107,8 @@ def fusible(bsym: BoundSymbol) -> bool:
     if symbol.style == "getter" and not any(symbol.attribute is g for g in _VIEW_GETTERS):
         return False
     forbidden = forbidding(bsym, "fuse")
+    if not _own_write_tag(bsym):
+        forbidden = forbidden - {MUTATION}
     if forbidden - {MUTATION} or _draws_random(bsym):
         return False
     if (forbidden or is_inplace_by_name(symbol)) and not _fusible_write(bsym):
@@ -131,11 +133,43 @@ def fusible(bsym: BoundSymbol) -> bool:
 
 
 # In-place methods that change a tensor's metadata or storage, not only its values: a compiled
-# graph cannot replay them on its input. By id (the values keep the methods alive).
-_METADATA_WRITES = {id(m): m for m in (getattr(torch.Tensor, name) for name in (
-    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
-    "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "share_memory_", "fix_",
-    "map_", "apply_", "map2_"))}
+# graph cannot replay them on its input. By id (the values keep the methods alive); ATen's
+# in-place overloads of these names by name.
+_METADATA_WRITE_NAMES = ("resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_",
+                         "transpose_", "t_", "swapdims_", "swapaxes_", "detach_",
+                         "requires_grad_", "share_memory_", "fix_", "map_", "apply_", "map2_")
+_METADATA_WRITES = {id(m): m for m in (getattr(torch.Tensor, name)
+                                       for name in _METADATA_WRITE_NAMES)}
+
+
+def _own_write_tag(bsym: BoundSymbol) -> bool:
+    """Whether the line's ``MUTATION`` tag says that the line itself writes. The forward of the
+    autograd split runs a torch line as its ATen calls, each with the torch line's tags: an
+    activation applied in place (``F.hardswish(h, inplace=True)``) becomes the copy autograd saves
+    of ``h`` (``aten.clone``) and the write (``aten.hardswish_``), both tagged. An ATen overload
+    whose schema writes nothing (the clone) writes nothing; the schema is the op's own word. (An
+    opaque line keeps its tag: its effects are unknown.)"""
+    if MUTATION not in bsym.tags:
+        return False
+    fn = getattr(bsym.symbol, "fn", None)
+    return not (isinstance(fn, torch._ops.OpOverload) and not fn._schema.is_mutable
+                and OPAQUE not in bsym.tags)
+
+
+def _aten_write(op) -> bool:
+    """An ATen in-place overload that writes its first argument, only it, and returns it
+    (``aten.hardswish_.default``, ``aten.add_.Tensor``), and not its metadata (``aten.t_``)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    schema = op._schema
+    arguments, returns = schema.arguments, schema.returns
+
+    def written(a):
+        return a.alias_info is not None and a.alias_info.is_write
+    return (schema.name.endswith("_") and bool(arguments) and written(arguments[0])
+            and not any(written(a) for a in arguments[1:]) and len(returns) == 1
+            and written(returns[0])
+            and schema.name.split("::")[-1] not in _METADATA_WRITE_NAMES)
 
 
 def _fusible_write(bsym: BoundSymbol) -> bool:
@@ -150,8 +184,9 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     symbol = bsym.symbol
     short = symbol.name.rsplit(".", 1)[-1]  # PyTorch's naming convention: ``add_``
     inplace_function = symbol.style == "function" and bsym.kwargs.get("inplace") is True
-    if not inplace_function and (symbol.style != "method" or not short.endswith("_")
-                                 or short.endswith("__") or id(symbol.fn) in _METADATA_WRITES):
+    if not inplace_function and not _aten_write(symbol.fn) and (
+            symbol.style != "method" or not short.endswith("_") or short.endswith("__")
+            or id(symbol.fn) in _METADATA_WRITES):
         return False
     target = bsym.args[0] if bsym.args else None
     if not isinstance(target, TensorProxy) or target.storage is None:
@@ -172,7 +207,7 @@ def writes(bsym: BoundSymbol) -> TensorProxy | None:
     if not isinstance(bsym.symbol, TorchSymbol) or not bsym.args or not isinstance(
             bsym.args[0], TensorProxy):
         return None
-    return bsym.args[0] if MUTATION in bsym.tags or is_inplace_by_name(bsym.symbol) else None
+    return bsym.args[0] if _own_write_tag(bsym) or is_inplace_by_name(bsym.symbol) else None
 
 
 def _size_argument(x) -> bool:
@@ -212,10 +247,40 @@ def _draws_random(bsym: BoundSymbol) -> bool:
 
 class _Proxies:
     """Each line's proxies, found once (walking arguments with pytree is the slow part of forming
-    the regions of a long trace)."""
+    the regions of a long trace), and each tensor's memory (``storage``).
 
-    def __init__(self):
+    The rules compare memories through ``storage``, not a proxy's ``storage`` field alone: the
+    forward of the autograd split holds the capture's lines and the ATen calls of the lines it
+    lowered, whose proxies were recorded apart, so one name can carry two storage numbers (a
+    view ``a[:, 1:3]`` of the copy of a written input, then ``aten.clamp_`` of that view). Storage
+    numbers that one name carries are one memory here."""
+
+    def __init__(self, lines: list[BoundSymbol] = ()):
         self._memo: dict[int, tuple] = {}
+        self._parent: dict[int, int] = {}
+        first: dict[str, int] = {}  # name -> the storage number it carried first
+        for b in lines:
+            for p in (*b.input_proxies(), *b.output_proxies()):
+                number = getattr(p, "storage", None)
+                if isinstance(p, TensorProxy) and number is not None:
+                    self._union(first.setdefault(p.name, number), number)
+
+    def _find(self, number: int) -> int:
+        parent = self._parent.get(number, number)
+        if parent == number:
+            return number
+        root = self._parent[number] = self._find(parent)
+        return root
+
+    def _union(self, a: int, b: int) -> None:
+        a, b = self._find(a), self._find(b)
+        if a != b:
+            self._parent[max(a, b)] = min(a, b)
+
+    def storage(self, p) -> int | None:
+        """The memory of tensor ``p`` (None: not known, or not a tensor)."""
+        number = getattr(p, "storage", None)
+        return None if number is None else self._find(number)
 
     def _of(self, bsym: BoundSymbol) -> tuple:
         found = self._memo.get(id(bsym))
@@ -251,8 +316,8 @@ class _Proxies:
 
 def _allocates(bsym: BoundSymbol, io: _Proxies) -> bool:
     """A line whose outputs live in new memory (not a view of what it reads)."""
-    read = {p.storage for p in io.ins(bsym) if isinstance(p, TensorProxy)}
-    return any(p.storage is None or p.storage not in read for p in io.outs(bsym))
+    read = {io.storage(p) for p in io.ins(bsym) if isinstance(p, TensorProxy)}
+    return any(io.storage(p) is None or io.storage(p) not in read for p in io.outs(bsym))
 
 
 @dataclass
@@ -265,6 +330,7 @@ class Region:
     layer: str | None
     inputs: list[TensorProxy] = field(default_factory=list)
     outputs: list[TensorProxy] = field(default_factory=list)
+    written_inputs: list[int] = field(default_factory=list)  # inputs whose memory it writes
 
 
 def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str | None],
@@ -277,7 +343,7 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
     that is not fused and reads nothing of the run it sits in moves before the run, so that it
     does not cut the run in two (a view of a RoPE table made inside the first layer only)."""
     claimed = list(claimed)
-    io = _Proxies()
+    io = _Proxies(lines)
     minimum = _min_compute_lines.get()
     while True:
         sunk = _sunk(lines, claimed, layers, io)
@@ -287,10 +353,14 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
         regions = _runs(ordered, [claimed[i] for i in order], [layers[i] for i in order], io)
         last_write = _last_writes(ordered, io)
         refused = [order[k] for r in regions
-                   for k in _unsafe_lines(r, observable, last_write, io) + _unsafe_writes(r)]
+                   for k in _unsafe_lines(r, observable, last_write, io) + _unsafe_writes(r, io)]
         if not refused:
-            return ordered, [r for r in regions
-                             if sum(_allocates(b, io) for b in r.lines) >= minimum]
+            kept = [r for r in regions if sum(_allocates(b, io) for b in r.lines) >= minimum]
+            for r in kept:
+                memories = {io.storage(w) for w in map(writes, r.lines) if w is not None}
+                r.written_inputs = [k for k, p in enumerate(r.inputs)
+                                    if isinstance(p, TensorProxy) and io.storage(p) in memories]
+            return ordered, kept
         for i in refused:
             claimed[i] = False
 
@@ -335,10 +405,10 @@ def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
             run_defined.update(p.name for p in io.outs(b))
             written = writes(b)
             if written is not None:
-                run_written.add(written.storage)
+                run_written.add(io.storage(written))
         elif run_start is not None and _movable(b) and not (
                 {p.name for p in io.ins(b)} & run_defined) and not (
-                {p.storage for p in io.ins(b) if isinstance(p, TensorProxy)} & run_written):
+                {io.storage(p) for p in io.ins(b) if isinstance(p, TensorProxy)} & run_written):
             order.insert(run_start, i)  # (not above a write of the memory it reads)
             run_start += 1
         else:
@@ -403,7 +473,7 @@ def _connect(region: Region, last_use: dict[str, int], io: _Proxies) -> None:
 def _written(bsym: BoundSymbol, io: _Proxies) -> list[TensorProxy]:
     """The tensors a line may write: the first argument of an in-place op (``k_cache.index_copy_(
     0, pos, k)`` writes the cache, not ``k``); every tensor of another line that writes."""
-    if not bsym.tags & {MUTATION, OPAQUE}:
+    if not (_own_write_tag(bsym) or OPAQUE in bsym.tags):
         return []
     if isinstance(bsym.symbol, TorchSymbol) and OPAQUE not in bsym.tags \
             and is_inplace_by_name(bsym.symbol) and isinstance(bsym.args[0], TensorProxy):
@@ -418,7 +488,7 @@ def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
 
 def _last_writes(lines: list[BoundSymbol], io: _Proxies) -> dict[int, int]:
     """Storage -> the last line that may write it."""
-    return {p.storage: i for i, b in enumerate(lines) for p in _written(b, io)}
+    return {io.storage(p): i for i, b in enumerate(lines) for p in _written(b, io)}
 
 
 # ``as_strided``, which views a memory at offsets of its own (see ``_unsafe_writes``).
@@ -426,7 +496,7 @@ _AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.ops.aten.as_stri
                torch.ops.aten.as_strided.default)  # backward traces hold the overload
 
 
-def _unsafe_writes(region: Region) -> list[int]:
+def _unsafe_writes(region: Region, io: _Proxies) -> list[int]:
     """In-place lines of ``region`` whose memory the region's graph could not write exactly:
     Inductor is given one fake tensor per input, each with memory of its own, so a written
     memory must reach the region through one input only (or be made inside it), and no output
@@ -437,58 +507,88 @@ def _unsafe_writes(region: Region) -> list[int]:
     ``a.add_(a * a.sum(0))`` read values the kernel was writing), and the region does not
     view a written memory with ``as_strided`` (as the views of arguments that share memory are
     rebuilt from one storage; a read after a write was off by 1e33)."""
+    storage = io.storage
     inputs_of: dict[int, int] = {}
     for p in region.inputs:
-        if isinstance(p, TensorProxy) and p.storage is not None:
-            inputs_of[p.storage] = inputs_of.get(p.storage, 0) + 1
+        if isinstance(p, TensorProxy) and storage(p) is not None:
+            inputs_of[storage(p)] = inputs_of.get(storage(p), 0) + 1
     outputs: dict[int, int] = {}
     for p in region.outputs:
-        outputs[p.storage] = outputs.get(p.storage, 0) + 1
-    strided = {p.storage for b in region.lines if isinstance(b.symbol, TorchSymbol)
+        outputs[storage(p)] = outputs.get(storage(p), 0) + 1
+    strided = {storage(p) for b in region.lines if isinstance(b.symbol, TorchSymbol)
                and any(b.symbol.fn is v for v in _AS_STRIDED)
                for p in (*b.input_proxies(), *b.output_proxies()) if isinstance(p, TensorProxy)}
     unsafe, written, written_otherwise = [], set(), set()
+    names_written: dict[int, set[str]] = {}  # storage -> the names its writes wrote
+    reread: set[int] = set()  # written memory that a line read after its last write
     for k, b in enumerate(region.lines):
         w = writes(b)
+        reread |= {storage(p) for p in b.input_proxies()
+                   if isinstance(p, TensorProxy) and storage(p) in written
+                   and (w is None or p.name != w.name)}
         if w is None:
             continue
+        # (``_fusible_write`` asked this of the line's own storage numbers: ask it again)
+        overlapping = any(isinstance(p, TensorProxy) and storage(p) == storage(w)
+                          for p in b.input_proxies() if p.name != w.name)
+        w_storage = storage(w)
         # An output may be memory the region makes and writes (``topk``'s values, then
         # ``div_``): it comes back with the written values, as the one tensor of that memory.
-        handed_out = outputs.get(w.storage, 0)
+        handed_out = outputs.get(w_storage, 0)
         # Activations applied in place one after another to memory the region made
         # (``nn.Hardswish(inplace=True)`` then ``nn.ReLU(inplace=True)``) are a chain of
         # pointwise values once functionalized: no input memory is written, nothing is reread.
-        chained = (_inplace_activation(b) and w.storage not in inputs_of
-                   and w.storage not in written_otherwise)
-        if (w.storage is None or inputs_of.get(w.storage, 0) > 1
-                or (handed_out and (w.storage in inputs_of or handed_out > 1))
-                or w.storage in strided or (w.storage in written and not chained)):
+        # So is an activation applied right after another write of the same tensor (a residual
+        # block's ``out += identity`` then ``relu(out, inplace=True)``), when no line read the
+        # written memory in between: it reads only the values the write left.
+        chained = _inplace_activation(b) and w_storage not in inputs_of and (
+            w_storage not in written_otherwise
+            or (names_written.get(w_storage) == {w.name} and w_storage not in reread))
+        if (w_storage is None or overlapping or inputs_of.get(w_storage, 0) > 1
+                or (handed_out and (w_storage in inputs_of or handed_out > 1))
+                or w_storage in strided or (w_storage in written and not chained)):
             unsafe.append(region.start + k)
-        written.add(w.storage)
+        written.add(w_storage)
+        names_written.setdefault(w_storage, set()).add(w.name)
+        reread.discard(w_storage)
         if not _inplace_activation(b):
-            written_otherwise.add(w.storage)
+            written_otherwise.add(w_storage)
     return unsafe
 
 
+# ATen's in-place activations that PyTorch does not tag pointwise.
+_ACTIVATION_NAMES = ("hardswish_", "gelu_", "mish_")
+
+
 def _inplace_activation(bsym: BoundSymbol) -> bool:
-    """``F.relu(h, inplace=True)`` and the like: a pointwise function written in place."""
-    return bsym.symbol.style == "function" and bsym.kwargs.get("inplace") is True
+    """``F.relu(h, inplace=True)`` and the like: a pointwise function written in place; or its
+    ATen form in the forward of the autograd split (``aten.hardswish_(h)``), which reads no
+    other tensor."""
+    if bsym.symbol.style == "function" and bsym.kwargs.get("inplace") is True:
+        return True
+    op = bsym.symbol.fn
+    if not _aten_write(op) or not (torch.Tag.pointwise in op.tags or op._schema.name.split(
+            "::")[-1] in _ACTIVATION_NAMES):
+        return False
+    return not any(isinstance(x, TensorProxy)
+                   for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs)))
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
                   io: _Proxies) -> list[int]:
     """Lines of ``region`` that make an output whose memory sharing would change."""
-    outside = {p.storage for p in region.inputs if isinstance(p, TensorProxy)}
+    storage = io.storage
+    outside = {storage(p) for p in region.inputs if isinstance(p, TensorProxy)}
     written_later = {s for s, i in last_write.items() if i >= region.stop}
-    observed = {p.storage for p in region.outputs if p.name in observable}
+    observed = {storage(p) for p in region.outputs if p.name in observable}
     first_of_storage: set[int] = set()
     bad = set()
     for p in region.outputs:  # in the order the region makes them
-        if p.storage is None or p.storage in outside or p.storage in written_later:
+        if storage(p) is None or storage(p) in outside or storage(p) in written_later:
             bad.add(p.name)  # a view of an input, or memory written in place afterwards
-        elif p.storage in first_of_storage and p.storage in observed:
+        elif storage(p) in first_of_storage and storage(p) in observed:
             bad.add(p.name)  # a view of an earlier output, and the caller sees the sharing
-        first_of_storage.add(p.storage)
+        first_of_storage.add(storage(p))
     return [region.start + k for k, b in enumerate(region.lines)
             if any(p.name in bad for p in io.outs(b))]
 
