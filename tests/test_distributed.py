@@ -208,8 +208,10 @@ def test_fsdp2_mixed_precision_trains_like_eager_fsdp2(outcomes):
 
 def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
     # torch.utils.checkpoint around each FSDP unit: the recomputation in the backward runs the
-    # compiled forward again (a cache hit), with FSDP2 re-gathering the parameters.
-    _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=10)
+    # compiled forward again, with FSDP2 re-gathering the parameters; checkpoint's early stop
+    # interrupts that call once it holds the tensors it needs, so it counts as no hit (the hit
+    # path counts a call when it returns): 4 hits, the two later steps' forwards of each block.
+    _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=4)
 
 
 def test_fsdp2_units_sharded_after_jitting_their_model_are_refused_with_what_to_do(outcomes):

@@ -272,3 +272,33 @@ def test_a_global_list_or_dict_of_functions_and_objects_is_checked_item_by_item(
     finally:
         ACTIVATIONS[0] = torch.relu
         CONFIGS["main"] = Settings()
+
+
+class Flags:
+    def __init__(self):
+        self.flag = None
+
+
+class SetsItsConfig(torch.nn.Module):
+    """Sets an attribute of an object it holds on its first call (Hugging Face models set
+    ``config.problem_type`` this way), and computes otherwise once it is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = Flags()
+
+    def forward(self, x):
+        if self.cfg.flag is None:
+            self.cfg.flag = True
+            return x * 2
+        return x * 3
+
+
+def test_an_attribute_the_program_sets_on_an_object_its_module_holds_is_replayed_and_checked():
+    x = torch.randn(3)
+    model, reference = SetsItsConfig(), SetsItsConfig()
+    jitted = keraunos.jit(model)
+    for _ in range(3):
+        assert_close(jitted(x), reference(x))
+        assert model.cfg.flag is reference.cfg.flag
+    assert keraunos.cache_misses(jitted) == 2  # the second call finds the flag set, as eager

@@ -166,6 +166,25 @@ class ReadsMixin:
         if self._watch_object(obj, path, scope=True):
             self.guard(guards.IDENTITY, path, obj)
 
+    def held_object_setattr(self, obj, name: str, value: Any) -> None:
+        """``obj.name = value`` on an object the module holds (a config: Hugging Face's models
+        set ``config.problem_type`` on their first loss): seen by the program's later reads,
+        replayed by the epilogue on every call, and not made during capture, so that the object
+        is as the call found it when the prologue's checks of it are first run."""
+        if id(obj) not in self._object_paths:  # made by the program: an ordinary write
+            original_class(obj).__setattr__(obj, name, value)
+            return
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        if not (isinstance(value, FakeTensor) or is_plain(value)):
+            raise CaptureError(
+                f"keraunos: the program sets {self._object_paths[id(obj)]}.{name} to a "
+                f"{type(value).__qualname__} at {user_source()}; only tensors and plain Python "
+                f"values can be written to objects the module holds inside a jitted forward. "
+                f"Move the assignment out of forward.")
+        self._overlay.setdefault(id(obj), {})[name] = value
+        self.attribute_writes.append(AttributeWrite(self._object_paths[id(obj)], name, value))
+
     def scope_object_setattr(self, obj, name: str, value: Any) -> None:
         """``obj.name = value`` on an object reached by name: made (the rest of the program reads
         it), and remembered so that it is undone after capture (``undo_scope_writes``)."""
@@ -211,6 +230,9 @@ class ReadsMixin:
             return cls.__getattribute__(obj, name)
         if id(obj) in self.argument_objects:
             return self._argument_getattr(obj, d, cls, name)
+        written = self._overlay.get(id(obj))
+        if written and name in written and id(obj) not in self.scope_objects:
+            return written[name]  # set by the program (held_object_setattr)
         if cls.__getattribute__ is not object.__getattribute__:
             # The object resolves names itself (a config's attribute_map, say): read through it.
             value = cls.__getattribute__(obj, name)

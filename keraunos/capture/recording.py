@@ -29,7 +29,8 @@ class Recorded:
 
 
 MODULE = Recorded("module", "module_getattr", "module_setattr", whole_state_read=False)
-OBJECT = Recorded("object", "object_getattr", None, whole_state_read=True)  # a config, say
+OBJECT = Recorded("object", "object_getattr", "held_object_setattr",  # a config, say
+                  whole_state_read=True)
 ARGUMENT = Recorded("argument", "object_getattr", "object_setattr", whole_state_read=True)
 # An object the program reaches by name (a global, a closure variable, a bound method's self):
 # reads are guarded; a write is undone after capture, which then takes the fallback route.
