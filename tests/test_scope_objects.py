@@ -302,3 +302,114 @@ def test_an_attribute_the_program_sets_on_an_object_its_module_holds_is_replayed
         assert_close(jitted(x), reference(x))
         assert model.cfg.flag is reference.cfg.flag
     assert keraunos.cache_misses(jitted) == 2  # the second call finds the flag set, as eager
+
+
+# What a review of the change found: objects that cannot be watched, attributes of the class or
+# absent, an object reached both as an argument and by name, tensors in a global list, a module
+# namespace that caches attributes.
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    scale: float
+
+
+ACTIVATION = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+FROZEN = Frozen(2.0)
+
+
+def partial_and_frozen(x):
+    return ACTIVATION(x) * FROZEN.scale
+
+
+def test_a_global_that_cannot_be_watched_is_still_the_same_object():
+    global ACTIVATION, FROZEN
+    x = torch.randn(5)
+    jitted = keraunos.jit(partial_and_frozen)
+    assert_close(jitted(x), partial_and_frozen(x))
+    old = ACTIVATION, FROZEN
+    try:
+        ACTIVATION = functools.partial(torch.nn.functional.gelu, approximate="none")
+        assert_close(jitted(x), partial_and_frozen(x))
+        FROZEN = Frozen(3.0)
+        assert_close(jitted(x), partial_and_frozen(x))
+    finally:
+        ACTIVATION, FROZEN = old
+
+
+class WithDefaults:
+    dropout = 0.0  # a class attribute
+
+
+DEFAULTS = WithDefaults()
+
+
+def reads_defaults(x):
+    return x * (1 - DEFAULTS.dropout) + getattr(DEFAULTS, "shift", 0.0)
+
+
+def test_class_attributes_and_absent_attributes_of_a_global_object_are_checked():
+    x = torch.randn(3)
+    jitted = keraunos.jit(reads_defaults)
+    assert_close(jitted(x), reads_defaults(x))
+    try:
+        DEFAULTS.dropout = 0.5
+        assert_close(jitted(x), reads_defaults(x))
+        DEFAULTS.shift = 1.0
+        assert_close(jitted(x), reads_defaults(x))
+    finally:
+        del DEFAULTS.dropout, DEFAULTS.shift
+
+
+class Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+HELD = Holder(torch.ones(3))
+
+
+def argument_and_global(x, holder):
+    return x + HELD.t + holder.t
+
+
+def test_an_object_passed_in_and_found_by_name_is_checked_both_ways():
+    x = torch.randn(3)
+    jitted = keraunos.jit(argument_and_global)
+    assert_close(jitted(x, HELD), argument_and_global(x, HELD))
+    other = Holder(torch.zeros(3))
+    assert_close(jitted(x, other), argument_and_global(x, other))
+
+
+WEIGHTS = [torch.ones(3)]
+
+
+def weighted(x):
+    return x * WEIGHTS[0]
+
+
+def test_a_tensor_in_a_global_list_is_read_on_every_call():
+    x = torch.randn(3)
+    jitted = keraunos.jit(weighted)
+    assert_close(jitted(x), weighted(x))
+    try:
+        WEIGHTS[0] = torch.full((3,), 5.0)
+        assert_close(jitted(x), weighted(x))
+    finally:
+        WEIGHTS[0] = torch.ones(3)
+
+
+ATEN = torch.ops.aten
+
+
+def through_an_op_namespace(x):
+    return ATEN.sinh(x) + ATEN.cosh(x)
+
+
+def test_a_module_namespace_that_caches_attributes_compiles_without_falling_back():
+    x = torch.randn(3)
+    jitted = keraunos.jit(through_an_op_namespace, fallback="error")
+    assert_close(jitted(x), through_an_op_namespace(x))
+    assert keraunos.last_traces(jitted)

@@ -168,9 +168,13 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
     # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).
     ctx.dtensors.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
-    fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
-    fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
-    ctx.guard_function_scope()
+    try:  # taking the inputs in swaps the classes of the objects it watches: restored if it fails
+        fake_args = ctx.value_input(args, root("args"), (INPUT_TENSOR,))
+        fake_kwargs = ctx.value_input(kwargs, root("kwargs"), (INPUT_TENSOR,))
+        ctx.guard_function_scope()
+    except BaseException:
+        ctx.restore_classes()
+        raise
     ctx.guard(AMBIENT, None, AmbientSnapshot.now())  # grad mode, autocast, ...: ambient.py
     state_before = global_state()
     if module is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -158,13 +159,21 @@ class ReadsMixin:
         globals' own (changed: undone, and the fallback route), and an attribute the program sets
         on it is undone after capture with the same outcome. Objects of the standard library (a
         logger, a lock) are left alone."""
-        if id(obj) in self._object_paths or not _user_object(obj) or _made_by_the_program(obj):
+        if isinstance(obj, (types.ModuleType, type)) or _made_by_the_program(obj):
+            # A module (``torch.ops.aten``, a lazy module) caches attributes on first access:
+            # watched, that would count as a change. Modules and classes are the code's, not data.
             return
-        if is_device_mesh(obj):  # DTensor's mesh: the same mesh is all (its state is torch's)
-            self.guard(guards.IDENTITY, path, obj)
+        known = self._object_paths.get(id(obj))
+        if known is not None:
+            if known != path:  # also an argument, say: the compiled program reads this very one
+                self.guard(guards.IDENTITY, path, obj)
+                self.guard(guards.IDENTITY, known, obj)
             return
-        if self._watch_object(obj, path, scope=True):
-            self.guard(guards.IDENTITY, path, obj)
+        # The same object at least (a function, a partial, a frozen dataclass, a logger), and
+        # when it can be watched, each attribute the program reads.
+        self.guard(guards.IDENTITY, path, obj)
+        if _user_object(obj) and not is_device_mesh(obj):  # a mesh's state is torch's
+            self._watch_object(obj, path, scope=True)
 
     def held_object_setattr(self, obj, name: str, value: Any) -> None:
         """``obj.name = value`` on an object the module holds (a config: Hugging Face's models
@@ -230,8 +239,10 @@ class ReadsMixin:
             return cls.__getattribute__(obj, name)
         if id(obj) in self.argument_objects:
             return self._argument_getattr(obj, d, cls, name)
+        if id(obj) in self.scope_objects:
+            return self._scope_getattr(obj, d, cls, name)
         written = self._overlay.get(id(obj))
-        if written and name in written and id(obj) not in self.scope_objects:
+        if written and name in written:
             return written[name]  # set by the program (held_object_setattr)
         if cls.__getattribute__ is not object.__getattribute__:
             # The object resolves names itself (a config's attribute_map, say): read through it.
@@ -239,8 +250,6 @@ class ReadsMixin:
             if name in d or is_plain(value):
                 return self.value_input(value, Path(self._object_paths[id(obj)], ATTR, name))
             return value
-        if id(obj) in self.scope_objects:
-            return self._scope_getattr(obj, d, cls, name)
         if name in d:
             return self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
         return object.__getattribute__(obj, name)
@@ -251,23 +260,29 @@ class ReadsMixin:
         overlay = self._overlay.setdefault(id(obj), {})
         if name in overlay:
             return overlay[name]
-        if name not in d:
-            return object.__getattribute__(obj, name)
         path = self._object_paths[id(obj)]
+        where = Path(path, ATTR, name)
         try:
-            value = overlay[name] = self.value_input(d[name], Path(path, ATTR, name))
+            raw = cls.__getattribute__(obj, name)  # the class's own resolution (attribute maps)
+        except AttributeError:
+            self.guard(guards.ABSENT_ATTRIBUTE, where, None)  # getattr(cfg, "flag", False)
+            raise
+        if name not in d and not is_plain(raw):
+            return raw  # a method or function of its class: the class is the object's own
+        try:
+            value = overlay[name] = self.value_input(raw, where)  # a class attribute too
         except UnsupportedInputError as e:
             # Remembered as well as raised: a program that catches the error must not leave
             # the read unchecked (``refuse_unguardable_reads``, after capture).
             self.unguardable_reads.append(
                 f"keraunos cannot capture {user_source()}\n  it reads {path}.{name}, a "
-                f"{type(d[name]).__qualname__} held by an object it finds by name, which "
+                f"{type(raw).__qualname__} held by an object it finds by name, which "
                 f"keraunos cannot check on later calls ({e}).\n  What to do: "
                 f"keraunos.jit(..., fallback=\"dynamo\") (the default) runs it through "
                 f"torch.compile(backend=\"keraunos\"), which guards such reads; or pass what "
                 f"the program reads as arguments.")
             raise UnguardableStateError(self.unguardable_reads[-1]) from None
-        if value is d[name]:  # the object's own value: a plain list or dict, say
+        if value is d.get(name):  # the object's own value: a plain list or dict, say
             self.scope_containers.watch(f"{path}.{name} (an attribute of a {cls.__qualname__})",
                                         value)
         return value
@@ -281,11 +296,23 @@ class ReadsMixin:
         if path is None:
             return  # made by the program: its state came from reads already recorded
         d = object.__getattribute__(obj, "__dict__")
+        cls = original_class(obj)
+        if id(obj) in self.scope_objects:
+            for name in list(d):
+                self._scope_getattr(obj, d, cls, name)
+            if self._overlay.get(id(obj), {}).keys() - d.keys() or any(
+                    self._overlay[id(obj)][k] is not d[k] for k in self._overlay.get(id(obj), {})
+                    if k in d and not isinstance(d[k], (list, dict, tuple))):
+                raise CaptureError(_whole_state_after_write(path, cls))
+            return
         if id(obj) not in self.argument_objects:
+            if any(k in self._overlay.get(id(obj), ()) for k in d) or \
+                    self._overlay.get(id(obj), {}).keys() - d.keys():
+                # set by the program (held_object_setattr): a copy made now would not see it
+                raise CaptureError(_whole_state_after_write(path, cls))
             for name in list(d):
                 self.value_input(d[name], Path(path, ATTR, name))
             return
-        cls = original_class(obj)
         for name in list(d) + [k for k in self._overlay.get(id(obj), ()) if k not in d]:
             if self._argument_getattr(obj, d, cls, name) is not d.get(name):
                 raise CaptureError(
@@ -329,6 +356,13 @@ class ReadsMixin:
 
 
 _ABSENT = object()  # an attribute an object did not have before the program set it
+
+
+def _whole_state_after_write(path, cls) -> str:
+    return (f"keraunos: the program copies, pickles or reads the __dict__ of {path}, a "
+            f"{cls.__qualname__}, at {user_source()}, after setting one of its attributes; a "
+            f"copy made during capture would not hold what the program set. Copy the object "
+            f"before setting the attribute, or outside the jitted function.")
 
 
 def _user_object(obj) -> bool:

@@ -38,6 +38,7 @@ class ScopeGuards:
         self.helper_scopes: list[tuple[Path, dict, tuple]] = []
         self.helper_cells: list[tuple[Path, Any]] = []
         self.containers = ScopeContainers()  # lists, dicts, sets in globals and closures
+        self.item_tensors: dict[int, Path] = {}  # tensors in those lists and dicts: their paths
 
     def path_of(self, t: torch.Tensor) -> Path | None:
         """Where ``t`` is read from in the function's globals or closure, or in those of a
@@ -54,6 +55,9 @@ class ScopeGuards:
                         return Path(Path(root("closure"), ITEM, i), ATTR, "cell_contents")
                 except ValueError:
                     pass
+        found = self.item_tensors.get(id(t))
+        if found is not None:  # an item of a global list or dict (``W = [w0, w1]``)
+            return found
         # A global or closure value of a helper the program called: read from there per call.
         for globals_path, helper_globals, names in self.helper_scopes:
             for name in names:
@@ -121,7 +125,9 @@ class ScopeGuards:
                 self.guard(guards.VALUE, where, item)
             elif type(item) in (list, tuple, dict):
                 self._guard_items(where, item, depth + 1)
-            elif not isinstance(item, torch.Tensor):
+            elif isinstance(item, torch.Tensor):
+                self.item_tensors[id(item)] = where  # read from there on every call (path_of)
+            else:
                 self.guard(guards.IDENTITY, where, item)
                 self.watch_object(item, where)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 
 import torch
@@ -68,9 +69,10 @@ def _machine() -> tuple:
 
 def _backends() -> tuple:
     """Settings a lowering may read besides Inductor's config (read on every key: they can
-    change between compiles)."""
+    change between compiles). ``ATEN_CPU_CAPABILITY`` caps the vector instructions Inductor
+    picks, which its C++ source is written for."""
     return (torch.get_float32_matmul_precision(), torch.backends.mkldnn.is_available(),
-            torch.backends.mkldnn.enabled)
+            torch.backends.mkldnn.enabled, os.environ.get("ATEN_CPU_CAPABILITY", ""))
 
 
 def save(key: str, graph) -> bool:
