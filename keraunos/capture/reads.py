@@ -113,16 +113,7 @@ class ReadsMixin:
         if _derived_cache(module, name) is not None:
             self._overlay.setdefault(id(module), {})[name] = value  # seen by later reads only
             return
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            value = self.real_tensor_reached_program(value)
-        if not (isinstance(value, FakeTensor) or is_plain(value)):
-            raise CaptureError(
-                f"keraunos: the program sets {self.module_path(module)}.{name} to a "
-                f"{type(value).__qualname__} at {user_source()}; only tensors and plain Python "
-                f"values can be written to modules inside a jitted forward. Move the assignment "
-                f"out of forward.")
-        self._overlay.setdefault(id(module), {})[name] = value
-        self.attribute_writes.append(AttributeWrite(self.module_path(module), name, value))
+        self._deferred_write(module, self.module_path(module), name, value, "modules")
 
     def _watch_object(self, obj: Any, path: Path, writable: bool = False,
                       scope: bool = False) -> bool:
@@ -183,16 +174,21 @@ class ReadsMixin:
         if id(obj) not in self._object_paths:  # made by the program: an ordinary write
             original_class(obj).__setattr__(obj, name, value)
             return
+        self._deferred_write(obj, self._object_paths[id(obj)], name, value,
+                             "objects the module holds")
+
+    def _deferred_write(self, obj, path: Path, name: str, value: Any, what: str) -> None:
+        """A write the program's later reads see (the overlay) and the epilogue replays on every
+        call; only tensors and plain values can be replayed."""
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
         if not (isinstance(value, FakeTensor) or is_plain(value)):
             raise CaptureError(
-                f"keraunos: the program sets {self._object_paths[id(obj)]}.{name} to a "
-                f"{type(value).__qualname__} at {user_source()}; only tensors and plain Python "
-                f"values can be written to objects the module holds inside a jitted forward. "
-                f"Move the assignment out of forward.")
+                f"keraunos: the program sets {path}.{name} to a {type(value).__qualname__} at "
+                f"{user_source()}; only tensors and plain Python values can be written to {what} "
+                f"inside a jitted forward. Move the assignment out of forward.")
         self._overlay.setdefault(id(obj), {})[name] = value
-        self.attribute_writes.append(AttributeWrite(self._object_paths[id(obj)], name, value))
+        self.attribute_writes.append(AttributeWrite(path, name, value))
 
     def scope_object_setattr(self, obj, name: str, value: Any) -> None:
         """``obj.name = value`` on an object reached by name: made (the rest of the program reads
