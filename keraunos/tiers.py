@@ -112,6 +112,7 @@ class _Worker:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.stopping = False
+        self.busy = False  # a job (or Inductor's first import) is running
 
     def submit(self, job: Callable[[], None]) -> None:
         with self.lock:
@@ -122,18 +123,54 @@ class _Worker:
         self.jobs.put(job)
 
     def _run(self) -> None:
-        with IMPORT_LOCK:  # Inductor's modules, imported off the caller's thread (seconds)
-            from .executors.fusion import compiler
-            compiler.start_warming()
-        while True:
-            job = self.jobs.get()
-            if self.stopping:
-                continue  # the process is exiting: jobs not started are dropped
-            _keep_rng_state_off_the_worker()
-            job()
+        try:
+            self.busy = True
+            with IMPORT_LOCK:  # Inductor's modules, imported off the caller's thread (seconds)
+                from .executors.fusion import compiler
+                compiler.start_warming()
+            while True:
+                self.busy = False
+                job = self.jobs.get()
+                if self.stopping:
+                    continue  # the process is exiting: jobs not started are dropped
+                self.busy = True
+                _keep_rng_state_off_the_worker()
+                job()
+        except _ProcessExiting:
+            return  # stop() ended the compile under way: the thread ends before the interpreter
+        finally:
+            self.busy = False
 
     def stop(self) -> None:
+        """At exit: drop the jobs not started and end the one under way.
+
+        A daemon thread still running when the interpreter finalizes is ended by CPython (3.11 to
+        3.13) with ``pthread_exit`` as soon as it next takes the GIL. If that happens as a torch
+        C++ function that released the GIL takes it back, the unwinding meets a ``noexcept``
+        frame and the whole process aborts ("terminate called without an active exception",
+        status 134; 2 exits in 30 on a loaded machine). So a compile under way is interrupted
+        here, while the interpreter is whole: ``_ProcessExiting`` is raised in the worker at its
+        next Python line, and the worker ends. A worker blocked in plain C (waiting for g++ or
+        for Inductor's compile processes) cannot take the exception until that returns; after
+        ``EXIT_GRACE_S`` the process exits anyway, as before."""
         self.stopping = True
+        thread = self.thread
+        if thread is None or not thread.is_alive() or not self.busy:
+            return
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                   ctypes.py_object(_ProcessExiting))
+        thread.join(EXIT_GRACE_S)
+
+
+class _ProcessExiting(BaseException):
+    """Raised in the worker by ``_Worker.stop`` to end a compile when the process exits. Not an
+    ``Exception``: the compile's own handlers (``schedule``'s, Inductor's) must not absorb it."""
+
+
+# How long an exiting process waits for the worker to leave a compile (it normally takes
+# milliseconds: the next Python line of the compile).
+EXIT_GRACE_S = 2.0
 
 
 def _on_worker() -> bool:

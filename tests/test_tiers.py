@@ -419,3 +419,25 @@ def test_a_dynamo_end_without_its_start_leaves_a_fused_compiles_turn_alone():
     worker.join(WAIT_S)
     other.join(WAIT_S)
     assert took.is_set()
+
+
+def test_stopping_the_worker_ends_a_compile_under_way():
+    """At exit, a compile under way is ended while the interpreter is whole (``_Worker.stop``):
+    a daemon thread that CPython ends later, as it takes the GIL back from a torch C++ function,
+    aborts the process ("terminate called without an active exception", seen in CI)."""
+    worker = tiers._Worker()
+    started, ended = threading.Event(), threading.Event()
+
+    def long_compile():
+        started.set()
+        try:
+            while True:  # Python lines: where the exception arrives
+                time.sleep(0.001)
+        finally:
+            ended.set()
+    worker.submit(long_compile)
+    assert started.wait(WAIT_S)
+    began = time.perf_counter()
+    worker.stop()
+    assert ended.is_set() and not worker.thread.is_alive()
+    assert time.perf_counter() - began < tiers.EXIT_GRACE_S
