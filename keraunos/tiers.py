@@ -128,6 +128,7 @@ class _Worker:
             with IMPORT_LOCK:  # Inductor's modules, imported off the caller's thread (seconds)
                 from .executors.fusion import compiler
                 compiler.start_warming()
+            _stop_before_executors_shut_down(self)
             while True:
                 self.busy = False
                 job = self.jobs.get()
@@ -212,8 +213,67 @@ def _keep_rng_state_off_the_worker() -> None:
         module.preserve_rng_state = preserve_rng_state
 
 
+def _stop_before_executors_shut_down(worker: _Worker) -> None:
+    """Have ``worker.stop`` run first when the process exits.
+
+    ``threading._register_atexit`` hooks run newest first as the main thread ends, before
+    ``atexit``'s handlers; concurrent.futures shuts its executors down from there (Inductor's
+    compile pool among them), and a compile still under way would then fail ("cannot schedule new
+    futures after interpreter shutdown") and warn about it. Registered once Inductor is imported,
+    so after concurrent.futures' own hooks; ``atexit`` (below) stays where the private hook is
+    missing."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # the process is already exiting
+            register(worker.stop)
+
+
 _worker = _Worker()
 atexit.register(_worker.stop)
+
+
+def _fx_tracing_seen_per_thread() -> None:
+    """Make torch.fx's "is a symbolic trace under way" a question about the calling thread.
+
+    torch.fx marks a trace with one module global (``_is_fx_tracing_flag``), and every function
+    ``torch.compile`` wraps checks it on each call: a compiled function called while a trace is
+    under way raises ("Detected that you are using FX to symbolically trace a dynamo-optimized
+    function"). A fused compile on the worker traces (AOTAutograd's ``make_fx``, Inductor's
+    pattern matcher) for most of its seconds, so any ``torch.compile``d function, the user's own
+    or keraunos's fallback route, called meanwhile on another thread raised. Here the traces
+    started through ``Tracer.trace`` are counted per thread, and the check answers for the
+    caller's thread: a trace elsewhere is not the caller's. A flag set some other way (nobody
+    counted tracing) keeps torch's answer. Applied at import: ``torch.compile`` binds the check
+    when it wraps a function."""
+    from torch.fx import _symbolic_trace as fx_trace
+    if getattr(fx_trace.is_fx_symbolic_tracing, "_keraunos_per_thread", False):
+        return
+    tracing: dict[int, int] = {}  # thread ident -> traces under way on it
+    original_trace = fx_trace.Tracer.trace
+    original_check = fx_trace.is_fx_symbolic_tracing
+
+    def trace(self, *args, **kwargs):
+        me = threading.get_ident()
+        tracing[me] = tracing.get(me, 0) + 1
+        try:
+            return original_trace(self, *args, **kwargs)
+        finally:
+            if tracing[me] == 1:
+                del tracing[me]
+            else:
+                tracing[me] -= 1
+
+    def is_fx_symbolic_tracing() -> bool:
+        return original_check() and (not tracing or threading.get_ident() in tracing)
+
+    trace.__wrapped__ = original_trace
+    is_fx_symbolic_tracing.__wrapped__ = original_check
+    is_fx_symbolic_tracing._keraunos_per_thread = True
+    fx_trace.Tracer.trace = trace
+    fx_trace.is_fx_symbolic_tracing = is_fx_symbolic_tracing
+
+
+_fx_tracing_seen_per_thread()
 
 
 def exiting() -> bool:

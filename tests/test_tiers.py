@@ -441,3 +441,32 @@ def test_stopping_the_worker_ends_a_compile_under_way():
     worker.stop()
     assert ended.is_set() and not worker.thread.is_alive()
     assert time.perf_counter() - began < tiers.EXIT_GRACE_S
+
+
+def test_a_compiled_function_runs_while_the_worker_traces():
+    """torch.fx marks a symbolic trace with one process-wide flag, and a ``torch.compile``d
+    function called while it is set raises. A fused compile on the worker traces for seconds:
+    the caller's own compiled functions (and keraunos's fallback route) must keep running."""
+    inside, release = threading.Event(), threading.Event()
+
+    def traced(x):
+        inside.set()
+        release.wait(WAIT_S)
+        return x + 1
+
+    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(traced))
+    compiled = torch.compile(lambda x: x * 2, backend="eager")
+    tracer.start()
+    try:
+        assert inside.wait(WAIT_S)
+        assert torch.fx._symbolic_trace._is_fx_tracing_flag  # the other thread's trace
+        x = torch.randn(3)
+        assert_close(compiled(x), x * 2)
+        assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+    finally:
+        release.set()
+        tracer.join(WAIT_S)
+    seen = []
+    torch.fx.symbolic_trace(lambda x: seen.append(torch.fx._symbolic_trace.is_fx_symbolic_tracing())
+                            or x)
+    assert seen == [True]  # the tracing thread's own answer is torch's
