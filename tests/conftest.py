@@ -15,6 +15,10 @@ os.environ.setdefault("KERAUNOS_CHECK_RESULTS", "1")
 # fused program from the first call), tests of the tiers pass fuse="background"
 # (tests/test_tiers.py); tests of the default itself clear this (monkeypatch.delenv).
 os.environ.setdefault("KERAUNOS_FUSE", "off")
+# No helper processes compiling regions ahead (executors/fusion/workers.py): whether they would
+# start depends on the machine's load, and a region a helper compiled is a cache hit here, which
+# tests of the caches would see. tests/test_compile_workers.py starts its own.
+os.environ.setdefault("KERAUNOS_COMPILE_WORKERS", "0")
 # keraunos's store (keraunos/store.py) in a directory of this run, not the user's ~/.cache: what
 # an earlier run stored (today: which vector-ISA test libraries load) never decides a test.
 if "KERAUNOS_CACHE_DIR" not in os.environ:

@@ -627,7 +627,7 @@ def test_litgpt_backward_layers_make_identical_regions_with_none_between(family,
     model = _litgpt_model(family, n_layer=4)
     formed = []
 
-    def record(region, trace_name, *args):
+    def record(region, prepared, trace_name, *args):
         graph = fx_graph.region_graph(region.lines, region.inputs, region.outputs)
         formed.append((trace_name, region.layer, graph.python_code(root_module="self").src))
         return None  # the lines run on the torch executor

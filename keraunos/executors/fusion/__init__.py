@@ -148,8 +148,10 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
-    for r in regions:
-        made = _fuse_region(r, trace.name, counter, environment, always_checked, done)
+    prepared = [_prepare(r, environment, always_checked) for r in regions]
+    _prefetch(regions, prepared)
+    for r, p in zip(regions, prepared):
+        made = _fuse_region(r, p, trace.name, counter, always_checked, done) if p else None
         if made is not None:
             fused[r.start] = (made, r)
     result = _assemble(lines, fused, executors, executor)
@@ -219,18 +221,47 @@ def _switches_grad_mode(lines) -> bool:
     return any(b.symbol is glue.SET_GLOBAL_STATE for b in lines)
 
 
-def _fuse_region(r: Region, trace_name, counter, environment, always_checked, done):
+@dataclass
+class _Prepared:
+    """A region's FX graph and key, made before any region of the trace is compiled."""
+
+    layout: symbolic.Layout
+    graph: object
+    channels_last_choice: bool | None
+    key: tuple
+
+
+def _prepare(r: Region, environment, always_checked) -> _Prepared | None:
+    """None for a region that is not compiled: one writing an incoming gradient in place (a call
+    that relaid the gradient, of any strides, would write the copy)."""
+    checked = {k for k, p in enumerate(r.inputs) if p.name in always_checked}
+    if set(r.written_inputs) & checked:
+        return None
+    layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
+    graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
+    choice = channels_last.layout_optimization(r.lines)
+    return _Prepared(layout, graph, choice,
+                     fx_graph.region_key(graph, r.inputs,
+                                         environment + (("layout_optimization", choice),)))
+
+
+def _prefetch(regions_, prepared) -> None:
+    """Hand the trace's distinct regions, but the first, to the helper processes (``workers``):
+    they fill Inductor's caches while this thread compiles the first; this thread takes back any
+    that no helper has started by the time it gets there."""
+    keys = list(dict.fromkeys(p.key for p in prepared if p is not None))
+    for key in keys[1:]:
+        r, p = next((r, p) for r, p in zip(regions_, prepared) if p is not None and p.key == key)
+        compiler.prefetch(key, p.graph, r.inputs, p.channels_last_choice)
+
+
+def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_checked, done):
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     writes_memory = any(regions.writes(b) is not None for b in r.lines)
     written = tuple(r.written_inputs)
-    if set(written) & set(checked):  # an incoming gradient of any strides, written in place:
-        return None                  # a call that relaid it would write the copy
     name = f"inductor_region{counter[0]}"
-    layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
-    graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
-    channels_last_choice = channels_last.layout_optimization(r.lines)
-    key = fx_graph.region_key(graph, r.inputs,
-                              environment + (("layout_optimization", channels_last_choice),))
+    layout, graph, key = prepared.layout, prepared.graph, prepared.key
+    channels_last_choice = prepared.channels_last_choice
     with channels_last.inductor_layout(channels_last_choice):
         kernel, existed = compiler.kernel_for(
             key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,

@@ -40,7 +40,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
-from . import fx_graph, isa_probe, kernel_store, symbolic
+from . import fx_graph, isa_probe, kernel_store, symbolic, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -221,6 +221,19 @@ def environment() -> tuple:
             tuple(sorted(CONFIG_PATCHES.items())))
 
 
+def prefetch(key: tuple, graph, inputs: list[TensorProxy], layout_choice) -> None:
+    """Hand the compile of a region of ``key`` (its FX ``graph``) to a helper process ahead of
+    ``kernel_for`` (``workers``): a region not compiled in this process yet, nor kept in the
+    store, of static sizes on the CPU."""
+    if key in _kernels:
+        return
+    store_key = kernel_store.key_of(key)
+    if store_key is None or kernel_store.has(store_key):
+        return
+    workers.prefetch(store_key, fx_graph.graph_module(graph), inputs, layout_choice,
+                     dict(CONFIG_PATCHES))
+
+
 def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[TensorProxy],
                region_name: str, layout: symbolic.Layout | None = None,
                graph=None) -> tuple["Kernel | CompileFailure", bool]:
@@ -234,6 +247,8 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     store_key = kernel_store.key_of(key)
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
     if kernel is None:
+        if store_key is not None:
+            workers.wait_for(store_key)  # a helper compiling it fills Inductor's caches
         try:
             kernel = _compile(make_graph, inputs, outputs, region_name,
                               layout or symbolic.Layout(inputs), graph)
@@ -474,6 +489,7 @@ def start_warming() -> None:
                               daemon=True)
     _warming.append(thread)
     thread.start()
+    workers.start()  # the helper processes import torch and Inductor meanwhile
 
 
 # Inductor's first probe of the vector instructions is not safe to run on two threads at once:

@@ -116,18 +116,24 @@ def propagate(gm: fx.GraphModule, fakes: list[torch.Tensor], fake_mode,
               outputs: list[TensorProxy]) -> None:
     """Run the graph on the fakes: each node's ``example_value`` (Inductor's caches want one for
     every tensor a method is called on), and a check that the graph makes what the trace says."""
+    made = example_values(gm, fakes, fake_mode)
+    expr = symbolic.expr_of  # never ``==`` on SymInts: it would record a guard
+    for p, t in zip(outputs, made):
+        if (tuple(map(expr, t.shape)), t.dtype) != (tuple(map(expr, p.shape)), p.dtype):
+            raise AssertionError(f"the region's graph makes {p.name} as {tuple(t.shape)} "
+                                 f"{t.dtype}, the trace says {p.shape} {p.dtype}")
+
+
+def example_values(gm: fx.GraphModule, fakes: list[torch.Tensor], fake_mode) -> list:
+    """Run the graph on the fakes, giving each node its ``example_value`` (Inductor's caches want
+    one for every tensor a method is called on); the graph's outputs."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     with torch.no_grad():
         FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
         if "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
-    made = next(n for n in gm.graph.nodes if n.op == "output").meta["val"]
-    expr = symbolic.expr_of  # never ``==`` on SymInts: it would record a guard
-    for p, t in zip(outputs, made):
-        if (tuple(map(expr, t.shape)), t.dtype) != (tuple(map(expr, p.shape)), p.dtype):
-            raise AssertionError(f"the region's graph makes {p.name} as {tuple(t.shape)} "
-                                 f"{t.dtype}, the trace says {p.shape} {p.dtype}")
+    return next(n for n in gm.graph.nodes if n.op == "output").meta["val"]
 
 
 def alias_pattern(inputs: list[TensorProxy]) -> tuple:

@@ -88,6 +88,10 @@ def save(key: str, graph) -> bool:
     return True
 
 
+def has(key: str) -> bool:
+    return store.default_store().get(NAMESPACE, key) is not None
+
+
 def load(key: str):
     """The region's ``call`` (a list of inputs -> the outputs) from the module kept under
     ``key``, with the module's source; None when there is none, or it does not load. Run where

@@ -1,0 +1,339 @@
+"""Region compiles spread over every core: helper processes that warm Inductor's caches ahead.
+
+A cold fused compile spends most of its time in Inductor's Python (lowering, scheduling, C++ code
+generation: about a second a distinct region here), which one interpreter runs one region at a
+time whatever the cores. So when a trace has several distinct regions to compile, their graphs
+go to helper processes first (``prefetch``), and the compiling thread then takes the regions in
+order:
+
+- a region no helper has started yet is taken back and compiled in this process, as always
+  (``claim`` returns None): the thread never waits for a helper that is still starting up or busy
+  with another region, so a compile is never slower than without helpers by more than the
+  hand-over;
+- a region a helper is compiling is waited for; its compile filled Inductor's caches (the FX
+  graph cache, the built C++ kernels) in the shared cache directory, and this process's own
+  ``compile_fx`` of the same graph is then a cache hit (a quarter of a second instead of seconds).
+
+The helpers only ever warm caches: what the program runs is compiled (from the cache) and checked
+here exactly as without them, so a helper that fails, dies or compiles something else changes
+nothing but the time. Only regions of static sizes on the CPU whose graph pickles are sent (the
+ones ``kernel_store`` keeps); everything a compile reads besides the graph (threads, default dtype,
+determinism, matmul precision, oneDNN, Inductor's config, the region's layout choice) is sent
+with it, so that the helper's cache key is this process's.
+
+How many helpers: ``KERAUNOS_COMPILE_WORKERS`` (0 turns them off); by default one fewer than the
+cores, at most 8. They start with the first fused compile of the process (``start``), import torch
+and Inductor meanwhile, and are killed when the process exits (``stop``; a helper whose parent
+died reads the end of its input and exits).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+ENV = "KERAUNOS_COMPILE_WORKERS"
+
+
+def worker_count() -> int:
+    value = os.environ.get(ENV, "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"{ENV} must be a whole number of helper processes, not {value!r}")
+    return max(0, min((os.cpu_count() or 1) - 1, 8))
+
+
+@dataclass
+class Job:
+    key: str
+    payload: bytes
+    helper: "Helper | None" = None  # the helper compiling it; None while queued
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+def settings() -> dict:
+    """What besides the graph decides Inductor's code and cache key, as this process has it."""
+    from torch._inductor import config
+    return {"threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "mkldnn": torch.backends.mkldnn.enabled,
+            "inductor_config": config.save_config_portable()}
+
+
+def busy() -> bool:
+    """The machine's cores are taken (the last minute's load average): helpers would only slow
+    the compile down. Unknown where the system gives no load average."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) - 0.5
+    except OSError:
+        return False
+
+
+def job_payload(graph_module, inputs, layout_choice, config_patches: dict) -> bytes | None:
+    """The pickled job for ``graph_module`` (a static region's) with inputs of the proxies'
+    metadata; None when the graph does not pickle (a target that is no importable function)."""
+    metas = [(tuple(p.shape), tuple(p.stride), p.dtype, str(p.device)) for p in inputs]
+    try:
+        return pickle.dumps((graph_module, metas, layout_choice, config_patches, settings()))
+    except Exception:  # noqa: BLE001 - such a region is compiled in this process only
+        return None
+
+
+_HELPER_MAIN = "from keraunos.executors.fusion import workers; workers.serve()"
+
+
+class Helper:
+    """One helper process and the thread reading its answers."""
+
+    def __init__(self, pool: "Pool"):
+        self.pool = pool
+        env = {**os.environ, ENV: "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _HELPER_MAIN],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.job: Job | None = None
+        self.reader = threading.Thread(target=self._read, name="keraunos-compile-helper",
+                                       daemon=True)
+        self.reader.start()
+
+    def send(self, job: Job) -> bool:
+        self.job, job.helper = job, self
+        try:
+            _write(self.process.stdin, (job.key, job.payload))
+            return True
+        except (OSError, ValueError):  # the helper is gone
+            return False
+
+    def _read(self) -> None:
+        try:
+            while True:
+                key, ok = _read(self.process.stdout)
+                self.pool.finished(self, key, ok)
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError, struct.error):
+            self.pool.lost(self)
+
+
+class Pool:
+    def __init__(self, size: int):
+        self.size = size
+        self.lock = threading.RLock()  # ``_dispatch`` may drop a helper it finds gone
+        self.helpers: list[Helper] = []
+        self.idle: list[Helper] = []
+        self.queue: list[Job] = []
+        self.jobs: dict[str, Job] = {}
+        self.stopped = False
+        self.spawned = 0  # helpers started, lost ones included: at most twice ``size``
+
+    def start(self) -> None:
+        with self.lock:
+            while (not self.stopped and len(self.helpers) < self.size
+                   and self.spawned < 2 * self.size):
+                try:
+                    helper = Helper(self)
+                except OSError:
+                    self.size = len(self.helpers)
+                    return
+                self.spawned += 1
+                self.helpers.append(helper)  # idle once it says it is ready (``finished``)
+
+    def prefetch(self, key: str, payload: bytes) -> None:
+        with self.lock:
+            if self.stopped or key in self.jobs or not self.helpers:
+                return
+            job = Job(key, payload)
+            self.jobs[key] = job
+            self.queue.append(job)
+            self._dispatch()
+
+    def claim(self, key: str) -> Job | None:
+        """The helper's job for ``key`` if one started it (wait for ``job.done``); None when no
+        helper has (it is taken off the queue: this process compiles it)."""
+        with self.lock:
+            job = self.jobs.get(key)
+            if job is None:
+                return None
+            if job.helper is None:
+                self.queue.remove(job)
+                del self.jobs[key]
+                return None
+            return job
+
+    def _dispatch(self) -> None:
+        """Helpers take the newest jobs first: the compiling thread takes the regions from the
+        first on, so the two meet in the middle, and it waits only for the one being compiled
+        when it gets there."""
+        while self.queue and self.idle:
+            job, helper = self.queue.pop(), self.idle.pop(0)
+            if not helper.send(job):
+                job.helper = None
+                self.queue.append(job)
+                self.lost(helper)  # (re-entrant lock: see ``Pool.__init__``)
+
+    def finished(self, helper: Helper, key: str | None, ok: bool) -> None:
+        """``helper`` compiled ``key`` (``ok``: without an error); a key of None: it is ready for
+        its first job, torch and Inductor imported."""
+        with self.lock:
+            job = self.jobs.pop(key, None) if key is not None else None
+            helper.job = None
+            self.idle.append(helper)
+            self._dispatch()
+        if job is not None:
+            job.ok = ok
+            job.done.set()
+
+    def lost(self, helper: Helper) -> None:
+        with self.lock:
+            job = helper.job
+            if helper in self.helpers:
+                self.helpers.remove(helper)
+            if helper in self.idle:
+                self.idle.remove(helper)
+            if job is not None:
+                self.jobs.pop(job.key, None)
+        if job is not None:
+            job.done.set()  # not ok: the region is compiled here
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            helpers, self.helpers, self.idle, self.queue = self.helpers, [], [], []
+            jobs, self.jobs = list(self.jobs.values()), {}
+        for helper in helpers:
+            with contextlib.suppress(OSError):
+                helper.process.kill()
+        for job in jobs:
+            job.done.set()
+
+
+_pool: Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def start() -> None:
+    """Start the helpers (none where ``worker_count()`` is 0, or while the machine is busy: the
+    next ``prefetch`` tries again)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = Pool(worker_count())
+            atexit.register(stop)
+    if _pool.size and not busy():
+        _pool.start()
+
+
+def prefetch(key: str, graph_module, inputs, layout_choice, config_patches: dict) -> bool:
+    """Send a region's compile to a helper; whether it was sent. Not while the machine is busy:
+    a helper then takes a core from the compiling thread or from the program itself."""
+    if _pool is None or not _pool.size or busy():
+        return False
+    _pool.start()  # (helpers lost or not started yet: they serve the next traces)
+    payload = job_payload(graph_module, inputs, layout_choice, config_patches)
+    if payload is None:
+        return False
+    _pool.prefetch(key, payload)
+    return True
+
+
+def wait_for(key: str) -> bool:
+    """Before compiling the region of ``key`` here: wait for the helper compiling it, if one is
+    (True: it compiled it, and Inductor's caches hold it); False when none had started it."""
+    job = _pool.claim(key) if _pool is not None else None
+    if job is None:
+        return False
+    job.done.wait()
+    return job.ok
+
+
+def stop() -> None:
+    if _pool is not None:
+        _pool.stop()
+
+
+def _write(stream, message) -> None:
+    data = pickle.dumps(message)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError
+    size, = struct.unpack("<Q", head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def _compile(graph_module, metas, layout_choice, config_patches: dict, given: dict) -> None:
+    """In a helper: compile the region as ``compiler._compile_in_turn`` does (same inputs, same
+    options, same settings), so that the parent's compile of it finds Inductor's caches full."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from . import channels_last
+    from .fx_graph import example_values
+    # Each set only where it differs: setting one to the value it has can change another that
+    # keys the cache (``set_float32_matmul_precision("highest")`` turns the per-backend
+    # ``fp32_precision`` from "none" into "ieee").
+    if torch.get_num_threads() != given["threads"]:
+        torch.set_num_threads(given["threads"])
+    if torch.get_default_dtype() != given["default_dtype"]:
+        torch.set_default_dtype(given["default_dtype"])
+    if torch.are_deterministic_algorithms_enabled() != given["deterministic"]:
+        torch.use_deterministic_algorithms(given["deterministic"])
+    if torch.get_float32_matmul_precision() != given["matmul_precision"]:
+        torch.set_float32_matmul_precision(given["matmul_precision"])
+    if torch.backends.mkldnn.enabled != given["mkldnn"]:
+        torch.backends.mkldnn.enabled = given["mkldnn"]
+    config.load_config(given["inductor_config"])
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                 for shape, stride, dtype, device in metas]
+    example_values(graph_module, fakes, fake_mode)
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+            channels_last.inductor_layout(layout_choice):
+        compile_fx(graph_module, fakes, ignore_shape_env=True,
+                   config_patches=config_patches)
+
+
+def serve() -> None:
+    """A helper's loop: read a job, compile it, answer (key, whether it compiled), until the
+    parent closes the pipe."""
+    source, sink = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write into the answers
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+    from . import isa_probe
+    isa_probe.remember_loads()
+    with contextlib.suppress(Exception):  # (a compile meets and reports the same problem)
+        cpu_vec_isa.pick_vec_isa()  # one thread here: no race for the probe's flags
+    _write(sink, (None, True))  # ready
+    while True:
+        try:
+            key, payload = _read(source)
+        except EOFError:
+            return
+        try:
+            _compile(*pickle.loads(payload))
+            ok = True
+        except Exception:  # noqa: BLE001 - the parent compiles it itself
+            ok = False
+        _write(sink, (key, ok))
+

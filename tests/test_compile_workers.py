@@ -1,0 +1,164 @@
+"""Helper processes that compile a trace's regions ahead (``executors/fusion/workers.py``): they
+only fill Inductor's caches, so what runs is compiled and checked here as without them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import keraunos
+from keraunos import store
+from keraunos.executors.fusion import compiler, workers
+from keraunos.executors.fusion.compiler import toolchain_problem
+
+pytestmark = pytest.mark.skipif(toolchain_problem("cpu") is not None,
+                                reason="no working C++ compiler for Inductor's CPU kernels")
+
+READY_S = 240  # a helper imports torch and Inductor: seconds, more on a loaded machine
+
+
+def two_regions(x, w):
+    """Two distinct regions, split by the random draw (regions never hold random ops)."""
+    a = (x * 2 + 1).relu().sin() @ w
+    return ((a + torch.rand_like(a)).tanh() * 3 - 1).sigmoid().cos()
+
+
+def run_both(x, w):
+    """The jitted and the eager result, each after the same seed."""
+    jitted = keraunos.jit(two_regions, fuse="wait")
+    torch.manual_seed(1)
+    got = jitted(x, w)
+    torch.manual_seed(1)
+    assert_close(got, two_regions(x, w))
+    return jitted
+
+
+def ready_pool() -> workers.Pool:
+    made = workers.Pool(1)
+    made.start()
+    deadline = time.monotonic() + READY_S
+    while not made.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert made.idle, "the helper never said it was ready"
+    return made
+
+
+@pytest.fixture(scope="module")
+def shared_pool(tmp_path_factory):
+    """One helper for the module (it imports torch and Inductor: seconds), working in a cache
+    directory of its own; each test uses inputs of its own sizes, so that no test finds another's
+    regions in it."""
+    directory = tmp_path_factory.mktemp("inductor")
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)  # the helper's, from its start
+    try:
+        made = ready_pool()
+    finally:
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    yield made, directory
+    made.stop()
+
+
+@pytest.fixture
+def pool(shared_pool, tmp_path, monkeypatch):
+    """The helper, ready; this process compiling in the same cache directory, with no kernel of
+    its own yet and an empty store; the machine taken for idle whatever its load (the tests
+    decide where regions compile, not the load average)."""
+    made, directory = shared_pool
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+    monkeypatch.setattr(store, "_default", store.Store(tmp_path / "store"))
+    monkeypatch.setattr(workers, "busy", lambda: False)
+    monkeypatch.setattr(compiler, "_kernels", {})
+    monkeypatch.setattr(workers, "_pool", made)
+    yield made
+
+
+def inputs(rows: int):
+    torch.manual_seed(0)
+    return torch.randn(rows, 8), torch.randn(8, 8)
+
+
+def test_a_region_a_helper_compiled_is_a_cache_hit_here(pool):
+    x, w = inputs(4)
+    jitted = run_both(x, w)
+    kernels = [r.kernel for r in keraunos.last_fusions(jitted)]
+    assert len({k.number for k in kernels}) == 2
+    # this thread compiled the first region; the helper the second, whose compile here then
+    # found Inductor's caches full
+    assert kernels[0].cache == "compiled"
+    assert kernels[1].cache in ("FX graph cache", "AOTAutograd cache"), kernels[1].cache
+    assert not pool.jobs and not pool.queue
+
+
+def test_a_helper_that_dies_leaves_its_region_to_this_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(store, "_default", store.Store(tmp_path / "store"))
+    monkeypatch.setattr(workers, "busy", lambda: False)
+    monkeypatch.setattr(compiler, "_kernels", {})
+    pool = ready_pool()  # its own: this test kills it
+    monkeypatch.setattr(workers, "_pool", pool)
+    helper = pool.helpers[0]
+    sent = helper.send
+
+    def send_and_die(job):
+        done = sent(job)
+        helper.process.kill()  # mid-compile
+        return done
+    monkeypatch.setattr(helper, "send", send_and_die)
+    x, w = inputs(5)
+    jitted = run_both(x, w)
+    kernels = [r.kernel for r in keraunos.last_fusions(jitted)]
+    assert [k.cache for k in kernels] == ["compiled", "compiled"]
+    assert not pool.helpers  # the lost helper is dropped
+    pool.stop()
+
+
+def test_a_region_no_helper_started_is_compiled_here(pool, monkeypatch):
+    monkeypatch.setattr(pool, "idle", [])  # the helper is busy elsewhere: the job waits
+    x, w = inputs(6)
+    jitted = run_both(x, w)
+    assert [r.kernel.cache for r in keraunos.last_fusions(jitted)] == ["compiled", "compiled"]
+    assert not pool.queue and not pool.jobs  # taken back, not left for the helper
+
+
+def test_a_process_with_helpers_exits_at_once_and_takes_them_along(tmp_path):
+    script = tmp_path / "helpers.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, torch, keraunos
+        from keraunos.executors.fusion import workers
+        workers.busy = lambda: False
+        workers.start()  # still importing torch when the process leaves: killed all the same
+        print("helpers", *[h.process.pid for h in workers._pool.helpers], flush=True)
+        def f(x, w):
+            a = (x * 2 + 1).relu().sin() @ w
+            return ((a + torch.rand_like(a)).tanh() * 3 - 1).sigmoid().cos()
+        keraunos.jit(f)(torch.randn(4, 8), torch.randn(8, 8))  # fused in the background
+        print("leaving", time.time(), flush=True)
+    """))
+    env = {**os.environ, "KERAUNOS_COMPILE_WORKERS": "1", "KERAUNOS_FUSE": "background",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out_path = tmp_path / "stdout"
+    with open(out_path, "w") as out:
+        done = subprocess.run([sys.executable, str(script)], stdout=out,
+                              stderr=subprocess.PIPE, env=env, timeout=READY_S + 60)
+    ended = time.time()
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    text = out_path.read_text()
+    pids = [int(p) for p in text.split("helpers")[1].split("\n")[0].split()]
+    assert len(pids) == 1
+    assert ended - float(text.split("leaving")[1]) < 8.0
+    for pid in pids:  # killed (a zombie until reaped) or gone
+        try:
+            state = open(f"/proc/{pid}/status").read()
+        except FileNotFoundError:
+            continue
+        assert "State:\tZ" in state, state[:200]
