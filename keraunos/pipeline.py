@@ -244,6 +244,9 @@ def fuse_regions(c: Compilation) -> None:
     for executor in executors_module.fusion_executors(executors):
         fuse = trace_step(executor.fuse)  # the runner times every executor's traces
         forward = c.computation
+        if c.backward is not None:  # its regions start elsewhere while the forward's compile
+            executor.prefetch(c.backward, observable=_returned(c.backward),
+                              always_checked=_varying_grads(c), forward=forward)
         fused, regions = fuse(
             forward, executors, observable=_returned(forward),
             records_autograd=c.records_autograd, counter=counter)
@@ -257,16 +260,20 @@ def fuse_regions(c: Compilation) -> None:
         # The backward's Function lays each incoming gradient out as recorded before the trace
         # runs (autograd/function.py); only gradients of symbolic strides can still come with
         # others, and regions check those (and what is made from them) on every call.
-        grads = {p.name for p in
-                 backward.params[len(backward.params) - len(c.split.grad_metadata):]
-                 if not all(type(v) is int for v in p.stride)}
         fused, regions = fuse(
-            backward, executors, observable=_returned(backward), always_checked=grads,
+            backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
             forward=forward, counter=counter)
         c.fusion_regions += regions
         if fused is not backward:
             c.backwards.append(fused)
             c.time("fusion", fused.seconds)
+
+
+def _varying_grads(c: Compilation) -> set[str]:
+    """The backward's incoming gradients of symbolic strides."""
+    backward = c.backward
+    return {p.name for p in backward.params[len(backward.params) - len(c.split.grad_metadata):]
+            if not all(type(v) is int for v in p.stride)}
 
 
 def transforms_after_optimization(c: Compilation) -> None:

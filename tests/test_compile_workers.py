@@ -162,3 +162,23 @@ def test_a_process_with_helpers_exits_at_once_and_takes_them_along(tmp_path):
         except FileNotFoundError:
             continue
         assert "State:\tZ" in state, state[:200]
+
+
+def test_the_backwards_regions_go_to_helpers_while_the_forward_compiles(pool):
+    x, w = inputs(7)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    jitted = keraunos.jit(two_regions, fuse="wait")
+    torch.manual_seed(1)
+    jitted(x, w).sum().backward()
+    got = (x.grad, w.grad)
+    x.grad = w.grad = None
+    torch.manual_seed(1)
+    two_regions(x, w).sum().backward()
+    assert_close(got, (x.grad, w.grad))
+    fusions = keraunos.last_fusions(jitted)
+    backward = [r.kernel.cache for r in fusions if r.trace_name == "backward" and not r.shared_with]
+    # the helper, idle, took the backward's last region as soon as it was handed over (before
+    # the forward's compile began): this process found it compiled
+    assert backward and backward[-1] in ("FX graph cache", "AOTAutograd cache"), backward
+    assert not pool.jobs and not pool.queue

@@ -43,6 +43,9 @@ class FusionExecutor(Executor):
     - ``computes_in_region(bsym)``: whether a region would compute this line itself (what the
       rule for programs worth fusing counts, ``tiers.worth_fusing``).
     - ``start_warming()``: a program is about to be captured for fusion on the caller's thread.
+    - ``prefetch(trace, *, observable, always_checked, forward)``: optional; ``trace`` (the
+      backward) will be fused after another trace (the forward): work on its regions may start
+      now, elsewhere (the Inductor executor hands them to helper processes).
 
     A region line's symbol is ``glue.FusionCall(region, call)``; the region has ``name``,
     ``layer``, ``lines``, ``written``, ``describe_kernel()`` (the trace header's words for what
@@ -60,6 +63,10 @@ class FusionExecutor(Executor):
         return self.claims(bsym)
 
     def start_warming(self) -> None:
+        pass
+
+    def prefetch(self, trace: Trace, *, observable: set[str],
+                 always_checked: set[str] = frozenset(), forward: Trace | None = None) -> None:
         pass
 
 

@@ -26,7 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import channels_last, compiler, fx_graph, layers, regions, symbolic
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic, workers
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
@@ -49,13 +49,20 @@ class InductorExecutor(FusionExecutor):
 
     def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
              records_autograd=False, forward=None, counter=None):
-        layer_of_name = None
-        if forward is not None:  # the backward: its lines' layers are the forward's values'
-            layer_of_name = layers.layers_of_names(
-                forward, layers.layer_of_lines(forward.bound_symbols))
         return fuse(trace, executors, observable=observable, always_checked=always_checked,
-                    layer_of_name=layer_of_name, records_autograd=records_autograd,
+                    layer_of_name=self._layers_of(forward), records_autograd=records_autograd,
                     counter=counter, executor=self)
+
+    def prefetch(self, trace, *, observable, always_checked=frozenset(), forward=None):
+        prefetch(trace, observable=observable, always_checked=always_checked,
+                 layer_of_name=self._layers_of(forward), executor=self)
+
+    @staticmethod
+    def _layers_of(forward):
+        """For the backward: its lines' layers are the forward's values' (None: the forward)."""
+        if forward is None:
+            return None
+        return layers.layers_of_names(forward, layers.layer_of_lines(forward.bound_symbols))
 
     def computes_in_region(self, bsym):
         return computes_in_region(bsym)
@@ -127,29 +134,20 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
     records the torch ops they run; a compiled region would give outputs without a graph)."""
-    lines = list(trace.bound_symbols)
-    claimed = [b.executor == executor.name for b in lines]
-    if not any(claimed):
+    formed = _formed(trace, observable, layer_of_name, executor, records_autograd)
+    if formed is None:
         return trace, []
-    if records_autograd or _switches_grad_mode(lines):  # lines may record autograd as they run
-        claimed = [c and not any(getattr(p, "requires_grad", False)
-                                 for p in b.input_proxies() + b.output_proxies())
-                   for b, c in zip(lines, claimed)]
-    if not any(claimed):
+    lines, regions, problem = formed
+    if problem == "":
         return trace.derive([_given_back(b, executors, executor) for b in lines],
                             "Fusion: no regions"), []
-    regions = []
-    problem = _why_not(lines, claimed)
-    if problem is None:
-        lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
-                                      observable)
     always_checked = _varying_with(always_checked, lines, regions)
     counter = counter if counter is not None else [0]
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
     prepared = [_prepare(r, environment, always_checked) for r in regions]
-    _prefetch(regions, prepared)
+    _prefetch(regions, prepared, skip_first=True)
     for r, p in zip(regions, prepared):
         made = _fuse_region(r, p, trace.name, counter, always_checked, done) if p else None
         if made is not None:
@@ -159,6 +157,44 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     names = ", ".join(dict.fromkeys(b.executor for b in result))
     label = f"{len(kept)} regions" if problem is None else f"no regions, {problem}"
     return trace.derive(result, f"Fusion [{names}]: {label}"), kept
+
+
+def _formed(trace, observable, layer_of_name, executor, records_autograd):
+    """The trace's lines and its regions, with why there are none (None when the executor claimed
+    no line; a problem of "" when every claimed line reads or makes a tensor autograd records)."""
+    lines = list(trace.bound_symbols)
+    claimed = [b.executor == executor.name for b in lines]
+    if not any(claimed):
+        return None
+    if records_autograd or _switches_grad_mode(lines):  # lines may record autograd as they run
+        claimed = [c and not any(getattr(p, "requires_grad", False)
+                                 for p in b.input_proxies() + b.output_proxies())
+                   for b, c in zip(lines, claimed)]
+    if not any(claimed):
+        return lines, [], ""
+    regions = []
+    problem = _why_not(lines, claimed)
+    if problem is None:
+        lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
+                                      observable)
+    return lines, regions, problem
+
+
+def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = frozenset(),
+             layer_of_name: dict[str, str] | None = None, executor: Executor) -> None:
+    """Hand the distinct regions ``fuse`` will compile for ``trace`` to the helper processes
+    now, while this thread compiles another trace's first (the backward's, during the forward's:
+    ``pipeline.fuse_regions``). The regions are formed again by ``fuse``, as they were here."""
+    if not workers.available():
+        return
+    formed = _formed(trace, observable, layer_of_name, executor, records_autograd=False)
+    if formed is None or formed[2] is not None or not formed[1]:
+        return
+    lines, regions_ = formed[0], formed[1]
+    always_checked = _varying_with(always_checked, lines, regions_)
+    environment = compiler.environment()
+    _prefetch(regions_, [_prepare(r, environment, always_checked) for r in regions_],
+              skip_first=False)
 
 
 def _varying_with(always_checked, lines, regions) -> set[str]:
@@ -245,12 +281,14 @@ def _prepare(r: Region, environment, always_checked) -> _Prepared | None:
                                          environment + (("layout_optimization", choice),)))
 
 
-def _prefetch(regions_, prepared) -> None:
-    """Hand the trace's distinct regions, but the first, to the helper processes (``workers``):
-    they fill Inductor's caches while this thread compiles the first; this thread takes back any
-    that no helper has started by the time it gets there."""
+def _prefetch(regions_, prepared, skip_first: bool) -> None:
+    """Hand the trace's distinct regions (but the first, which this thread compiles at once,
+    when ``skip_first``) to the helper processes (``workers``): they fill Inductor's caches
+    meanwhile; this thread takes back any that no helper has started by the time it gets there."""
+    if not workers.available():
+        return
     keys = list(dict.fromkeys(p.key for p in prepared if p is not None))
-    for key in keys[1:]:
+    for key in keys[1 if skip_first else 0:]:
         r, p = next((r, p) for r, p in zip(regions_, prepared) if p is not None and p.key == key)
         compiler.prefetch(key, p.graph, r.inputs, p.channels_last_choice)
 

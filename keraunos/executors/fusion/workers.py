@@ -233,10 +233,15 @@ def start() -> None:
         _pool.start()
 
 
+def available() -> bool:
+    """Whether ``prefetch`` would send anything now (helpers wanted, the machine not busy)."""
+    return _pool is not None and bool(_pool.size) and not busy()
+
+
 def prefetch(key: str, graph_module, inputs, layout_choice, config_patches: dict) -> bool:
     """Send a region's compile to a helper; whether it was sent. Not while the machine is busy:
     a helper then takes a core from the compiling thread or from the program itself."""
-    if _pool is None or not _pool.size or busy():
+    if not available():
         return False
     _pool.start()  # (helpers lost or not started yet: they serve the next traces)
     payload = job_payload(graph_module, inputs, layout_choice, config_patches)
