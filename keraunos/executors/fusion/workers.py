@@ -22,9 +22,10 @@ determinism, matmul precision, oneDNN, Inductor's config, the region's layout ch
 with it, so that the helper's cache key is this process's.
 
 How many helpers: ``KERAUNOS_COMPILE_WORKERS`` (0 turns them off); by default one fewer than the
-cores, at most 8. They start with the first fused compile of the process (``start``), import torch
-and Inductor meanwhile, and are killed when the process exits (``stop``; a helper whose parent
-died reads the end of its input and exits).
+cores, at most 8, and none while the load average says the cores are taken. They start with the
+first fused compile of the process (``start``), import torch and Inductor meanwhile, and are
+killed when the process exits (``stop``; a helper whose parent died reads the end of its input
+and exits).
 """
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ def settings() -> dict:
 
 def busy() -> bool:
     """The machine's cores are taken (the last minute's load average): helpers would only slow
-    the compile down. Unknown where the system gives no load average."""
+    the compile down. Unknown where the system gives no load average; never where
+    ``KERAUNOS_COMPILE_WORKERS`` sets the number of helpers (the user decided)."""
+    if os.environ.get(ENV, "").strip():
+        return False
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1) - 0.5
     except OSError:
