@@ -24,6 +24,7 @@ the compilations too, uninstrumented, at about a tenth of their speed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -127,6 +128,7 @@ def _small_step(case: str, label: str):
     import torch
 
     import keraunos
+    import keraunos.dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
     if case == "tiny":
@@ -140,8 +142,17 @@ def _small_step(case: str, label: str):
     make = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
             "backend": lambda m: torch.compile(m, backend="keraunos"),
             "dynamo": lambda m: torch.compile(m, backend="eager"),
+            "fused": lambda m: torch.compile(
+                m, backend=keraunos.dynamo.backend(executors=FUSED, fuse="wait")),
+            "jit-fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"),
             "inductor": torch.compile}[label]
     run = make(target)
+    if label == "backend":  # its fused tier comes from the background: count that one
+        from keraunos.dynamo.backend import subgraphs_of
+        with torch.no_grad() if case == "mlp" else contextlib.nullcontext():
+            run(x)
+        for subgraph in subgraphs_of(run):
+            keraunos.wait_for_fusion(subgraph.jitted)
     if case == "mlp":
         def step():
             with torch.no_grad():
@@ -153,6 +164,13 @@ def _small_step(case: str, label: str):
 def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     """Under valgrind: per system, build and warm up, then run ``calls`` calls between the
     parent's switches."""
+    # Valgrind runs no AVX-512, which Inductor picks from /proc/cpuinfo and g++ from
+    # -march=native: kernels are built for AVX2 here, as ATen's run under valgrind (set in the
+    # environment: Inductor's config is thread-local, and keraunos fuses on a thread of its
+    # own). keraunos's kernel store may hold kernels built outside valgrind: a store of its own.
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+    os.environ["TORCHINDUCTOR_CPP_MARCH"] = "x86-64-v3"
+    os.environ["KERAUNOS_CACHE_DIR"] = f"{directory}/store"
     import torch
     import torch._inductor.config
     warnings.simplefilter("ignore")
@@ -176,7 +194,7 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
         _wait(f"{directory}/next-{label}")
 
 
-def parent(case: str, systems: list[str], calls: int) -> None:
+def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> None:
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise SystemExit(f"benchmarks/instructions.py needs {tool} (apt-get install valgrind)")
@@ -219,7 +237,9 @@ def parent(case: str, systems: list[str], calls: int) -> None:
             continue
         ratio = f"{counts[label] / reference:.3f}x {systems[-1]}" if reference else ""
         print(f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}")
-    if len(counts) == len(systems):
+    if keep:
+        print(f"callgrind's files (callgrind_annotate --inclusive=yes FILE): {directory}")
+    elif len(counts) == len(systems):
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -231,6 +251,8 @@ def main() -> None:
                         help="comma-separated: eager, jit, fused, backend, inductor; "
                         "dynamo (torch.compile(backend='eager'), small cases only)")
     parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep callgrind's output files (per function: callgrind_annotate)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,7 +263,7 @@ def main() -> None:
     if args.child:
         child(args.case, systems, args.calls, args.dir)
     else:
-        parent(args.case, systems, args.calls)
+        parent(args.case, systems, args.calls, args.keep)
 
 
 if __name__ == "__main__":
