@@ -110,10 +110,10 @@ class JitOptions:
     fallback: Fallback
     dynamic: bool | None
     fuse: FuseMode = FuseMode.BACKGROUND
-    # Programs with fewer ops a region would compute are not fused in the background (None:
-    # ``tiers.MIN_FUSED_OPS``). The torch.compile backend fuses every graph (min 1): its user
-    # asked for compilation, and one kernel per call is what Inductor's own route gives.
-    min_fused_ops: int | None = None
+    # Besides programs with ``tiers.MIN_FUSED_OPS`` ops a region would compute in a trace,
+    # those with at least this many in the forward are fused in the background too (None: no
+    # others). The torch.compile backend sets it (``dynamo/backend.py`` says why).
+    min_fused_forward_ops: int | None = None
 
     @classmethod
     def validated(cls, *, executors=None, transforms=None, cache="constant values",

@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .. import tiers
 from ..cache import CacheEntry
 from ..core import glue
 from ..core.trace import Trace
@@ -76,14 +75,16 @@ class CompiledSubgraph:
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
                           max_cache_entries=64 if self.dynamic else 8, fallback="error",
                           fuse=fuse)
-        # Graphs of fewer ops than keraunos.jit fuses are fused too (in the background unless
-        # fuse says otherwise): torch.compile's user asked for compilation, and three pointwise
-        # ops cost less per call as one kernel than as eager's three (``(x * 2 + 1).relu()``:
-        # 132.8k instructions a call unfused, 121k fused, Inductor's route 118.8k). Not below
-        # three: an MLP's one relu fused with its two linears costs 9k more than eager's ops.
+        # Graphs whose forward has three ops a region would compute are fused too (in the
+        # background unless fuse says otherwise; keraunos.jit wants six in some trace):
+        # torch.compile's user asked for compilation, and three pointwise ops cost less per call
+        # as one kernel than as eager's three (``(x * 2 + 1).relu()`` in grad mode: 89k
+        # instructions a call against 132k unfused and 118k through Inductor's route). Only the
+        # forward counts: an MLP whose forward is one relu between two linears, fused for its
+        # backward's three, cost 11k more a call than unfused.
         state = self.jitted._keraunos
-        state.options = dataclasses.replace(
-            state.options, min_fused_ops=min(BACKEND_MIN_FUSED_OPS, tiers.MIN_FUSED_OPS))
+        state.options = dataclasses.replace(state.options,
+                                            min_fused_forward_ops=BACKEND_MIN_FUSED_OPS)
         # What later calls run, once compiled: the entry's functions without keraunos's call
         # path around them (see lean_call). None until then, and for a dynamic graph.
         self.run = None
