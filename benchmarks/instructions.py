@@ -12,12 +12,16 @@ for exactly ``--calls`` calls and dumps the counts (``-d``). C++ kernels, the Py
 and the framework around them are all counted, so what a row says is the whole cost of a warm call.
 
 Cases: ``tiny``, ``mlp``, ``mlp-grad`` (the per-call overhead cases: ``(x * 2 + 1).relu()`` on a
-(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
+(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``decode`` (``overhead.py``'s
+decode step, fixed shapes; systems eager, jit, backend, inductor, dynamo), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
 cache position moving each call), ``MODEL:infer`` and ``MODEL:train`` for a zoo model
 (``keraunos.testing.zoo``: eval and no_grad with the padding mask; a train-mode AdamW step).
 Systems: ``eager``, ``jit`` (keraunos.jit), ``fused`` (the inductor executor: keraunos.jit for
-litgpt-decode, the backend with fusion for zoo models), ``backend`` (torch.compile with
-backend="keraunos"), ``inductor`` (torch.compile). Ratios are to the last system listed.
+litgpt-decode, the backend with fusion for zoo models and the small cases), ``jit-fused``
+(small cases: keraunos.jit with the inductor executor, fuse="wait"), ``backend``
+(torch.compile with backend="keraunos", its background fusion waited for), ``dynamo``
+(torch.compile with backend="eager": Dynamo's own cost), ``inductor`` (torch.compile). Ratios
+are to the last system listed. ``--keep`` keeps callgrind's files for callgrind_annotate.
 Needs valgrind (``apt-get install valgrind``); a run of two systems takes minutes (valgrind runs
 the compilations too, uninstrumented, at about a tenth of their speed).
 """
@@ -63,7 +67,9 @@ def _litgpt_step(label: str):
 
     import keraunos
     makers = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
-              "fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"), "inductor": torch.compile}
+              "fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"),
+              "backend": lambda m: torch.compile(m, backend="keraunos"),
+              "dynamo": lambda m: torch.compile(m, backend="eager"), "inductor": torch.compile}
     if label not in makers:
         raise SystemExit(f"litgpt-decode has no system {label!r}: {sorted(makers)}")
     module = litgpt_model()
@@ -75,6 +81,10 @@ def _litgpt_step(label: str):
     module.set_kv_cache(batch_size=1)
     with torch.inference_mode():
         generate(model, prompt, 8, temperature=0.0, top_k=1)
+    if label == "backend":  # its fused tier comes from the background: count that one
+        from keraunos.dynamo.backend import subgraphs_of
+        for subgraph in subgraphs_of(model):
+            keraunos.wait_for_fusion(subgraph.jitted)
     token, position = torch.tensor([[5]]), [9]
 
     @torch.inference_mode()
@@ -116,6 +126,20 @@ def _zoo_step(name: str, mode: str, label: str):
     def step():
         with torch.no_grad():
             run(**kwargs)
+    return step
+
+
+def _decode_step(label: str):
+    """``overhead.py``'s decode step (fixed shapes: ``input_pos_maxp1`` left None), under the
+    same systems as its part "calls" (``jit`` is its ``keraunos.jit``)."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import overhead
+    torch._dynamo.reset()
+    step, run = overhead.decode_program(overhead.CALL_SYSTEMS[
+        "keraunos.jit" if label == "jit" else label])
+    step()
+    overhead.wait_for_background_fusion(label, run)
     return step
 
 
@@ -179,6 +203,8 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     for label in systems:
         if case == "litgpt-decode":
             step = _litgpt_step(label)
+        elif case == "decode":
+            step = _decode_step(label)
         elif case in SMALL_CASES:
             step = _small_step(case, label)
         else:
@@ -257,7 +283,7 @@ def main() -> None:
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     systems = args.systems.split(",")
-    if args.case not in ("litgpt-decode", *SMALL_CASES) and (
+    if args.case not in ("litgpt-decode", "decode", *SMALL_CASES) and (
             ":" not in args.case or args.case.split(":")[1] not in ("infer", "train")):
         parser.error(f"--case is litgpt-decode, {', '.join(SMALL_CASES)}, MODEL:infer or MODEL:train")
     if args.child:
