@@ -12,18 +12,23 @@ for exactly ``--calls`` calls and dumps the counts (``-d``). C++ kernels, the Py
 and the framework around them are all counted, so what a row says is the whole cost of a warm call.
 
 Cases: ``tiny``, ``mlp``, ``mlp-grad`` (the per-call overhead cases: ``(x * 2 + 1).relu()`` on a
-(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
+(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``decode`` (``overhead.py``'s
+decode step, fixed shapes; systems eager, jit, backend, inductor, dynamo), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
 cache position moving each call), ``MODEL:infer`` and ``MODEL:train`` for a zoo model
 (``keraunos.testing.zoo``: eval and no_grad with the padding mask; a train-mode AdamW step).
 Systems: ``eager``, ``jit`` (keraunos.jit), ``fused`` (the inductor executor: keraunos.jit for
-litgpt-decode, the backend with fusion for zoo models), ``backend`` (torch.compile with
-backend="keraunos"), ``inductor`` (torch.compile). Ratios are to the last system listed.
+litgpt-decode, the backend with fusion for zoo models and the small cases), ``jit-fused``
+(small cases: keraunos.jit with the inductor executor, fuse="wait"), ``backend``
+(torch.compile with backend="keraunos", its background fusion waited for), ``dynamo``
+(torch.compile with backend="eager": Dynamo's own cost), ``inductor`` (torch.compile). Ratios
+are to the last system listed. ``--keep`` keeps callgrind's files for callgrind_annotate.
 Needs valgrind (``apt-get install valgrind``); a run of two systems takes minutes (valgrind runs
 the compilations too, uninstrumented, at about a tenth of their speed).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -62,7 +67,9 @@ def _litgpt_step(label: str):
 
     import keraunos
     makers = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
-              "fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"), "inductor": torch.compile}
+              "fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"),
+              "backend": lambda m: torch.compile(m, backend="keraunos"),
+              "dynamo": lambda m: torch.compile(m, backend="eager"), "inductor": torch.compile}
     if label not in makers:
         raise SystemExit(f"litgpt-decode has no system {label!r}: {sorted(makers)}")
     module = litgpt_model()
@@ -74,6 +81,10 @@ def _litgpt_step(label: str):
     module.set_kv_cache(batch_size=1)
     with torch.inference_mode():
         generate(model, prompt, 8, temperature=0.0, top_k=1)
+    if label == "backend":  # its fused tier comes from the background: count that one
+        from keraunos.dynamo.backend import subgraphs_of
+        for subgraph in subgraphs_of(model):
+            keraunos.wait_for_fusion(subgraph.jitted)
     token, position = torch.tensor([[5]]), [9]
 
     @torch.inference_mode()
@@ -118,6 +129,20 @@ def _zoo_step(name: str, mode: str, label: str):
     return step
 
 
+def _decode_step(label: str):
+    """``overhead.py``'s decode step (fixed shapes: ``input_pos_maxp1`` left None), under the
+    same systems as its part "calls" (``jit`` is its ``keraunos.jit``)."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import overhead
+    torch._dynamo.reset()
+    step, run = overhead.decode_program(overhead.CALL_SYSTEMS[
+        "keraunos.jit" if label == "jit" else label])
+    step()
+    overhead.wait_for_background_fusion(label, run)
+    return step
+
+
 SMALL_CASES = ("tiny", "mlp", "mlp-grad")
 
 
@@ -127,6 +152,7 @@ def _small_step(case: str, label: str):
     import torch
 
     import keraunos
+    import keraunos.dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
     if case == "tiny":
@@ -140,8 +166,17 @@ def _small_step(case: str, label: str):
     make = {"eager": lambda m: m, "jit": lambda m: keraunos.jit(m, fuse="off"),
             "backend": lambda m: torch.compile(m, backend="keraunos"),
             "dynamo": lambda m: torch.compile(m, backend="eager"),
+            "fused": lambda m: torch.compile(
+                m, backend=keraunos.dynamo.backend(executors=FUSED, fuse="wait")),
+            "jit-fused": lambda m: keraunos.jit(m, executors=FUSED, fuse="wait"),
             "inductor": torch.compile}[label]
     run = make(target)
+    if label == "backend":  # its fused tier comes from the background: count that one
+        from keraunos.dynamo.backend import subgraphs_of
+        with torch.no_grad() if case == "mlp" else contextlib.nullcontext():
+            run(x)
+        for subgraph in subgraphs_of(run):
+            keraunos.wait_for_fusion(subgraph.jitted)
     if case == "mlp":
         def step():
             with torch.no_grad():
@@ -153,6 +188,13 @@ def _small_step(case: str, label: str):
 def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     """Under valgrind: per system, build and warm up, then run ``calls`` calls between the
     parent's switches."""
+    # Valgrind runs no AVX-512, which Inductor picks from /proc/cpuinfo and g++ from
+    # -march=native: kernels are built for AVX2 here, as ATen's run under valgrind (set in the
+    # environment: Inductor's config is thread-local, and keraunos fuses on a thread of its
+    # own). keraunos's kernel store may hold kernels built outside valgrind: a store of its own.
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+    os.environ["TORCHINDUCTOR_CPP_MARCH"] = "x86-64-v3"
+    os.environ["KERAUNOS_CACHE_DIR"] = f"{directory}/store"
     import torch
     import torch._inductor.config
     warnings.simplefilter("ignore")
@@ -161,6 +203,8 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     for label in systems:
         if case == "litgpt-decode":
             step = _litgpt_step(label)
+        elif case == "decode":
+            step = _decode_step(label)
         elif case in SMALL_CASES:
             step = _small_step(case, label)
         else:
@@ -176,7 +220,7 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
         _wait(f"{directory}/next-{label}")
 
 
-def parent(case: str, systems: list[str], calls: int) -> None:
+def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> None:
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise SystemExit(f"benchmarks/instructions.py needs {tool} (apt-get install valgrind)")
@@ -219,7 +263,9 @@ def parent(case: str, systems: list[str], calls: int) -> None:
             continue
         ratio = f"{counts[label] / reference:.3f}x {systems[-1]}" if reference else ""
         print(f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}")
-    if len(counts) == len(systems):
+    if keep:
+        print(f"callgrind's files (callgrind_annotate --inclusive=yes FILE): {directory}")
+    elif len(counts) == len(systems):
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -231,17 +277,19 @@ def main() -> None:
                         help="comma-separated: eager, jit, fused, backend, inductor; "
                         "dynamo (torch.compile(backend='eager'), small cases only)")
     parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep callgrind's output files (per function: callgrind_annotate)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     systems = args.systems.split(",")
-    if args.case not in ("litgpt-decode", *SMALL_CASES) and (
+    if args.case not in ("litgpt-decode", "decode", *SMALL_CASES) and (
             ":" not in args.case or args.case.split(":")[1] not in ("infer", "train")):
         parser.error(f"--case is litgpt-decode, {', '.join(SMALL_CASES)}, MODEL:infer or MODEL:train")
     if args.child:
         child(args.case, systems, args.calls, args.dir)
     else:
-        parent(args.case, systems, args.calls)
+        parent(args.case, systems, args.calls, args.keep)
 
 
 if __name__ == "__main__":

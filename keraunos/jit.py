@@ -110,6 +110,10 @@ class JitOptions:
     fallback: Fallback
     dynamic: bool | None
     fuse: FuseMode = FuseMode.BACKGROUND
+    # Besides programs with ``tiers.MIN_FUSED_OPS`` ops a region would compute in a trace,
+    # those with at least this many in the forward are fused in the background too (None: no
+    # others). The torch.compile backend sets it (``dynamo/backend.py`` says why).
+    min_fused_forward_ops: int | None = None
 
     @classmethod
     def validated(cls, *, executors=None, transforms=None, cache="constant values",
@@ -349,18 +353,27 @@ def call(state: _JitState, args: tuple, kwargs: dict):
     overhead), then ``get_computation_and_inputs`` for the others and the miss. A hit of the
     hit path records nothing but the count: no clock read, no ``last_entry`` (``_JitState``
     derives both)."""
+    # JittedFunction.__call__ and a JittedModule's forward make these first lines themselves
+    # (a frame less a call); the rest is ``call_past_hit_path``.
     entries = state.entries
     if entries:
         entry = entries[0]
         try:
             r = entry.hit_fn(args, kwargs)
         except Exception:  # noqa: BLE001
-            if _prologue_accepts(entry, args, kwargs):
+            if prologue_accepts(entry, args, kwargs):
                 raise  # the program's own error, from its computation or epilogue
             r = None  # "not this entry": see get_computation_and_inputs
         if type(r) is tuple:
             next(state.hit_count)
             return r[0]
+    return call_past_hit_path(state, args, kwargs)
+
+
+def call_past_hit_path(state: _JitState, args: tuple, kwargs: dict):
+    """The call after the most recent entry's hit path said "not this entry" (or with no
+    entry yet): the other entries, most recently used first, then the miss."""
+    if state.entries:
         # Timed from here: the general path's lookup (the hit path's checks are not timed).
         entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, None, 1)
     else:
@@ -368,7 +381,7 @@ def call(state: _JitState, args: tuple, kwargs: dict):
     return entry.epilogue_fn(entry.computation_fn(*inputs), pro_to_epi)
 
 
-def _prologue_accepts(entry: CacheEntry, args: tuple, kwargs: dict) -> bool:
+def prologue_accepts(entry: CacheEntry, args: tuple, kwargs: dict) -> bool:
     """Whether ``entry``'s prologue and alias check accept this call (it raised in its hit path:
     from the checks, it is a miss; after them, the program's own error)."""
     try:
@@ -441,7 +454,11 @@ def _returns_the_only_output(epilogue: Trace) -> bool:
 def _call_checking_results(state: _JitState, args: tuple, kwargs: dict):
     """``call``, then a search of the result for capture's FakeTensors, which must never reach
     the user (on with ``KERAUNOS_CHECK_RESULTS=1``; the test suite runs with it)."""
-    result = _call_unchecked(state, args, kwargs)
+    return checked_result(state, _call_unchecked(state, args, kwargs))
+
+
+def checked_result(state: _JitState, result):
+    """``result``, once searched for capture's FakeTensors (``_call_checking_results``)."""
     if active_context() is not None:  # called while capturing another program: inlined, fake
         return result
     found = capture_values_in(result)
@@ -454,6 +471,7 @@ def _call_checking_results(state: _JitState, args: tuple, kwargs: dict):
 _call_unchecked = call
 if os.environ.get("KERAUNOS_CHECK_RESULTS", "0") not in ("", "0"):
     call = _call_checking_results
+CHECK_RESULTS = call is not _call_unchecked  # JittedFunction checks its results itself
 
 
 def call_profiled(state: _JitState, args: tuple, kwargs: dict):

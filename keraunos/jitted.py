@@ -23,8 +23,9 @@ import torch
 
 from .cache import CacheMode
 from .capture.state import active_context
-from .jit import (Fallback, JitOptions, _fsdp_units, _JitState, _warn_at_user_line, call,
-                  call_profiled)
+from .jit import (CHECK_RESULTS, Fallback, JitOptions, _fsdp_units, _JitState,
+                  _warn_at_user_line, call, call_past_hit_path, call_profiled, checked_result,
+                  prologue_accepts)
 from .tiers import FuseMode
 from .transforms import Transform
 
@@ -36,12 +37,45 @@ class JittedFunction:
         self._keraunos = _JitState(fn, None, options)
         self._call = call_profiled if options.profile else call
         functools.update_wrapper(self, fn)
+        if options.profile:
+            self.__class__ = _ProfiledJittedFunction
+        elif CHECK_RESULTS:
+            self.__class__ = _CheckedJittedFunction
+
+    def __call__(self, *args, **kwargs):
+        # jit.call's first lines, made here: a frame less on every call (jit.call says why).
+        state = self._keraunos
+        entries = state.entries
+        if entries:
+            entry = entries[0]
+            try:
+                r = entry.hit_fn(args, kwargs)
+            except Exception:  # noqa: BLE001
+                if prologue_accepts(entry, args, kwargs):
+                    raise  # the program's own error, from its computation or epilogue
+                r = None  # "not this entry"
+            if type(r) is tuple:
+                next(state.hit_count)
+                return r[0]
+        return call_past_hit_path(state, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"keraunos.jit({self._keraunos.fn!r})"
+
+
+class _ProfiledJittedFunction(JittedFunction):
+    """``profile=True``: each step of a call in a profiler range (``jit.call_profiled``)."""
 
     def __call__(self, *args, **kwargs):
         return self._call(self._keraunos, args, kwargs)
 
-    def __repr__(self) -> str:
-        return f"keraunos.jit({self._keraunos.fn!r})"
+
+class _CheckedJittedFunction(JittedFunction):
+    """``KERAUNOS_CHECK_RESULTS=1`` (the test suite): every result searched for capture's
+    FakeTensors, after the call ``JittedFunction`` makes."""
+
+    def __call__(self, *args, **kwargs):
+        return checked_result(self._keraunos, JittedFunction.__call__(self, *args, **kwargs))
 
 
 class JittedModule(torch.nn.Module):

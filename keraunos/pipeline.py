@@ -109,8 +109,12 @@ def _fuse_mode(c: Compilation) -> FuseMode | None:
                                             and torch.is_autocast_enabled("cuda")):
         return FuseMode.OFF
     fusers = executors_module.fusion_executors(c.executors)
-    if not tiers.worth_fusing((c.computation, c.backward),
-                              lambda b: any(e.computes_in_region(b) for e in fusers)):
+    def computes(b):
+        return any(e.computes_in_region(b) for e in fusers)
+    min_forward = c.state.options.min_fused_forward_ops
+    if not tiers.worth_fusing((c.computation, c.backward), computes) and (
+            min_forward is None or not tiers.worth_fusing((c.computation,), computes,
+                                                           min_forward)):
         c.fusion_note = (f"not fused: fewer than {tiers.MIN_FUSED_OPS} ops a region would "
                          f"compute (fuse=\"wait\" fuses it anyway)")
         return FuseMode.OFF

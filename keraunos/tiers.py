@@ -69,9 +69,10 @@ def default_mode() -> str:
 # region call does not pay for a compile of seconds: a one-op function, ``(x * 2 + 1).relu()``.
 MIN_FUSED_OPS = 6
 
-def worth_fusing(traces, computes: Callable) -> bool:
-    """Whether some trace has at least ``MIN_FUSED_OPS`` lines for which ``computes(line)``
-    (the fusion executor's ``fusion.computes_in_region``)."""
+def worth_fusing(traces, computes: Callable, min_ops: int | None = None) -> bool:
+    """Whether some trace has at least ``min_ops`` (default ``MIN_FUSED_OPS``) lines for which
+    ``computes(line)`` (the fusion executor's ``fusion.computes_in_region``)."""
+    min_ops = MIN_FUSED_OPS if min_ops is None else min_ops
     for trace in traces:
         if trace is None:
             continue
@@ -79,7 +80,7 @@ def worth_fusing(traces, computes: Callable) -> bool:
         for b in trace.bound_symbols:
             if computes(b):
                 count += 1
-                if count >= MIN_FUSED_OPS:
+                if count >= min_ops:
                     return True
     return False
 

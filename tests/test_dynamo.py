@@ -405,6 +405,37 @@ def test_a_static_subgraph_runs_its_computation_function_with_nothing_around_it(
     assert "_code" not in str(subgraphs[0].jitted._keraunos.last_entry.epilogue_traces[-1])
 
 
+def test_the_backend_fuses_three_pointwise_ops_and_dynamo_calls_the_program_directly():
+    """The backend fuses graphs smaller than keraunos.jit does (three pointwise ops are cheaper
+    as one kernel, which is what Inductor's route gives), in the background; once that is done,
+    dynamo's call of the subgraph goes to the program itself (its class's ``__call__``), with
+    no frame of keraunos's in between. An MLP's one relu is not fused."""
+    def f(x):
+        return (x * 2 + 1).relu()
+
+    be = kd.backend(executors=["inductor", "torch"], fuse="background")
+    compiled = torch.compile(f, backend=be)
+    x = torch.randn(4)
+    torch.testing.assert_close(compiled(x), f(x))
+    (subgraph,) = be.subgraphs
+    keraunos.wait_for_fusion(subgraph.jitted)
+    for _ in range(3):
+        x = torch.randn(4)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert "inductor_region" in str(subgraph.traces().forward[-1])
+    entry = subgraph.jitted._keraunos.last_entry
+    assert type(subgraph).__call__ is subgraph.run is entry.computation_fn
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    be = kd.backend(executors=["inductor", "torch"], fuse="background")
+    compiled = torch.compile(copy.deepcopy(mlp), backend=be)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(compiled(x), mlp(x))
+    (subgraph,) = be.subgraphs
+    assert "inductor_region" not in str(subgraph.traces().forward[-1])
+
+
 def test_a_subgraph_that_writes_an_input_still_checks_memory_shared_between_inputs():
     """A program that writes an input keeps keraunos's alias check on the lean path: inputs that
     share memory, unlike when it was compiled, are a keraunos cache miss and give eager's

@@ -346,6 +346,37 @@ def test_regions_are_called_past_inductors_wrappers():
     assert line.symbol.call.kernel_fn is not line.symbol.call.kernel.compiled
 
 
+def test_a_region_whose_inputs_need_no_grad_is_called_past_the_wrappers_in_grad_mode():
+    """In grad mode too, a region none of whose inputs requires grad (which the prologue
+    checks) calls Inductor's graph directly: with no input requiring grad, grad mode changes
+    nothing the graph computes. Its outputs are eager's and, as eager's, require no grad; the
+    same program on an input that requires grad runs its region in the forward of its
+    ``autograd.Function`` and gives eager's gradients."""
+    def f(x):
+        return (x * 2).sin().cos() + 1
+
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
+    for _ in range(3):
+        x = torch.randn(4, 4)
+        got = jitted(x)
+        assert_close(got, f(x), **TOL)
+        assert not got.requires_grad
+    (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
+    call = line.symbol.call
+    assert call.grad_free and call.kernel_fn is not call.kernel.compiled
+    assert call.kernel_fn.__name__ == "call"  # not the variant that looks at grad mode
+    for _ in range(2):
+        x = torch.randn(4, 4, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        got, want = jitted(x), f(x_eager)
+        assert_close(got, want, **TOL)
+        got.sum().backward()
+        want.sum().backward()
+        assert_close(x.grad, x_eager.grad, **TOL)
+    (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
+    assert not line.symbol.call.grad_free
+
+
 def test_region_kernels_leave_layout_checks_to_the_prologue():
     """Inductor's code checks no input's sizes and strides on each call (``size_asserts`` off:
     40 us of a 300 us call of a two-layer model); the prologue does. An input of another layout

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import sys
 import warnings
@@ -45,6 +46,7 @@ class SubgraphTraces:
     graph_module: torch.fx.GraphModule
 
 
+BACKEND_MIN_FUSED_OPS = 3  # see CompiledSubgraph.__init__
 _compile_order = itertools.count()  # subgraphs are listed in the order dynamo compiled them
 
 
@@ -73,15 +75,32 @@ class CompiledSubgraph:
         self.jitted = jit(gm, executors=executors, transforms=transforms, cache=cache,
                           max_cache_entries=64 if self.dynamic else 8, fallback="error",
                           fuse=fuse)
+        # Graphs whose forward has three ops a region would compute are fused too (in the
+        # background unless fuse says otherwise; keraunos.jit wants six in some trace):
+        # torch.compile's user asked for compilation, and three pointwise ops cost less per call
+        # as one kernel than as eager's three (``(x * 2 + 1).relu()`` in grad mode: 89k
+        # instructions a call against 132k unfused and 118k through Inductor's route). Only the
+        # forward counts: an MLP whose forward is one relu between two linears, fused for its
+        # backward's three, cost 11k more a call than unfused.
+        state = self.jitted._keraunos
+        state.options = dataclasses.replace(state.options,
+                                            min_fused_forward_ops=BACKEND_MIN_FUSED_OPS)
         # What later calls run, once compiled: the entry's functions without keraunos's call
         # path around them (see lean_call). None until then, and for a dynamic graph.
         self.run = None
 
     def __call__(self, *args):
-        run = self.run
-        if run is not None:
-            return run(*args)
+        """The calls before ``run`` is set (see ``_bind``): keraunos's whole call path."""
         return self._compile_and_call(args)
+
+    def _bind(self, run) -> None:
+        """Later calls go to ``run`` without a frame of this class: dynamo calls this object,
+        and a class of its own whose ``__call__`` is ``run`` (a static method) hands the call
+        straight on (a Python ``__call__`` that called ``run`` cost 0.9k instructions a call)."""
+        self.run = run
+        self.__class__ = type(CompiledSubgraph.__name__, (CompiledSubgraph,),
+                              {"__call__": staticmethod(run), "__slots__": (),
+                               "__module__": CompiledSubgraph.__module__})
 
     def _compile_and_call(self, args: tuple):
         """The calls before ``run`` is set: keraunos's whole call path, which compiles."""
@@ -102,7 +121,7 @@ class CompiledSubgraph:
         if not self.dynamic and not state.options.profile and state.entries:
             tiering = state.entries[0].tiering
             if tiering is None or tiering.done.is_set():  # lean_call binds the computation:
-                self.run = lean_call(state.entries[0], len(args), self.jitted)  # the final tier's
+                self._bind(lean_call(state.entries[0], len(args), self.jitted))  # the final tier's
         return out
 
     def _run_eagerly(self, args, error: Exception):
@@ -110,7 +129,7 @@ class CompiledSubgraph:
         FX graph as PyTorch does, which also raises eager's error if the program has one."""
         out = self.gm(*args)
         self.eager = True
-        self.run = self.gm
+        self._bind(self.gm)
         warnings.warn(f"keraunos.dynamo: {self.name} runs eagerly (its FX graph, uncompiled): "
                       f"keraunos could not compile it ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''})", UserWarning,

@@ -100,14 +100,17 @@ class Kernel:
             self.seconds += elapsed()
 
 
-    def direct(self, args, outs):
+    def direct(self, args, outs, grad_free: bool = False):
         """The kernel as a callable past ``compile_fx``'s wrappers, or ``compiled`` where that is
         not known to give the same outputs. Decided once, on a region's first call: ``outs`` are
         what the wrapped kernel gave for ``args``; the unwrapped graph must give outputs of the
         same layouts, none of them an input or requiring grad (a region is a pure inference
         graph: nothing for the wrappers to replay). A call still goes through the wrappers when
         Dynamo is evaluating frames (a jitted call inside a torch.compile'd function) or grad
-        mode is on, which the wrappers would switch off."""
+        mode is on, which the wrappers would switch off; ``grad_free`` (no input of the region
+        requires grad, as the checks before it guarantee: the prologue's, or Dynamo's guards)
+        drops the second condition: with no input requiring grad, grad mode changes nothing
+        the graph computes."""
         if self._unwrapped is None:
             self._unwrapped = _unwrapped(self.compiled, args, outs) or False
             if self._unwrapped is not False and self.store_key is not None:
@@ -117,11 +120,18 @@ class Kernel:
         if graph is False:
             return compiled
 
-        def call(*args):
+        if grad_free:
+            def call(*args):
+                if _eval_frame_callback() is None:
+                    return graph.current_callable(list(args))
+                return compiled(*args)
+            return call
+
+        def call_without_grad(*args):
             if _eval_frame_callback() is None and not _grad_enabled():
                 return graph.current_callable(list(args))
             return compiled(*args)
-        return call
+        return call_without_grad
 
 
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
@@ -564,6 +574,9 @@ class RegionCall:
         self.layout = ((layout or symbolic.Layout(inputs)) if any(map(symbolic.is_symbolic, (
             v for shape, stride in metas for v in (*shape, *stride)))) else None)
         self.always_checked = always_checked
+        # No input requires grad (checked before every call: by the prologue, or by Dynamo's
+        # guards on the backend route), so no output does, in grad mode or not.
+        self.grad_free = not any(isinstance(p, TensorProxy) and p.requires_grad for p in inputs)
         self.fixed_outputs: tuple[int, ...] = ()
         self.run = self._first_call
         self._evaluators = None  # with symbolic sizes: each layout as a function of the sizes
@@ -630,7 +643,7 @@ class RegionCall:
                                    if outputs[i] is not None and t.stride() != outputs[i][1])
         self.copied_outputs = _shared_unlike_the_trace(
             given, outs, *self.storages, range(len(given)) if self.writes else ())
-        self.kernel_fn = self.kernel.direct(given, outs)
+        self.kernel_fn = self.kernel.direct(given, outs, self.grad_free)
         self.run = self.kernel_fn if not (checked or self.fixed_outputs or self.copied_outputs) \
             else self._fixing_call
         return self._finished(outs, outputs)
