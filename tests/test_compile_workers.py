@@ -155,7 +155,7 @@ def test_a_process_with_helpers_exits_at_once_and_takes_them_along(tmp_path):
     text = out_path.read_text()
     pids = [int(p) for p in text.split("helpers")[1].split("\n")[0].split()]
     assert len(pids) == 1
-    assert ended - float(text.split("leaving")[1]) < 8.0
+    assert ended - float(text.split("leaving")[1]) < 15.0  # (as in test_tiers.py)
     for pid in pids:  # killed (a zombie until reaped) or gone
         try:
             state = open(f"/proc/{pid}/status").read()

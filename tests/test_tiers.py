@@ -309,7 +309,9 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
     stdout, stderr = out_path.read_text(), err_path.read_text()
     assert done.returncode == 0, stderr
     left = float(stdout.split("leaving")[1])
-    assert ended - left < 8.0, f"exit took {ended - left:.1f} s"
+    # A cold compile left to finish takes tens of seconds here; the exit itself, well under a
+    # second quiet, took 8.1 s once on a machine loaded by valgrind: the bound leaves room for that.
+    assert ended - left < 15.0, f"exit took {ended - left:.1f} s"
     assert "keraunos:" not in stderr, stderr
 
 
