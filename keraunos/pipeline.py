@@ -12,9 +12,11 @@ import torch
 from . import executors as executors_module
 from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
+from .autograd.buckets import active_ddp_bucket_caps, plan_segments
+from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
-from .core.proxies import Proxy
+from .core.proxies import Proxy, TensorProxy
 from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
@@ -57,6 +59,11 @@ class Compilation:
     fusion_regions: list = field(default_factory=list)
     executors: tuple = ()                      # who claims lines (tier 0: no fusion executors)
     fusion_note: str | None = None             # why the program is not fused (compile_stats)
+    # Inside DistributedDataParallel's forward: its bucket sizes, read when capture ran (the
+    # fused tier's worker runs after the forward). The backward is then split at its bucket
+    # boundaries (``split_at_ddp_buckets``) into ``segments``.
+    bucket_caps: Any = None
+    segments: Any = None
 
     @property
     def computation(self) -> Trace:
@@ -164,7 +171,8 @@ def capture(state, args, kwargs) -> Compilation:
                               state.options.specialize_data)
     return Compilation(state, program, [program.prologue], [program.computation],
                        [program.epilogue], stages=dict(program.stages),
-                       executors=tuple(state.options.executors))
+                       executors=tuple(state.options.executors),
+                       bucket_caps=active_ddp_bucket_caps())
 
 
 def transforms_before_prologue(c: Compilation) -> None:
@@ -301,6 +309,23 @@ def delete_dead_names(c: Compilation) -> None:
         c.backwards.append(delete_last_used(c.backward))
 
 
+def split_at_ddp_buckets(c: Compilation) -> None:
+    """Inside DistributedDataParallel's forward, the backward becomes one autograd node per
+    stretch that completes a bucket of DDP's reducer, so that each bucket's all-reduce starts
+    while the rest of the backward runs (``autograd/buckets.py``), as ``torch.compile``'s
+    DDPOptimizer does. The trace ``last_backward_traces`` shows marks each boundary."""
+    c.segments = None
+    if c.backward is None or c.bucket_caps is None:
+        return
+    t0 = time.perf_counter()
+    plan = plan_segments(c.backward, c.split.forward, c.split.n_saved_tensors, c.bucket_caps)
+    if plan is None:
+        return
+    c.segments = plan
+    c.backwards.append(plan.display)
+    c.time("split at DDP's buckets", time.perf_counter() - t0)
+
+
 def fast_prologue_stage(c: Compilation) -> None:
     prologue, structure_walk = fast_prologue(c.prologues[-1])
     if structure_walk is not None:
@@ -314,7 +339,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
           fast_prologue_stage)
 # Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
-TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names)
+TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names,
+               split_at_ddp_buckets)
 
 
 def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
@@ -340,6 +366,11 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
 
 def _computation_callable(c: Compilation):
     computation_fn = c.computation.python_callable()
+    if c.segments is not None:
+        device = next(p.device for p in c.split.forward.params if isinstance(p, TensorProxy))
+        return make_segmented_computation(
+            computation_fn, [s.trace.python_callable() for s in c.segments.segments],
+            c.segments, c.split, device)
     if c.backward is not None:
         computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
                                                    c.split)
