@@ -1,7 +1,7 @@
 """A DDP and an FSDP2 training step on 2 local gloo ranks: eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/distributed.py [--steps N] [--layers L] [--width W] [--skip-compile]
-     [--sections ddp,fsdp,tp]
+     [--sections ddp,fsdp,tp] [--bucket-cap-mb MB]
 
 Every system trains the same small litgpt GPT (random weights) with SGD, on the same batches,
 in the same two processes (gloo over 127.0.0.1, one intra-op thread each); the systems take
@@ -18,8 +18,9 @@ step (compile included), and whether its losses matched eager's.
   `torch.compile` (Inductor).
 
 On CPU with gloo this measures overheads only: communication is a memcpy between two local
-processes, so a backward that all-reduces every bucket at its end (keraunos today) costs about
-what an overlapped one does. What a GPU run with NCCL has to show is in docs/benchmarks.md.
+processes (gloo's threads do it while the backward runs, so the split at DDP's bucket
+boundaries overlaps it here too, on cores the backward does not use). What a GPU run with NCCL
+has to show is in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ def make_model(layers: int, width: int):
 def _ddp_systems(args):
     import keraunos
     from torch.nn.parallel import DistributedDataParallel as DDP
+    cap = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     systems = {
-        "eager DDP(m)": lambda m: DDP(m),
-        "keraunos DDP(jit(m))": lambda m: DDP(keraunos.jit(m)),
-        "keraunos jit(DDP(m))": lambda m: keraunos.jit(DDP(m)),
+        "eager DDP(m)": lambda m: DDP(m, **cap),
+        "keraunos DDP(jit(m))": lambda m: DDP(keraunos.jit(m), **cap),
+        "keraunos jit(DDP(m))": lambda m: keraunos.jit(DDP(m, **cap)),
     }
     if not args.skip_compile:
-        systems["torch.compile DDP(compile(m))"] = lambda m: DDP(torch.compile(m))
+        systems["torch.compile DDP(compile(m))"] = lambda m: DDP(torch.compile(m), **cap)
     return systems
 
 
@@ -210,6 +212,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb (default: DDP's, 25 MiB after a 1 MiB first)")
     parser.add_argument("--sections", default="ddp,fsdp,tp",
                         help="which of ddp, fsdp, tp to run (comma-separated)")
     args = parser.parse_args()

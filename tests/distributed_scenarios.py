@@ -234,6 +234,90 @@ def both_ddp_orders_train_alike(rank, world_size):
     return results
 
 
+def _deep_model():
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), *layers, torch.nn.Linear(32, 3))
+
+
+def _record_buckets_and_last_node(model, events):
+    """DDP's all-reduce of each bucket, as it starts (a comm hook doing the default all-reduce),
+    into ``events``."""
+    def all_reduce_recorded(state, bucket):
+        events.append("bucket")
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    model.register_comm_hook(None, all_reduce_recorded)
+
+
+def _mark_last_keraunos_node(loss, events):
+    """``events`` gets "last node" when the backward's last keraunos node starts: the one that
+    runs the forward program, whose backward segment is the last to run."""
+    from keraunos.autograd.function import _FirstNode
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node) is _FirstNode._backward_cls:
+            node.register_prehook(lambda grads: events.append("last node"))
+        stack.extend(f for f, _ in node.next_functions)
+
+
+def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
+    """Small buckets (bucket_cap_mb=0.005: 5 KB, about one layer each): the backward is one
+    autograd node per stretch that fills a bucket, and DDP's reducer starts all-reducing
+    buckets before the backward's last node runs. Losses, gradients and parameters equal eager
+    DDP's with the same buckets, in both orders, also after a no_sync() step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    cap = 0.005
+    results = {}
+    orders = {"eager": lambda m: DDP(m, bucket_cap_mb=cap),
+              "DDP(jit(m))": lambda m: DDP(keraunos.jit(m), bucket_cap_mb=cap),
+              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, bucket_cap_mb=cap))}
+    runs = {}
+    for order, wrap in orders.items():
+        model = wrap(_deep_model())
+        events = []
+        _record_buckets_and_last_node(model, events)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads, early = [], [], []
+        for i, step in enumerate(_batches(world_size, 4)):
+            x, y = step[rank]
+            if i == 1:
+                with model.no_sync():
+                    F.mse_loss(model(x), y).backward()
+                continue
+            loss = F.mse_loss(model(x), y)
+            events.clear()
+            _mark_last_keraunos_node(loss, events)
+            loss.backward()
+            # Buckets whose all-reduce started before the backward's last node ran (the first
+            # step has one bucket: DDP rebuilds them by the order gradients came in).
+            early.append(events.index("last node") if "last node" in events else None)
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[order] = (losses, grads, [p.detach().clone() for p in model.parameters()], early,
+                       events.count("bucket"), model)
+    eager = runs.pop("eager")
+    for order, (losses, grads, params, early, buckets, model) in runs.items():
+        jitted = model.module if order == "DDP(jit(m))" else model
+        backward = str(keraunos.last_backward_traces(jitted)[-1])
+        results[order] = {
+            "losses": all(_close(a, b) for a, b in zip(losses, eager[0])),
+            "grads": all(_close(a, b) for g, h in zip(grads, eager[1]) for a, b in zip(g, h)),
+            "params": all(_close(a, b) for a, b in zip(params, eager[2])),
+            "buckets": (buckets, eager[4]),
+            "early": early,
+            "nodes": backward.count("DDP bucket boundary") + 1,
+            "misses": keraunos.cache_misses(jitted),
+        }
+    return results
+
+
 # ------------------------------------------------------------------------------ DTensor
 # DTensor and tensor parallel: tests/dtensor_scenarios.py, run in this spawn too.
 from dtensor_scenarios import (  # noqa: E402,F401

@@ -24,6 +24,7 @@ SCENARIOS = [
     "barrier_and_point_to_point_are_refused",
     "jitted_model_inside_ddp_trains_like_one_process",
     "both_ddp_orders_train_alike",
+    "ddp_backward_is_split_at_bucket_boundaries",
     "dtensor_function_matches_eager",
     "tensor_parallel_inference_matches_eager",
     "tensor_parallel_mlp_trains_like_eager",
@@ -103,6 +104,22 @@ def test_jit_of_ddp_trains_as_ddp_of_jit_and_eager_ddp_with_buffers_and_no_sync(
             assert same and agree, case
             # One compilation, then hits (no_sync's step runs the same program).
             assert misses == 1 and hits >= 2, case
+
+
+def test_ddp_backward_is_split_at_bucket_boundaries_so_all_reduces_overlap_it(outcomes):
+    # As torch.compile's DDPOptimizer does: one autograd node per stretch of the backward that
+    # completes a bucket of DDP's reducer, whose all-reduce then starts while the later nodes
+    # run; the trace marks each boundary. Results equal eager DDP's with the same buckets.
+    for rank in values(outcomes, "ddp_backward_is_split_at_bucket_boundaries"):
+        assert set(rank) == {"DDP(jit(m))", "jit(DDP(m))"}
+        for order, r in rank.items():
+            assert r["losses"] and r["grads"] and r["params"], (order, r)
+            buckets, eager_buckets = r["buckets"]
+            assert buckets == eager_buckets >= 3, (order, r)
+            assert r["nodes"] >= 3 and r["misses"] == 1, (order, r)
+            # Step 0: DDP's single first bucket waits for the whole backward; from step 2 on
+            # (step 1 is no_sync), buckets are all-reduced before the last node runs.
+            assert r["early"][0] == 0 and all(n >= 2 for n in r["early"][1:]), (order, r)
 
 
 def test_dtensor_function_is_flattened_to_local_ops_and_matches_eager(outcomes):
