@@ -53,7 +53,7 @@ from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import FALLBACK_ERRORS, CaptureError, UnsupportedInputError, user_source
-from .pipeline import compile_entry
+from .pipeline import compile_entry, rebind_entry
 from .tiers import IMPORT_LOCK, FuseMode, default_mode
 from .transforms import Transform
 
@@ -176,6 +176,9 @@ class _JitState:
         # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
         self.forward_only = False
         self.last_used = 0.0
+        # The states of the other units of the same model: an entry of an identical unit is
+        # rebound to this one (``pipeline.rebind_entry``) rather than compiled again.
+        self.siblings: list = []
         # The program fell back to torch.compile(backend="keraunos"): what it compiled.
         self.dynamo_compiled = None
         # Methods routed through the compiled forward (jitted.py): how deep such calls are
@@ -566,6 +569,9 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     forward's saved tensors, nor hit the recomputation's early stop."""
     if state.module is not None and not state.forward_only:
         _refuse_sharded_units_inside(state.module)
+    shared = _entry_of_an_identical_unit(state, args, kwargs)
+    if shared is not None:
+        return shared
     stashed = []
     while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
         stashed.append(top)
@@ -575,6 +581,28 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     finally:
         for pack, unpack in reversed(stashed):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _entry_of_an_identical_unit(state: _JitState, args: tuple,
+                                kwargs: dict) -> CacheEntry | None:
+    """An entry another unit of the model compiled, rebound to this unit, when this unit is of
+    the same class with the same ``forward`` and the rebound prologue accepts the call (it
+    checks everything the program assumed: submodule types, attributes, parameter metadata,
+    hooks): identical blocks then share one compiled program, as ``torch.compile`` shares one
+    graph between them."""
+    module, forward = state.module, getattr(state.fn, "__func__", None)
+    for other in state.siblings:
+        if (other is state or type(other.module) is not type(module) or forward is None
+                or getattr(other.fn, "__func__", None) is not forward):
+            continue
+        for entry in other.entries:
+            try:
+                rebound = rebind_entry(entry, other.module, module, args, kwargs)
+            except Exception:  # noqa: BLE001 - a prologue that cannot unpack this call
+                rebound = None
+            if rebound is not None:
+                return rebound
+    return None
 
 
 def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:

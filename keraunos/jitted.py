@@ -575,6 +575,8 @@ def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
         compiled_forward._keraunos_unit = state
         unit.__dict__["forward"] = compiled_forward
         states.append(state)
+    for state in states:  # identical units share one program (jit._entry_of_an_identical_unit)
+        state.siblings = states
     jitted = JittedModule(model, options)
     object.__setattr__(jitted, "_keraunos", _UnitsState(model, options, states))
     object.__setattr__(jitted, "_call", lambda state, args, kwargs: model(*args, **kwargs))

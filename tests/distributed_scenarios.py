@@ -420,11 +420,20 @@ def _fsdp_case(rank, world_size, checkpointed=False, mp=None, tol=1e-5, ref_tol=
             "params": all(_close(a, b, tol) for a, b in zip(params, eager[2])),
             "reference": all(_close(a, b, ref_tol) for a, b in zip(params, reference)),
             "misses": sum(keraunos.cache_misses(c) for c in compiled),
+            "programs": _compiled_programs(compiled),
             "hits": sum(keraunos.cache_hits(c) for c in compiled),
             "leak": capture_values_in([list(model.parameters()),
                                        [p.to_local() for p in model.parameters()]]),
         }
     return result
+
+
+def _compiled_programs(jitted) -> int:
+    """How many programs were compiled for these jitted modules' blocks (an entry rebound to an
+    identical block shares its computation traces)."""
+    from keraunos.jit import state_of
+    states = [u for j in jitted for u in getattr(state_of(j), "units", [state_of(j)])]
+    return len({id(e.computation_traces) for s in states for e in s.entries})
 
 
 def fsdp2_jitted_blocks_and_jitted_model_train_like_eager(rank, world_size):
