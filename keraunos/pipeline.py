@@ -25,6 +25,7 @@ from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
 from .core.trace import Trace
 from .passes.fast_prologue import fast_prologue
+from .structure import _GLOBAL_HOOK_TABLES, _HOOK_TABLES, hook_state
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
@@ -455,6 +456,8 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         named += list(trace.namespace.values())
     if any(id(v) in owned for v in named):
         return None
+    if not _same_hooks_below(_compiled_hooks(traces), hook_state(to)):
+        return None
     t0 = time.perf_counter()
     note = (f"Rebound to another {type(to).__qualname__} (an identical module: one compiled "
             f"program for both)")
@@ -481,6 +484,28 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
                            time.perf_counter() - t0},
                    alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
                    hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
+
+
+def _compiled_hooks(prologues: list) -> tuple | None:
+    """The hooks the entry was compiled with (what its module-structure walk checks)."""
+    walk = prologues[-2] if len(prologues) > 1 else None
+    if walk is None or walk.name != "refresh_module_structure":
+        return None
+    namespace = walk.source()[1]
+    return next((v for k, v in namespace.items() if k.startswith("_compiled_hooks")), None)
+
+
+def _same_hooks_below(compiled: tuple | None, now: tuple) -> bool:
+    """Whether a unit's submodules run the hooks the program was compiled with (its own hooks
+    are FSDP2's, run around the program, not in it): the same functions in the same order, and
+    the same global hooks. Hook handles differ between modules; the functions must not."""
+    if compiled is None or len(compiled) != len(now):
+        return False
+    n_global, n_own = len(_GLOBAL_HOOK_TABLES), len(_HOOK_TABLES)
+    if compiled[:n_global] != now[:n_global]:
+        return False
+    below = zip(compiled[n_global + n_own:], now[n_global + n_own:])
+    return all(len(a) == len(b) and all(x[1] is y[1] for x, y in zip(a, b)) for a, b in below)
 
 
 def _with_example(line, value_of: dict):

@@ -451,6 +451,42 @@ def fsdp2_activation_checkpointing_trains_like_eager(rank, world_size):
     return _fsdp_case(rank, world_size, checkpointed=True)
 
 
+def fsdp2_units_that_differ_compile_programs_of_their_own(rank, world_size):
+    """Units of one class share a program only where the program is proven valid for each: a
+    block whose LayerNorm has another eps, or whose Linear has a forward hook (which the
+    program would run inline), compiles its own; each model trains like eager FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    def other_eps(model):
+        model.blocks[1].norm.eps = 1e-3
+
+    def hooked(model):
+        model.blocks[1].fc.register_forward_hook(lambda m, args, out: out * 0.5)
+
+    def same(model):
+        model.blocks[1].norm.eps = float("1e-05")  # an equal value in an object of its own
+
+    result = {}
+    for name, change in (("other eps", other_eps), ("hooked", hooked), ("equal eps", same)):
+        runs = []
+        for jit in (False, True):
+            torch.manual_seed(0)
+            model = _Stack()
+            change(model)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            model = keraunos.jit(model) if jit else model
+            runs.append((_train_fsdp(model, rank, world_size), model))
+        (eager, _), (mine, jitted) = runs
+        result[name] = {
+            "same": all(_close(a, b) for a, b in zip(mine[0], eager[0]))
+            and all(_close(a, b) for a, b in zip(mine[2], eager[2])),
+            "programs": _compiled_programs([jitted]),
+        }
+    return result
+
+
 def fsdp2_units_sharded_inside_a_jitted_model_are_refused(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)

@@ -38,6 +38,7 @@ SCENARIOS = [
     "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
     "fsdp2_mixed_precision_trains_like_eager",
     "fsdp2_activation_checkpointing_trains_like_eager",
+    "fsdp2_units_that_differ_compile_programs_of_their_own",
     "fsdp2_units_sharded_inside_a_jitted_model_are_refused",
 ]
 
@@ -207,9 +208,14 @@ def _check_fsdp2(outcomes, name, hits=4):
             assert r["losses"] and r["grads"] and r["params"], (order, r)
             assert r["reference"], (order, r)
             assert r["leak"] is None, (order, r)
-            # One compilation per block (two blocks), then hits on the other two steps (and,
-            # with checkpointing, on each backward's recomputation).
+            # One miss per block (two blocks), then hits on the other two steps (and, with
+            # checkpointing, on each backward's recomputation).
             assert (r["misses"], r["hits"]) == (2, hits), (order, r)
+        # keraunos.jit of the sharded model: the identical blocks share one compiled program
+        # (the second block's miss rebinds the first one's entry); jitted one by one before
+        # fully_shard, each block compiles its own.
+        assert rank["model jitted"]["programs"] == 1, rank
+        assert rank["blocks jitted"]["programs"] == 2, rank
 
 
 def test_fsdp2_jitted_blocks_and_jitted_sharded_model_train_like_eager_fsdp2(outcomes):
@@ -229,6 +235,13 @@ def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
     # interrupts that call once it holds the tensors it needs, so it counts as no hit (the hit
     # path counts a call when it returns): 4 hits, the two later steps' forwards of each block.
     _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=4)
+
+
+def test_fsdp2_units_that_differ_compile_programs_of_their_own(outcomes):
+    for rank in values(outcomes, "fsdp2_units_that_differ_compile_programs_of_their_own"):
+        assert rank == {"other eps": {"same": True, "programs": 2},
+                        "hooked": {"same": True, "programs": 2},
+                        "equal eps": {"same": True, "programs": 1}}, rank
 
 
 def test_fsdp2_units_sharded_after_jitting_their_model_are_refused_with_what_to_do(outcomes):
