@@ -10,7 +10,10 @@ each system's median step (rank 0's, over the last rounds), its ratio to eager's
 step (compile included), and whether its losses matched eager's.
 
 - DDP: eager `DDP(m)`, keraunos `DDP(keraunos.jit(m))` and `keraunos.jit(DDP(m))` (the same by
-  design), `DDP(torch.compile(m))` (DDPOptimizer splits its graph at bucket boundaries).
+  design; the backward split at DDP's bucket boundaries), the first again with the backward as
+  one autograd node (a DDP that hides its forward from keraunos: the split's own effect), and
+  `DDP(torch.compile(m))` (DDPOptimizer splits its graph at bucket boundaries; it needs
+  `--bucket-cap-mb` >= 1: it asserts that the first bucket is no larger than the others).
 - FSDP2: `fully_shard` per block and root; keraunos where `keraunos.jit` of it works (it says
   `refused` otherwise), and `torch.compile` per block, as torchtitan does.
 - Tensor parallel: each block's MLP `parallelize_module`d (ColwiseParallel fc_1 and fc_2,
@@ -52,15 +55,31 @@ def make_model(layers: int, width: int):
 def _ddp_systems(args):
     import keraunos
     from torch.nn.parallel import DistributedDataParallel as DDP
+    _Unmarked = _unmarked_ddp()
     cap = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     systems = {
         "eager DDP(m)": lambda m: DDP(m, **cap),
         "keraunos DDP(jit(m))": lambda m: DDP(keraunos.jit(m), **cap),
         "keraunos jit(DDP(m))": lambda m: keraunos.jit(DDP(m, **cap)),
+        "keraunos DDP(jit(m)), backward 1 node": lambda m: _Unmarked(keraunos.jit(m), **cap),
     }
     if not args.skip_compile:
         systems["torch.compile DDP(compile(m))"] = lambda m: DDP(torch.compile(m), **cap)
     return systems
+
+
+def _unmarked_ddp():
+    """DDP that does not mark its forward as DDP's (``_get_active_ddp_module`` stays None):
+    keraunos then compiles the backward as one autograd node, as before the split at bucket
+    boundaries; for comparison only."""
+    import contextlib
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Unmarked(DDP):
+        @contextlib.contextmanager
+        def _inside_ddp_forward(self):
+            yield
+    return Unmarked
 
 
 def _fsdp_systems(args):

@@ -13,7 +13,7 @@ import torch
 from . import executors as executors_module
 from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
-from .autograd.buckets import active_ddp_bucket_caps, plan_segments
+from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
@@ -256,7 +256,12 @@ def fuse_regions(c: Compilation) -> None:
     for executor in executors_module.fusion_executors(executors):
         fuse = trace_step(executor.fuse)  # the runner times every executor's traces
         forward = c.computation
-        if c.backward is not None:  # its regions start elsewhere while the forward's compile
+        # The backward's regions start elsewhere while the forward's compile runs.
+        if c.segments is not None:
+            for segment in c.segments.segments:
+                executor.prefetch(segment.trace, observable=_returned(segment.trace),
+                                  always_checked=set(), forward=forward)
+        elif c.backward is not None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
                               always_checked=_varying_grads(c), forward=forward)
         fused, regions = fuse(
@@ -272,6 +277,14 @@ def fuse_regions(c: Compilation) -> None:
         # The backward's Function lays each incoming gradient out as recorded before the trace
         # runs (autograd/function.py); only gradients of symbolic strides can still come with
         # others, and regions check those (and what is made from them) on every call.
+        if c.segments is not None:  # no symbolic strides: the split needs exact sizes
+            for segment in c.segments.segments:
+                segment.trace, regions = fuse(
+                    segment.trace, executors, observable=_returned(segment.trace),
+                    forward=forward, counter=counter)
+                c.fusion_regions += regions
+                c.time("fusion", segment.trace.seconds)
+            continue
         fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
             forward=forward, counter=counter)
@@ -297,7 +310,13 @@ def transforms_after_optimization(c: Compilation) -> None:
         c.computations.append(computation.derive(computation.bound_symbols, t.name,
                                                  forward_seconds))
         backward_seconds = 0.0
-        if c.backward is not None:
+        if c.segments is not None:  # what runs: each segment of the backward
+            t0 = time.perf_counter()
+            for segment in c.segments.segments:
+                transformed = t.transform_trace_post_optimization(segment.trace)
+                segment.trace = transformed.derive(transformed.bound_symbols, t.name)
+            backward_seconds = time.perf_counter() - t0
+        elif c.backward is not None:
             t0 = time.perf_counter()
             backward = t.transform_trace_post_optimization(c.backward)
             backward_seconds = time.perf_counter() - t0
@@ -309,7 +328,10 @@ def transforms_after_optimization(c: Compilation) -> None:
 def delete_dead_names(c: Compilation) -> None:
     c.computations.append(delete_last_used(c.computation))
     c.time("delete last used", c.computation.seconds)
-    if c.backward is not None:
+    if c.segments is not None:
+        for segment in c.segments.segments:
+            segment.trace = delete_last_used(segment.trace)
+    elif c.backward is not None:
         c.backwards.append(delete_last_used(c.backward))
 
 
@@ -317,17 +339,20 @@ def split_at_ddp_buckets(c: Compilation) -> None:
     """Inside DistributedDataParallel's forward, the backward becomes one autograd node per
     stretch that completes a bucket of DDP's reducer, so that each bucket's all-reduce starts
     while the rest of the backward runs (``autograd/buckets.py``), as ``torch.compile``'s
-    DDPOptimizer does. The trace ``last_backward_traces`` shows marks each boundary."""
+    DDPOptimizer does. After the claims, before fusion: the later stages treat each segment as
+    a backward of its own, and ``show_segments`` adds the trace that marks the boundaries."""
     c.segments = None
     if c.backward is None or c.bucket_caps is None:
         return
     t0 = time.perf_counter()
-    plan = plan_segments(c.backward, c.split.forward, c.split.n_saved_tensors, c.bucket_caps)
-    if plan is None:
-        return
-    c.segments = plan
-    c.backwards.append(plan.display)
+    c.segments = plan_segments(c.backward, c.split.forward, c.split.n_saved_tensors,
+                               c.bucket_caps)
     c.time("split at DDP's buckets", time.perf_counter() - t0)
+
+
+def show_segments(c: Compilation) -> None:
+    if c.segments is not None:
+        c.backwards.append(display_trace(c.segments, c.backward))
 
 
 def fast_prologue_stage(c: Compilation) -> None:
@@ -343,8 +368,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
           fast_prologue_stage)
 # Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
-TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names,
-               split_at_ddp_buckets)
+TIER_STAGES = (executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
+               delete_dead_names, show_segments)
 
 
 def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:

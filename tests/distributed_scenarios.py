@@ -269,13 +269,16 @@ def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
     """Small buckets (bucket_cap_mb=0.005: 5 KB, about one layer each): the backward is one
     autograd node per stretch that fills a bucket, and DDP's reducer starts all-reducing
     buckets before the backward's last node runs. Losses, gradients and parameters equal eager
-    DDP's with the same buckets, in both orders, also after a no_sync() step."""
+    DDP's with the same buckets, in both orders, also after a no_sync() step, and fused."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     cap = 0.005
     results = {}
     orders = {"eager": lambda m: DDP(m, bucket_cap_mb=cap),
               "DDP(jit(m))": lambda m: DDP(keraunos.jit(m), bucket_cap_mb=cap),
-              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, bucket_cap_mb=cap))}
+              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, bucket_cap_mb=cap)),
+              # Fused: the backward is cut before fusion, whose regions stay within a node.
+              "DDP(jit(m, fuse='wait'))": lambda m: DDP(keraunos.jit(m, fuse="wait"),
+                                                        bucket_cap_mb=cap)}
     runs = {}
     for order, wrap in orders.items():
         model = wrap(_deep_model())
@@ -304,7 +307,7 @@ def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
                        events.count("bucket"), model)
     eager = runs.pop("eager")
     for order, (losses, grads, params, early, buckets, model) in runs.items():
-        jitted = model.module if order == "DDP(jit(m))" else model
+        jitted = model.module if order.startswith("DDP(") else model
         backward = str(keraunos.last_backward_traces(jitted)[-1])
         results[order] = {
             "losses": all(_close(a, b) for a, b in zip(losses, eager[0])),
@@ -314,6 +317,7 @@ def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
             "early": early,
             "nodes": backward.count("DDP bucket boundary") + 1,
             "misses": keraunos.cache_misses(jitted),
+            "fused": "inductor_region" in backward,
         }
     return results
 

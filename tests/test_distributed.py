@@ -112,7 +112,8 @@ def test_ddp_backward_is_split_at_bucket_boundaries_so_all_reduces_overlap_it(ou
     # completes a bucket of DDP's reducer, whose all-reduce then starts while the later nodes
     # run; the trace marks each boundary. Results equal eager DDP's with the same buckets.
     for rank in values(outcomes, "ddp_backward_is_split_at_bucket_boundaries"):
-        assert set(rank) == {"DDP(jit(m))", "jit(DDP(m))"}
+        assert set(rank) == {"DDP(jit(m))", "jit(DDP(m))", "DDP(jit(m, fuse='wait'))"}
+        assert rank["DDP(jit(m, fuse='wait'))"]["fused"]
         for order, r in rank.items():
             assert r["losses"] and r["grads"] and r["params"], (order, r)
             buckets, eager_buckets = r["buckets"]

@@ -13,8 +13,10 @@ reducer does (gradients in the order they become ready, ``first_bucket_bytes_cap
 segment is a trace of its own (its inputs: the saved tensors it reads and the values earlier
 segments hand on; its outputs: its gradients and the values later segments read), and runs as
 one autograd node (``function.make_segmented_computation``), so each bucket's all-reduce starts
-while the later segments run. ``plan.display`` is the whole backward with a comment at each
-boundary, for ``last_backward_traces``.
+while the later segments run. The cut comes before fusion, which forms regions within each
+segment (a region across a boundary would hand its gradients over at its end only).
+``display_trace`` is the whole backward with a comment at each boundary, for
+``last_backward_traces``.
 """
 from __future__ import annotations
 
@@ -77,7 +79,6 @@ class Segment:
 @dataclass
 class SegmentPlan:
     segments: list[Segment]   # in the order the backward runs them
-    display: Trace            # the whole backward, each boundary marked
 
 
 def plan_segments(backward: Trace, forward: Trace, n_saved: int,
@@ -143,7 +144,7 @@ def _after_deletes(body: list, at: int) -> int:
 
 def _segments(backward: Trace, body: list, grads: list, bounds: list, defined_at: dict,
               n_saved: int) -> SegmentPlan:
-    params = backward.params
+    params, returns = backward.params, backward.bound_symbols[-1]
     saved_names = {p.name: i for i, p in enumerate(params[:n_saved])}
     entry = [p.name for p in params[n_saved:]]  # data-dependent sizes, then output gradients
     proxies = {p.name: p for p in params}
@@ -160,7 +161,7 @@ def _segments(backward: Trace, body: list, grads: list, bounds: list, defined_at
         if isinstance(g, Proxy):
             at = defined_at.get(g.name, -1)
             grad_segment[i] = next(k for k, (_, end) in enumerate(bounds) if at <= end)
-    segments, carried, marked = [], entry, []
+    segments, carried = [], entry
     for k, (start, end) in enumerate(bounds):
         lines = body[start + 1:end + 1]
         mine = sorted(i for i, s in grad_segment.items() if s == k)
@@ -172,26 +173,34 @@ def _segments(backward: Trace, body: list, grads: list, bounds: list, defined_at
         segment_params = [params[i] for i in saved] + [proxies[n] for n in carried]
         out = [grads[i] for i in mine] + [proxies[n] for n in carried_out]
         trace = Trace(f"backward_segment{k}", segment_params,
-                      lines + [glue.RETURN.bind(out)],
+                      lines + [glue.RETURN.bind(out, executor=returns.executor)],
                       backward.header + [f"Segment {k} of the backward split at DDP's bucket "
                                          f"boundaries"], dict(backward.namespace))
         segments.append(Segment(trace, saved, list(carried), carried_out, mine, mine))
         carried = carried_out
-        marked += lines
-        if k + 1 < len(bounds):
-            names = ", ".join(grads[i].name for i in mine) or "none"
-            marked.append(glue.PYTHON.bind(label="bucket boundary", lines=_comment(
-                f"DDP bucket boundary: autograd node {k} ends; its gradients ({names}) go to "
-                f"DDP's reducer, whose all-reduce runs while the rest of the backward does"),
-                outputs=None))
     # Gradients that come from no line of the backward (None, or an input never reached) go
     # back from the last node, with the inputs that get none.
     rest = [i for i in range(len(grads)) if i not in grad_segment]
     segments[-1].inputs = sorted(segments[-1].gradients + rest)
-    display = backward.derive(marked + [backward.bound_symbols[-1]],
-                              f"Backward Split at DDP's Bucket Boundaries "
-                              f"({len(segments)} autograd nodes)")
-    return SegmentPlan(segments, display)
+    return SegmentPlan(segments)
+
+
+def display_trace(plan: SegmentPlan, backward: Trace) -> Trace:
+    """The backward as its segments run it, one after the other, each boundary marked (without
+    the segments' own ``del`` lines: a saved tensor each segment reads is deleted in each)."""
+    lines = []
+    for k, segment in enumerate(plan.segments):
+        *body, ret = segment.trace.bound_symbols
+        lines += [b for b in body if b.symbol is not glue.DELETE]
+        if k + 1 < len(plan.segments):
+            names = ", ".join(p.name for p in ret.args[0][:len(segment.gradients)]) or "none"
+            lines.append(glue.PYTHON.bind(label="bucket boundary", lines=_comment(
+                f"DDP bucket boundary: autograd node {k} ends; its gradients ({names}) go to "
+                f"DDP's reducer, whose all-reduce runs while the rest of the backward does"),
+                outputs=None))
+    return backward.derive(lines + [backward.bound_symbols[-1]],
+                           f"Backward Split at DDP's Bucket Boundaries "
+                           f"({len(plan.segments)} autograd nodes)")
 
 
 def _comment(text: str):
