@@ -176,9 +176,9 @@ class _JitState:
         # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
         self.forward_only = False
         self.last_used = 0.0
-        # The states of the other units of the same model: an entry of an identical unit is
+        # FSDP2 units: the states of the other units (a ``WeakSet``), whose entries are
         # rebound to this one (``pipeline.rebind_entry``) rather than compiled again.
-        self.siblings: list = []
+        self.siblings = ()
         # The program fell back to torch.compile(backend="keraunos"): what it compiled.
         self.dynamo_compiled = None
         # Methods routed through the compiled forward (jitted.py): how deep such calls are
@@ -591,13 +591,17 @@ def _entry_of_an_identical_unit(state: _JitState, args: tuple,
     hooks): identical blocks then share one compiled program, as ``torch.compile`` shares one
     graph between them."""
     module, forward = state.module, getattr(state.fn, "__func__", None)
-    for other in state.siblings:
+    for other in list(state.siblings):
         if (other is state or type(other.module) is not type(module) or forward is None
-                or getattr(other.fn, "__func__", None) is not forward):
+                or getattr(other.fn, "__func__", None) is not forward
+                or other.options != state.options or other.forward_only != state.forward_only):
             continue
         for entry in other.entries:
             try:
-                rebound = rebind_entry(entry, other.module, module, args, kwargs)
+                # Captured from its forward alone, a unit's own hooks are FSDP2's, around the
+                # program; captured from a call of the module, they are in it.
+                rebound = rebind_entry(entry, other.module, module, args, kwargs,
+                                       own_hooks_in_program=not state.forward_only)
             except Exception:  # noqa: BLE001 - a prologue that cannot unpack this call
                 rebound = None
             if rebound is not None:

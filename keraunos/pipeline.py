@@ -158,6 +158,12 @@ def _switch(state, entry: CacheEntry, computation_fn, c: Compilation) -> None:
     entry.tiering.fused_from_call = state.hits + state.misses
     entry.tiering.tier = "fused"
     entry.computation_fn = computation_fn
+    for follower in entry.tiering.followers:  # entries rebound from this one (rebind_entry)
+        shared = follower()
+        if shared is not None:
+            shared.computation_traces, shared.backward_traces = c.computations, c.backwards
+            shared.fusion_regions = c.fusion_regions
+            shared.computation_fn = computation_fn
 
 
 def capture(state, args, kwargs) -> Compilation:
@@ -449,7 +455,7 @@ def _warn_no_backward(state, error: Exception) -> None:
 
 # ------------------------------------------------- one program for identical modules (FSDP2 units)
 def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module,
-                 args: tuple, kwargs: dict) -> CacheEntry | None:
+                 args: tuple, kwargs: dict, own_hooks_in_program: bool) -> CacheEntry | None:
     """``entry``, compiled for ``module``, made to serve this call of ``to``: the same
     computation, backward and epilogue callables, behind a prologue of its own that reads and
     checks ``to``; None unless that prologue accepts the call.
@@ -457,14 +463,14 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
     Why that is sound: the readable prologue reaches every module value through its ``module``
     name (paths, attributes, submodule types, parameter metadata, hooks), so run on ``to`` it
     checks everything the program assumed of ``module``; objects it checks by identity (a
-    config object) must be the very same ones. Where the argument does not hold, None: a trace
-    that names one of ``module``'s own objects directly (a submodule, parameter or buffer), a
-    prologue the fast prologue did not write, a fused tier still compiling (its switch would
-    miss this entry). The fast prologue's C++ tensor checks are built from example tensors:
+    config object) must be the very same ones, and the hooks the program runs (those of the
+    submodules; ``own_hooks_in_program``: ``to``'s own too) the same functions. Where the
+    argument does not hold, None: a trace that names one of ``module``'s own objects directly
+    (a submodule, parameter or buffer), a prologue the fast prologue did not write. An entry
+    whose fused tier is compiling gets the rebound one switched with it
+    (``Tiering.followers``). The fast prologue's C++ tensor checks are built from example tensors:
     here ``to``'s, once the readable checks passed and they are of the same type and dispatch
     keys as the compiling call's (plain tensors, where those are gone)."""
-    if entry.tiering is not None:
-        return None
     traces = entry.prologue_traces
     fast_from = len(traces) - (2 if len(traces) > 2
                                and traces[-2].name == "refresh_module_structure" else 1)
@@ -481,7 +487,7 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         named += list(trace.namespace.values())
     if any(id(v) in owned for v in named):
         return None
-    if not _same_hooks_below(_compiled_hooks(traces), hook_state(to)):
+    if not _same_hooks(_compiled_hooks(traces), hook_state(to), own_hooks_in_program):
         return None
     t0 = time.perf_counter()
     note = (f"Rebound to another {type(to).__qualname__} (an identical module: one compiled "
@@ -504,11 +510,15 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
     if type(prologue_fn(*args, **kwargs)) is not tuple:
         return None
     prologues = [rebound] + ([walk] if walk is not None else []) + [prologue]
-    return replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
-                   stages={**entry.stages, "rebind to an identical module":
-                           time.perf_counter() - t0},
-                   alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
-                   hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
+    shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
+                     stages={**entry.stages, "rebind to an identical module":
+                             time.perf_counter() - t0},
+                     alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
+                     hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
+    if entry.tiering is not None:
+        entry.tiering.followers.append(weakref.ref(shared))
+        shared.computation_fn = entry.computation_fn  # the switch may have come meanwhile
+    return shared
 
 
 def _compiled_hooks(prologues: list) -> tuple | None:
@@ -520,17 +530,19 @@ def _compiled_hooks(prologues: list) -> tuple | None:
     return next((v for k, v in namespace.items() if k.startswith("_compiled_hooks")), None)
 
 
-def _same_hooks_below(compiled: tuple | None, now: tuple) -> bool:
-    """Whether a unit's submodules run the hooks the program was compiled with (its own hooks
-    are FSDP2's, run around the program, not in it): the same functions in the same order, and
-    the same global hooks. Hook handles differ between modules; the functions must not."""
+def _same_hooks(compiled: tuple | None, now: tuple, own_hooks: bool) -> bool:
+    """Whether a module runs the hooks the program was compiled with: the same global hooks,
+    and its submodules' (with ``own_hooks``, its own too: else they are FSDP2's, run around
+    the program, not in it) the same functions in the same order. Hook handles differ between
+    modules; the functions must not."""
     if compiled is None or len(compiled) != len(now):
         return False
     n_global, n_own = len(_GLOBAL_HOOK_TABLES), len(_HOOK_TABLES)
     if compiled[:n_global] != now[:n_global]:
         return False
-    below = zip(compiled[n_global + n_own:], now[n_global + n_own:])
-    return all(len(a) == len(b) and all(x[1] is y[1] for x, y in zip(a, b)) for a, b in below)
+    start = n_global if own_hooks else n_global + n_own
+    return all(len(a) == len(b) and all(x[1] is y[1] for x, y in zip(a, b))
+               for a, b in zip(compiled[start:], now[start:]))
 
 
 def _with_example(line, value_of: dict):

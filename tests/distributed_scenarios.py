@@ -458,36 +458,46 @@ def fsdp2_activation_checkpointing_trains_like_eager(rank, world_size):
 def fsdp2_units_that_differ_compile_programs_of_their_own(rank, world_size):
     """Units of one class share a program only where the program is proven valid for each: a
     block whose LayerNorm has another eps, or whose Linear has a forward hook (which the
-    program would run inline), compiles its own; each model trains like eager FSDP2."""
+    program runs inline), compiles its own. A hook on the block itself is in the program when
+    the block was jitted before fully_shard, and around it (as FSDP2's are) when the sharded
+    model was jitted. Each model trains like eager FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
     def other_eps(model):
         model.blocks[1].norm.eps = 1e-3
 
-    def hooked(model):
+    def hooked_linear(model):
         model.blocks[1].fc.register_forward_hook(lambda m, args, out: out * 0.5)
 
-    def same(model):
+    def hooked_block(model):
+        model.blocks[1].register_forward_hook(lambda m, args, out: out * 0.5)
+
+    def equal_eps(model):
         model.blocks[1].norm.eps = float("1e-05")  # an equal value in an object of its own
 
     result = {}
-    for name, change in (("other eps", other_eps), ("hooked", hooked), ("equal eps", same)):
-        runs = []
-        for jit in (False, True):
+    for name, change in (("other eps", other_eps), ("hooked linear", hooked_linear),
+                         ("hooked block", hooked_block), ("equal eps", equal_eps)):
+        runs = {}
+        for order in ("eager", "model jitted", "blocks jitted"):
             torch.manual_seed(0)
             model = _Stack()
             change(model)
+            if order == "blocks jitted":
+                for i, block in enumerate(model.blocks):
+                    model.blocks[i] = keraunos.jit(block)
             for block in model.blocks:
                 fully_shard(block)
             fully_shard(model)
-            model = keraunos.jit(model) if jit else model
-            runs.append((_train_fsdp(model, rank, world_size), model))
-        (eager, _), (mine, jitted) = runs
-        result[name] = {
-            "same": all(_close(a, b) for a, b in zip(mine[0], eager[0]))
-            and all(_close(a, b) for a, b in zip(mine[2], eager[2])),
-            "programs": _compiled_programs([jitted]),
-        }
+            model = keraunos.jit(model) if order == "model jitted" else model
+            runs[order] = (_train_fsdp(model, rank, world_size), model)
+        eager = runs.pop("eager")[0]
+        for order, (mine, model) in runs.items():
+            compiled = [model] if order == "model jitted" else list(model.blocks)
+            result[f"{name}, {order}"] = (
+                all(_close(a, b) for a, b in zip(mine[0], eager[0]))
+                and all(_close(a, b) for a, b in zip(mine[2], eager[2])),
+                _compiled_programs(compiled))
     return result
 
 
