@@ -511,8 +511,7 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         return None
     prologues = [rebound] + ([walk] if walk is not None else []) + [prologue]
     shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
-                     stages={**entry.stages, "rebind to an identical module":
-                             time.perf_counter() - t0},
+                     stages={"rebind to an identical module": time.perf_counter() - t0},
                      alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
                      hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
     if entry.tiering is not None:
