@@ -84,8 +84,9 @@ class SegmentPlan:
 def plan_segments(backward: Trace, forward: Trace, n_saved: int,
                   caps: BucketCaps) -> SegmentPlan | None:
     """The backward cut at DDP's bucket boundaries, or None when it is one bucket (nothing to
-    overlap) or cannot be cut (sizes not known; an output that is an input or a view of one,
-    which only one autograd node could hand back)."""
+    overlap) or is not cut: sizes not known, or an output that is one of the inputs itself
+    (autograd hands an input back as an output only from a node that takes it). A view of an
+    input is an output like any other (tested: a parameter's ``.t()`` among the outputs)."""
     *body, ret = backward.bound_symbols
     inputs = forward.params
     sizes = [_bytes(p) for p in inputs]
@@ -127,6 +128,8 @@ def _bytes(p) -> int | None:
 
 
 def _outputs_alias_inputs(forward: Trace) -> bool:
+    """An output that is an input, or an ATen-level view of one (kept on one node, cautiously:
+    torch-level views are not followed, and need not be)."""
     from .split import _view_roots
     outputs = forward.bound_symbols[-1].args[0]
     roots = _view_roots(forward.bound_symbols[:-1])
