@@ -86,7 +86,8 @@ def plan_segments(backward: Trace, forward: Trace, n_saved: int,
     """The backward cut at DDP's bucket boundaries, or None when it is one bucket (nothing to
     overlap) or is not cut: sizes not known, or an output that is one of the inputs itself
     (autograd hands an input back as an output only from a node that takes it). A view of an
-    input is an output like any other (tested: a parameter's ``.t()`` among the outputs)."""
+    input is an output like any other (checked by hand, not in the tests: a parameter's ``.t()``
+    among the outputs gives eager DDP's gradients)."""
     *body, ret = backward.bound_symbols
     inputs = forward.params
     sizes = [_bytes(p) for p in inputs]
