@@ -53,7 +53,8 @@ from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import FALLBACK_ERRORS, CaptureError, UnsupportedInputError, user_source
-from .pipeline import compile_entry, rebind_entry
+from .pipeline import compile_entry
+from .rebind import rebind_entry
 from .tiers import IMPORT_LOCK, FuseMode, default_mode
 from .transforms import Transform
 
