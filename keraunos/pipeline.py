@@ -276,9 +276,6 @@ def fuse_regions(c: Compilation) -> None:
         backward = c.backward
         if backward is None:
             continue
-        # The backward's Function lays each incoming gradient out as recorded before the trace
-        # runs (autograd/function.py); only gradients of symbolic strides can still come with
-        # others, and regions check those (and what is made from them) on every call.
         if c.segments is not None:  # no symbolic strides: the split needs exact sizes
             for segment in c.segments.segments:
                 segment.trace, regions = fuse(
@@ -287,6 +284,9 @@ def fuse_regions(c: Compilation) -> None:
                 c.fusion_regions += regions
                 c.time("fusion", segment.trace.seconds)
             continue
+        # The backward's Function lays each incoming gradient out as recorded before the trace
+        # runs (autograd/function.py); only gradients of symbolic strides can still come with
+        # others, and regions check those (and what is made from them) on every call.
         fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
             forward=forward, counter=counter)
