@@ -1,7 +1,7 @@
 """A DDP and an FSDP2 training step on 2 local gloo ranks: eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/distributed.py [--steps N] [--layers L] [--width W] [--skip-compile]
-     [--sections ddp,fsdp,tp]
+     [--sections ddp,fsdp,tp] [--bucket-cap-mb MB]
 
 Every system trains the same small litgpt GPT (random weights) with SGD, on the same batches,
 in the same two processes (gloo over 127.0.0.1, one intra-op thread each); the systems take
@@ -10,7 +10,10 @@ each system's median step (rank 0's, over the last rounds), its ratio to eager's
 step (compile included), and whether its losses matched eager's.
 
 - DDP: eager `DDP(m)`, keraunos `DDP(keraunos.jit(m))` and `keraunos.jit(DDP(m))` (the same by
-  design), `DDP(torch.compile(m))` (DDPOptimizer splits its graph at bucket boundaries).
+  design; the backward split at DDP's bucket boundaries), the first again with the backward as
+  one autograd node (a DDP that hides its forward from keraunos: the split's own effect), and
+  `DDP(torch.compile(m))` (DDPOptimizer splits its graph at bucket boundaries; it needs
+  `--bucket-cap-mb` >= 1: it asserts that the first bucket is no larger than the others).
 - FSDP2: `fully_shard` per block and root; keraunos where `keraunos.jit` of it works (it says
   `refused` otherwise), and `torch.compile` per block, as torchtitan does.
 - Tensor parallel: each block's MLP `parallelize_module`d (ColwiseParallel fc_1 and fc_2,
@@ -18,8 +21,9 @@ step (compile included), and whether its losses matched eager's.
   `torch.compile` (Inductor).
 
 On CPU with gloo this measures overheads only: communication is a memcpy between two local
-processes, so a backward that all-reduces every bucket at its end (keraunos today) costs about
-what an overlapped one does. What a GPU run with NCCL has to show is in docs/benchmarks.md.
+processes (gloo's threads do it while the backward runs, so the split at DDP's bucket
+boundaries overlaps it here too, on cores the backward does not use). What a GPU run with NCCL
+has to show is in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -51,14 +55,31 @@ def make_model(layers: int, width: int):
 def _ddp_systems(args):
     import keraunos
     from torch.nn.parallel import DistributedDataParallel as DDP
+    _Unmarked = _unmarked_ddp()
+    cap = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     systems = {
-        "eager DDP(m)": lambda m: DDP(m),
-        "keraunos DDP(jit(m))": lambda m: DDP(keraunos.jit(m)),
-        "keraunos jit(DDP(m))": lambda m: keraunos.jit(DDP(m)),
+        "eager DDP(m)": lambda m: DDP(m, **cap),
+        "keraunos DDP(jit(m))": lambda m: DDP(keraunos.jit(m), **cap),
+        "keraunos jit(DDP(m))": lambda m: keraunos.jit(DDP(m, **cap)),
+        "keraunos DDP(jit(m)), backward 1 node": lambda m: _Unmarked(keraunos.jit(m), **cap),
     }
     if not args.skip_compile:
-        systems["torch.compile DDP(compile(m))"] = lambda m: DDP(torch.compile(m))
+        systems["torch.compile DDP(compile(m))"] = lambda m: DDP(torch.compile(m), **cap)
     return systems
+
+
+def _unmarked_ddp():
+    """DDP that does not mark its forward as DDP's (``_get_active_ddp_module`` stays None):
+    keraunos then compiles the backward as one autograd node, as before the split at bucket
+    boundaries; for comparison only."""
+    import contextlib
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Unmarked(DDP):
+        @contextlib.contextmanager
+        def _inside_ddp_forward(self):
+            yield
+    return Unmarked
 
 
 def _fsdp_systems(args):
@@ -210,6 +231,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb (default: DDP's, 25 MiB after a 1 MiB first)")
     parser.add_argument("--sections", default="ddp,fsdp,tp",
                         help="which of ddp, fsdp, tp to run (comma-separated)")
     args = parser.parse_args()

@@ -54,6 +54,7 @@ from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import FALLBACK_ERRORS, CaptureError, UnsupportedInputError, user_source
 from .pipeline import compile_entry
+from .rebind import rebind_entry
 from .tiers import IMPORT_LOCK, FuseMode, default_mode
 from .transforms import Transform
 
@@ -180,6 +181,9 @@ class _JitState:
         # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
         self.forward_only = False
         self.last_used = 0.0
+        # FSDP2 units: the states of the other units (a ``WeakSet``), whose entries are
+        # rebound to this one (``pipeline.rebind_entry``) rather than compiled again.
+        self.siblings = ()
         # The program fell back to torch.compile(backend="keraunos"): what it compiled.
         self.dynamo_compiled = None
         # Methods routed through the compiled forward (jitted.py): how deep such calls are
@@ -584,6 +588,9 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     forward's saved tensors, nor hit the recomputation's early stop."""
     if state.module is not None and not state.forward_only:
         _refuse_sharded_units_inside(state.module)
+    shared = _entry_of_an_identical_unit(state, args, kwargs)
+    if shared is not None:
+        return shared
     stashed = []
     while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
         stashed.append(top)
@@ -593,6 +600,32 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     finally:
         for pack, unpack in reversed(stashed):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _entry_of_an_identical_unit(state: _JitState, args: tuple,
+                                kwargs: dict) -> CacheEntry | None:
+    """An entry another unit of the model compiled, rebound to this unit, when this unit is of
+    the same class with the same ``forward`` and the rebound prologue accepts the call (it
+    checks everything the program assumed: submodule types, attributes, parameter metadata,
+    hooks): identical blocks then share one compiled program, as ``torch.compile`` shares one
+    graph between them."""
+    module, forward = state.module, getattr(state.fn, "__func__", None)
+    for other in list(state.siblings):
+        if (other is state or type(other.module) is not type(module) or forward is None
+                or getattr(other.fn, "__func__", None) is not forward
+                or other.options != state.options or other.forward_only != state.forward_only):
+            continue
+        for entry in other.entries:
+            try:
+                # Captured from its forward alone, a unit's own hooks are FSDP2's, around the
+                # program; captured from a call of the module, they are in it.
+                rebound = rebind_entry(entry, other.module, module, args, kwargs,
+                                       own_hooks_in_program=not state.forward_only)
+            except Exception:  # noqa: BLE001 - a prologue that cannot unpack this call
+                rebound = None
+            if rebound is not None:
+                return rebound
+    return None
 
 
 def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:

@@ -131,6 +131,8 @@ class JittedModule(torch.nn.Module):
         # ``FSDP<cls>``) means the wrapper, not the original.
         if name == "_orig_mod" or name == "training" or name == "__class__":
             super().__setattr__(name, value)
+            if name == "__class__" and _is_fsdp_unit(self):
+                _join_family(self._keraunos)
         else:
             setattr(self._orig_mod, name, value)
 
@@ -550,6 +552,22 @@ def _jit_ddp(ddp: torch.nn.Module, options: JitOptions) -> "JittedModule":
 
 
 # ------------------------------------------------------------------------------- FSDP2
+# The jitted modules ``fully_shard`` made units of (``fully_shard(keraunos.jit(block))``), by the
+# class of the module they compile: identical blocks share one program.
+_families: "weakref.WeakKeyDictionary[type, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def _is_fsdp_unit(module: torch.nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def _join_family(state: _JitState) -> None:
+    family = _families.setdefault(type(state.module), weakref.WeakSet())
+    family.add(state)
+    state.siblings = family
+
+
 class _UnitsState(_JitState):
     """What ``keraunos.jit`` of a ``fully_shard``ed model reports: its compiled units' caches
     together (hits and misses summed, the traces of the unit that compiled or ran last)."""
@@ -609,6 +627,9 @@ def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
         compiled_forward._keraunos_unit = state
         unit.__dict__["forward"] = compiled_forward
         states.append(state)
+    family = weakref.WeakSet(states)
+    for state in states:  # identical units share one program (jit._entry_of_an_identical_unit)
+        state.siblings = family
     jitted = JittedModule(model, options)
     object.__setattr__(jitted, "_keraunos", _UnitsState(model, options, states))
     object.__setattr__(jitted, "_call", lambda state, args, kwargs: model(*args, **kwargs))

@@ -12,9 +12,11 @@ import torch
 from . import executors as executors_module
 from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
+from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
+from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode
 from .capture.program import capture_program
-from .core.proxies import Proxy
+from .core.proxies import Proxy, TensorProxy
 from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
@@ -57,6 +59,11 @@ class Compilation:
     fusion_regions: list = field(default_factory=list)
     executors: tuple = ()                      # who claims lines (tier 0: no fusion executors)
     fusion_note: str | None = None             # why the program is not fused (compile_stats)
+    # Inside DistributedDataParallel's forward: its bucket sizes, read when capture ran (the
+    # fused tier's worker runs after the forward). The backward is then split at its bucket
+    # boundaries (``split_at_ddp_buckets``) into ``segments``.
+    bucket_caps: Any = None
+    segments: Any = None
 
     @property
     def computation(self) -> Trace:
@@ -151,6 +158,12 @@ def _switch(state, entry: CacheEntry, computation_fn, c: Compilation) -> None:
     entry.tiering.fused_from_call = state.hits + state.misses
     entry.tiering.tier = "fused"
     entry.computation_fn = computation_fn
+    for follower in entry.tiering.followers:  # entries rebound from this one (rebind_entry)
+        shared = follower()
+        if shared is not None:
+            shared.computation_traces, shared.backward_traces = c.computations, c.backwards
+            shared.fusion_regions = c.fusion_regions
+            shared.computation_fn = computation_fn
 
 
 def capture(state, args, kwargs) -> Compilation:
@@ -168,7 +181,8 @@ def capture(state, args, kwargs) -> Compilation:
                               state.options.specialize_data)
     return Compilation(state, program, [program.prologue], [program.computation],
                        [program.epilogue], stages=dict(program.stages),
-                       executors=tuple(state.options.executors))
+                       executors=tuple(state.options.executors),
+                       bucket_caps=active_ddp_bucket_caps())
 
 
 def transforms_before_prologue(c: Compilation) -> None:
@@ -248,7 +262,12 @@ def fuse_regions(c: Compilation) -> None:
     for executor in executors_module.fusion_executors(executors):
         fuse = trace_step(executor.fuse)  # the runner times every executor's traces
         forward = c.computation
-        if c.backward is not None:  # its regions start elsewhere while the forward's compile
+        # The backward's regions start elsewhere while the forward's compile runs.
+        if c.segments is not None:
+            for segment in c.segments.segments:
+                executor.prefetch(segment.trace, observable=_returned(segment.trace),
+                                  always_checked=set(), forward=forward)
+        elif c.backward is not None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
                               always_checked=_varying_grads(c), forward=forward)
         fused, regions = fuse(
@@ -260,6 +279,14 @@ def fuse_regions(c: Compilation) -> None:
             c.time("fusion", fused.seconds)
         backward = c.backward
         if backward is None:
+            continue
+        if c.segments is not None:  # no symbolic strides: the split needs exact sizes
+            for segment in c.segments.segments:
+                segment.trace, regions = fuse(
+                    segment.trace, executors, observable=_returned(segment.trace),
+                    forward=forward, counter=counter)
+                c.fusion_regions += regions
+                c.time("fusion", segment.trace.seconds)
             continue
         # The backward's Function lays each incoming gradient out as recorded before the trace
         # runs (autograd/function.py); only gradients of symbolic strides can still come with
@@ -289,7 +316,13 @@ def transforms_after_optimization(c: Compilation) -> None:
         c.computations.append(computation.derive(computation.bound_symbols, t.name,
                                                  forward_seconds))
         backward_seconds = 0.0
-        if c.backward is not None:
+        if c.segments is not None:  # what runs: each segment of the backward
+            t0 = time.perf_counter()
+            for segment in c.segments.segments:
+                transformed = t.transform_trace_post_optimization(segment.trace)
+                segment.trace = transformed.derive(transformed.bound_symbols, t.name)
+            backward_seconds = time.perf_counter() - t0
+        elif c.backward is not None:
             t0 = time.perf_counter()
             backward = t.transform_trace_post_optimization(c.backward)
             backward_seconds = time.perf_counter() - t0
@@ -301,8 +334,31 @@ def transforms_after_optimization(c: Compilation) -> None:
 def delete_dead_names(c: Compilation) -> None:
     c.computations.append(delete_last_used(c.computation))
     c.time("delete last used", c.computation.seconds)
-    if c.backward is not None:
+    if c.segments is not None:
+        for segment in c.segments.segments:
+            segment.trace = delete_last_used(segment.trace)
+    elif c.backward is not None:
         c.backwards.append(delete_last_used(c.backward))
+
+
+def split_at_ddp_buckets(c: Compilation) -> None:
+    """Inside DistributedDataParallel's forward, the backward becomes one autograd node per
+    stretch that completes a bucket of DDP's reducer, so that each bucket's all-reduce starts
+    while the rest of the backward runs (``autograd/buckets.py``), as ``torch.compile``'s
+    DDPOptimizer does. After the claims, before fusion: the later stages treat each segment as
+    a backward of its own, and ``show_segments`` adds the trace that marks the boundaries."""
+    c.segments = None
+    if c.backward is None or c.bucket_caps is None:
+        return
+    t0 = time.perf_counter()
+    c.segments = plan_segments(c.backward, c.split.forward, c.split.n_saved_tensors,
+                               c.bucket_caps)
+    c.time("split at DDP's buckets", time.perf_counter() - t0)
+
+
+def show_segments(c: Compilation) -> None:
+    if c.segments is not None:
+        c.backwards.append(display_trace(c.segments, c.backward))
 
 
 def fast_prologue_stage(c: Compilation) -> None:
@@ -318,7 +374,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
           fast_prologue_stage)
 # Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
-TIER_STAGES = (executor_claims, fuse_regions, transforms_after_optimization, delete_dead_names)
+TIER_STAGES = (executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
+               delete_dead_names, show_segments)
 
 
 def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
@@ -344,6 +401,11 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
 
 def _computation_callable(c: Compilation):
     computation_fn = c.computation.python_callable()
+    if c.segments is not None:
+        device = next(p.device for p in c.split.forward.params if isinstance(p, TensorProxy))
+        return make_segmented_computation(
+            computation_fn, [s.trace.python_callable() for s in c.segments.segments],
+            c.segments, c.split, device)
     if c.backward is not None:
         computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
                                                    c.split)

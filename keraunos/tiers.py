@@ -97,6 +97,9 @@ class Tiering:
     fused_from_call: int | None = None   # calls of the callable before the switch
     error: BaseException | None = None   # the fused compile failed: tier 0 stays
     stages: dict = field(default_factory=dict)
+    # Weak references to entries of identical FSDP2 units rebound from this one
+    # (pipeline.rebind_entry): the switch to the fused tier switches them too.
+    followers: list = field(default_factory=list)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

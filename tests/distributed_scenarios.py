@@ -234,6 +234,94 @@ def both_ddp_orders_train_alike(rank, world_size):
     return results
 
 
+def _deep_model():
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), *layers, torch.nn.Linear(32, 3))
+
+
+def _record_buckets_and_last_node(model, events):
+    """DDP's all-reduce of each bucket, as it starts (a comm hook doing the default all-reduce),
+    into ``events``."""
+    def all_reduce_recorded(state, bucket):
+        events.append("bucket")
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    model.register_comm_hook(None, all_reduce_recorded)
+
+
+def _mark_last_keraunos_node(loss, events):
+    """``events`` gets "last node" when the backward's last keraunos node starts: the one that
+    runs the forward program, whose backward segment is the last to run."""
+    from keraunos.autograd.function import _FirstNode
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node) is _FirstNode._backward_cls:
+            node.register_prehook(lambda grads: events.append("last node"))
+        stack.extend(f for f, _ in node.next_functions)
+
+
+def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
+    """Small buckets (bucket_cap_mb=0.005: 5 KB, about one layer each): the backward is one
+    autograd node per stretch that fills a bucket, and DDP's reducer starts all-reducing
+    buckets before the backward's last node runs. Losses, gradients and parameters equal eager
+    DDP's with the same buckets, in both orders, also after a no_sync() step, and fused."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    cap = 0.005
+    results = {}
+    orders = {"eager": lambda m: DDP(m, bucket_cap_mb=cap),
+              "DDP(jit(m))": lambda m: DDP(keraunos.jit(m), bucket_cap_mb=cap),
+              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, bucket_cap_mb=cap)),
+              # Fused: the backward is cut before fusion, whose regions stay within a node.
+              "DDP(jit(m, fuse='wait'))": lambda m: DDP(keraunos.jit(m, fuse="wait"),
+                                                        bucket_cap_mb=cap)}
+    runs = {}
+    for order, wrap in orders.items():
+        model = wrap(_deep_model())
+        events = []
+        _record_buckets_and_last_node(model, events)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads, early = [], [], []
+        for i, step in enumerate(_batches(world_size, 4)):
+            x, y = step[rank]
+            if i == 1:
+                with model.no_sync():
+                    F.mse_loss(model(x), y).backward()
+                continue
+            loss = F.mse_loss(model(x), y)
+            events.clear()
+            _mark_last_keraunos_node(loss, events)
+            loss.backward()
+            # Buckets whose all-reduce started before the backward's last node ran (the first
+            # step has one bucket: DDP rebuilds them by the order gradients came in).
+            early.append(events.index("last node") if "last node" in events else None)
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[order] = (losses, grads, [p.detach().clone() for p in model.parameters()], early,
+                       events.count("bucket"), model)
+    eager = runs.pop("eager")
+    for order, (losses, grads, params, early, buckets, model) in runs.items():
+        jitted = model.module if order.startswith("DDP(") else model
+        backward = str(keraunos.last_backward_traces(jitted)[-1])
+        results[order] = {
+            "losses": all(_close(a, b) for a, b in zip(losses, eager[0])),
+            "grads": all(_close(a, b) for g, h in zip(grads, eager[1]) for a, b in zip(g, h)),
+            "params": all(_close(a, b) for a, b in zip(params, eager[2])),
+            "buckets": (buckets, eager[4]),
+            "early": early,
+            "nodes": backward.count("DDP bucket boundary") + 1,
+            "misses": keraunos.cache_misses(jitted),
+            "fused": "inductor_region" in backward,
+        }
+    return results
+
+
 # ------------------------------------------------------------------------------ DTensor
 # DTensor and tensor parallel: tests/dtensor_scenarios.py, run in this spawn too.
 from dtensor_scenarios import (  # noqa: E402,F401
@@ -336,11 +424,20 @@ def _fsdp_case(rank, world_size, checkpointed=False, mp=None, tol=1e-5, ref_tol=
             "params": all(_close(a, b, tol) for a, b in zip(params, eager[2])),
             "reference": all(_close(a, b, ref_tol) for a, b in zip(params, reference)),
             "misses": sum(keraunos.cache_misses(c) for c in compiled),
+            "programs": _compiled_programs(compiled),
             "hits": sum(keraunos.cache_hits(c) for c in compiled),
             "leak": capture_values_in([list(model.parameters()),
                                        [p.to_local() for p in model.parameters()]]),
         }
     return result
+
+
+def _compiled_programs(jitted) -> int:
+    """How many programs were compiled for these jitted modules' blocks (an entry rebound to an
+    identical block shares its computation traces)."""
+    from keraunos.jit import state_of
+    states = [u for j in jitted for u in getattr(state_of(j), "units", [state_of(j)])]
+    return len({id(e.computation_traces) for s in states for e in s.entries})
 
 
 def fsdp2_jitted_blocks_and_jitted_model_train_like_eager(rank, world_size):
@@ -356,6 +453,52 @@ def fsdp2_mixed_precision_trains_like_eager(rank, world_size):
 
 def fsdp2_activation_checkpointing_trains_like_eager(rank, world_size):
     return _fsdp_case(rank, world_size, checkpointed=True)
+
+
+def fsdp2_units_that_differ_compile_programs_of_their_own(rank, world_size):
+    """Units of one class share a program only where the program is proven valid for each: a
+    block whose LayerNorm has another eps, or whose Linear has a forward hook (which the
+    program runs inline), compiles its own. A hook on the block itself is in the program when
+    the block was jitted before fully_shard, and around it (as FSDP2's are) when the sharded
+    model was jitted. Each model trains like eager FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    def other_eps(model):
+        model.blocks[1].norm.eps = 1e-3
+
+    def hooked_linear(model):
+        model.blocks[1].fc.register_forward_hook(lambda m, args, out: out * 0.5)
+
+    def hooked_block(model):
+        model.blocks[1].register_forward_hook(lambda m, args, out: out * 0.5)
+
+    def equal_eps(model):
+        model.blocks[1].norm.eps = float("1e-05")  # an equal value in an object of its own
+
+    result = {}
+    for name, change in (("other eps", other_eps), ("hooked linear", hooked_linear),
+                         ("hooked block", hooked_block), ("equal eps", equal_eps)):
+        runs = {}
+        for order in ("eager", "model jitted", "blocks jitted"):
+            torch.manual_seed(0)
+            model = _Stack()
+            change(model)
+            if order == "blocks jitted":
+                for i, block in enumerate(model.blocks):
+                    model.blocks[i] = keraunos.jit(block)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            model = keraunos.jit(model) if order == "model jitted" else model
+            runs[order] = (_train_fsdp(model, rank, world_size), model)
+        eager = runs.pop("eager")[0]
+        for order, (mine, model) in runs.items():
+            compiled = [model] if order == "model jitted" else list(model.blocks)
+            result[f"{name}, {order}"] = (
+                all(_close(a, b) for a, b in zip(mine[0], eager[0]))
+                and all(_close(a, b) for a, b in zip(mine[2], eager[2])),
+                _compiled_programs(compiled))
+    return result
 
 
 def fsdp2_units_sharded_inside_a_jitted_model_are_refused(rank, world_size):

@@ -24,6 +24,7 @@ SCENARIOS = [
     "barrier_and_point_to_point_are_refused",
     "jitted_model_inside_ddp_trains_like_one_process",
     "both_ddp_orders_train_alike",
+    "ddp_backward_is_split_at_bucket_boundaries",
     "dtensor_function_matches_eager",
     "tensor_parallel_inference_matches_eager",
     "tensor_parallel_mlp_trains_like_eager",
@@ -37,6 +38,7 @@ SCENARIOS = [
     "fsdp2_jitted_blocks_and_jitted_model_train_like_eager",
     "fsdp2_mixed_precision_trains_like_eager",
     "fsdp2_activation_checkpointing_trains_like_eager",
+    "fsdp2_units_that_differ_compile_programs_of_their_own",
     "fsdp2_units_sharded_inside_a_jitted_model_are_refused",
 ]
 
@@ -103,6 +105,23 @@ def test_jit_of_ddp_trains_as_ddp_of_jit_and_eager_ddp_with_buffers_and_no_sync(
             assert same and agree, case
             # One compilation, then hits (no_sync's step runs the same program).
             assert misses == 1 and hits >= 2, case
+
+
+def test_ddp_backward_is_split_at_bucket_boundaries_so_all_reduces_overlap_it(outcomes):
+    # As torch.compile's DDPOptimizer does: one autograd node per stretch of the backward that
+    # completes a bucket of DDP's reducer, whose all-reduce then starts while the later nodes
+    # run; the trace marks each boundary. Results equal eager DDP's with the same buckets.
+    for rank in values(outcomes, "ddp_backward_is_split_at_bucket_boundaries"):
+        assert set(rank) == {"DDP(jit(m))", "jit(DDP(m))", "DDP(jit(m, fuse='wait'))"}
+        assert rank["DDP(jit(m, fuse='wait'))"]["fused"]
+        for order, r in rank.items():
+            assert r["losses"] and r["grads"] and r["params"], (order, r)
+            buckets, eager_buckets = r["buckets"]
+            assert buckets == eager_buckets >= 3, (order, r)
+            assert r["nodes"] >= 3 and r["misses"] == 1, (order, r)
+            # Step 0: DDP's single first bucket waits for the whole backward; from step 2 on
+            # (step 1 is no_sync), buckets are all-reduced before the last node runs.
+            assert r["early"][0] == 0 and all(n >= 2 for n in r["early"][1:]), (order, r)
 
 
 def test_dtensor_function_is_flattened_to_local_ops_and_matches_eager(outcomes):
@@ -190,9 +209,12 @@ def _check_fsdp2(outcomes, name, hits=4):
             assert r["losses"] and r["grads"] and r["params"], (order, r)
             assert r["reference"], (order, r)
             assert r["leak"] is None, (order, r)
-            # One compilation per block (two blocks), then hits on the other two steps (and,
-            # with checkpointing, on each backward's recomputation).
+            # One miss per block (two blocks), then hits on the other two steps (and, with
+            # checkpointing, on each backward's recomputation).
             assert (r["misses"], r["hits"]) == (2, hits), (order, r)
+        # The identical blocks share one compiled program (the second block's miss rebinds
+        # the first one's entry), in both orders.
+        assert rank["model jitted"]["programs"] == rank["blocks jitted"]["programs"] == 1, rank
 
 
 def test_fsdp2_jitted_blocks_and_jitted_sharded_model_train_like_eager_fsdp2(outcomes):
@@ -212,6 +234,16 @@ def test_fsdp2_activation_checkpointing_trains_like_eager_fsdp2(outcomes):
     # interrupts that call once it holds the tensors it needs, so it counts as no hit (the hit
     # path counts a call when it returns): 4 hits, the two later steps' forwards of each block.
     _check_fsdp2(outcomes, "fsdp2_activation_checkpointing_trains_like_eager", hits=4)
+
+
+def test_fsdp2_units_that_differ_compile_programs_of_their_own(outcomes):
+    for rank in values(outcomes, "fsdp2_units_that_differ_compile_programs_of_their_own"):
+        # (same as eager, programs compiled) per case and order
+        assert rank == {
+            "other eps, model jitted": (True, 2), "other eps, blocks jitted": (True, 2),
+            "hooked linear, model jitted": (True, 2), "hooked linear, blocks jitted": (True, 2),
+            "hooked block, model jitted": (True, 1), "hooked block, blocks jitted": (True, 2),
+            "equal eps, model jitted": (True, 1), "equal eps, blocks jitted": (True, 1)}, rank
 
 
 def test_fsdp2_units_sharded_after_jitting_their_model_are_refused_with_what_to_do(outcomes):

@@ -116,3 +116,139 @@ def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split
             return apply(compiled, *inputs)
         return apply_in_c(compiled, *inputs)
     return computation_with_autograd
+
+
+# --------------------------------------------- the backward as several nodes (DDP's buckets)
+class _Call:
+    """One call's values, handed from node to node (see ``make_segmented_computation``)."""
+
+    __slots__ = ("inputs", "outputs", "saved", "carry", "present")
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.present = None
+
+
+def _save(ctx, saved: list, indices: list[int], detach_all: bool) -> None:
+    # A node saves what its own segment reads. Tensors that become another node's outputs are
+    # saved as detached aliases (same memory and version counter, so in-place changes are still
+    # caught): saved as they are, they would hold that node, which holds this one.
+    ctx.save_for_backward(*[saved[i].detach() if detach_all or saved[i]._is_view()
+                            else saved[i] for i in indices])
+
+
+def _run_segment(ctx, k: int) -> tuple:
+    """Segment ``k`` of the backward: the gradients of the node's inputs; what later segments
+    read stays with the call."""
+    call, compiled = ctx.call, ctx.compiled
+    segment, fn = compiled.segments[k]
+    if not call.present:
+        return (None,) * len(segment.inputs)
+    results = fn(*ctx.saved_tensors, *call.carry)
+    n = len(segment.gradients)
+    call.carry = results[n:]
+    by_input = dict(zip(segment.gradients, results[:n]))
+    deps, present = compiled.grad_dependencies, call.present
+    return tuple(r if r is None or deps[i] & present or not deps[i] else None
+                 for i, r in ((i, by_input.get(i)) for i in segment.inputs))
+
+
+class _FirstNode(torch.autograd.Function):
+    """First in the forward, last in the backward: runs the whole forward program, and in the
+    backward the last segment (the gradients of the first layers)."""
+
+    @staticmethod
+    def forward(ctx, compiled, call, *node_inputs):
+        outputs, saved = compiled.forward_fn(*call.inputs)
+        call.inputs = None
+        call.outputs, call.saved = outputs, saved
+        ctx.compiled, ctx.call = compiled, call
+        ctx.set_materialize_grads(False)
+        _save(ctx, saved, compiled.segments[-1][0].saved, True)
+        return compiled.token()
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return (None, None, *_run_segment(ctx, len(ctx.compiled.segments) - 1))
+
+
+class _MiddleNode(torch.autograd.Function):
+    """A segment between the first and the last: its gradients, then the next segment's turn."""
+
+    @staticmethod
+    def forward(ctx, compiled, call, k, token, *node_inputs):
+        ctx.compiled, ctx.call, ctx.k = compiled, call, k
+        ctx.set_materialize_grads(False)
+        _save(ctx, call.saved, compiled.segments[k][0].saved, True)
+        return compiled.token()
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return (None, None, None, ctx.compiled.token(), *_run_segment(ctx, ctx.k))
+
+
+class _OutputNode(torch.autograd.Function):
+    """Last in the forward, first in the backward: returns the program's outputs and takes
+    their gradients, as ``KeraunosFunction`` does, and runs the first segment."""
+
+    @staticmethod
+    def forward(ctx, compiled, call, token, *node_inputs):
+        outputs, saved = call.outputs, call.saved
+        call.outputs = call.saved = None
+        ctx.compiled, ctx.call = compiled, call
+        ctx.set_materialize_grads(False)
+        _save(ctx, saved, compiled.segments[0][0].saved, False)
+        ctx.saved_sizes = saved[compiled.n_saved_tensors:]
+        if compiled.non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in compiled.non_differentiable])
+        if compiled.data_dependent_shapes:
+            ctx.grad_shapes = {i: outputs[compiled.differentiable[i]].shape
+                               for i in compiled.data_dependent_shapes}
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            return KeraunosFunction.backward(ctx, *grads)  # raises: not differentiable twice
+        compiled, call = ctx.compiled, ctx.call
+        grads = [grads[i] for i in compiled.differentiable]
+        call.present = {i for i, g in enumerate(grads) if g is not None}
+        if call.present:
+            grads = [g if g is not None else _zeros(ctx, i) for i, g in enumerate(grads)]
+            grads = [_laid_out(g, s) for g, s in zip(grads, compiled.grad_strides)]
+            call.carry = (*ctx.saved_sizes, *grads)
+        return (None, None, compiled.token(), *_run_segment(ctx, 0))
+
+
+class _SegmentedCompiled(_Compiled):
+    def __init__(self, forward_fn, segments, split, device):
+        super().__init__(forward_fn, None, split)
+        self.segments = segments  # [(Segment, its callable)], in the order the backward runs
+        self.token = lambda: torch.empty(0, device=device)
+
+
+def make_segmented_computation(forward_fn: Callable, segment_fns: list[Callable], plan,
+                               split, device) -> Callable:
+    """The computation callable of an entry whose backward is several autograd nodes, one per
+    segment of ``plan`` (``buckets.py``): a chain of nodes joined by empty "token" tensors, so
+    that autograd runs segment 0 first (it gets the outputs' gradients), hands its gradients to
+    their parameters' ``AccumulateGrad`` (where DDP's reducer hooks in), then runs segment 1,
+    and so on. The forward program runs once, in the first node; the values segments hand on
+    travel in a ``_Call`` that the nodes share."""
+    compiled = _SegmentedCompiled(forward_fn, list(zip(plan.segments, segment_fns)), split,
+                                  device)
+    first, last = len(plan.segments) - 1, 0
+    node_inputs = [s.inputs for s in plan.segments]
+    transforms_active = torch._C._are_functorch_transforms_active
+    applies = [(n.apply, super(torch.autograd.Function, n).apply)
+               for n in (_FirstNode, _MiddleNode, _OutputNode)]
+
+    def computation_with_segmented_backward(*inputs):
+        (first_apply, middle_apply, output_apply) = (
+            [a for a, _ in applies] if transforms_active() else [c for _, c in applies])
+        call = _Call(inputs)
+        token = first_apply(compiled, call, *[inputs[i] for i in node_inputs[first]])
+        for k in range(first - 1, last, -1):
+            token = middle_apply(compiled, call, k, token, *[inputs[i] for i in node_inputs[k]])
+        return output_apply(compiled, call, token, *[inputs[i] for i in node_inputs[last]])
+    return computation_with_segmented_backward

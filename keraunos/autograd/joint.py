@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from ..core.autograd_graph import leaves_reached
 from ..core.symbolic import SymbolicValue
 from ..core import glue
 from ..core.aten import AtenCall, AtenRecorder
@@ -166,19 +167,10 @@ def _reached_from(inputs: list, outputs: list) -> dict[int, set[int]]:
     only outputs that got no gradient lead there (eager never runs that path)."""
     index_of = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
     reached: dict[int, set[int]] = {}
+    ids = set(index_of)
     for position, out in enumerate(outputs):
-        if id(out) in index_of:  # an input returned as it is
-            reached.setdefault(index_of[id(out)], set()).add(position)
-        stack, seen = [out.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
-            if variable is not None and id(variable) in index_of:
-                reached.setdefault(index_of[id(variable)], set()).add(position)
-            stack.extend(next_node for next_node, _ in node.next_functions)
+        for leaf in leaves_reached(out, ids):  # an input returned as it is, too
+            reached.setdefault(index_of[leaf], set()).add(position)
     return reached
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.autograd_graph import leaves_reached
 from ..core import glue
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import RANDOM
@@ -122,19 +123,7 @@ def _refuse_partial_reach(values, leaves) -> None:
     one of its outputs does. Eager leaves None where only outputs that got no gradient lead, so
     outputs that reach different inputs are refused rather than given zeros."""
     ids = {id(leaf) for leaf in leaves}
-    reaches = []
-    for value in values:
-        reached, stack, seen = {id(value)} & ids, [value.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient
-            if variable is not None and id(variable) in ids:
-                reached.add(id(variable))
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        reaches.append(reached)
+    reaches = [leaves_reached(value, ids) for value in values]
     if any(r != reaches[0] for r in reaches[1:]):
         raise _refuse("its outputs' gradients reach different inputs (eager leaves the "
                       "gradient of an input None when no output leading to it gets one); return "

@@ -1,0 +1,161 @@
+"""One compiled program for identical modules: an entry compiled for one FSDP2 unit made to
+serve another of the same class (``rebind_entry``), so that a model of identical blocks compiles
+once per distinct layer, as ``torch.compile`` shares one graph between them. ``jit.py`` tries
+this before compiling a unit's miss (``_entry_of_an_identical_unit``); ``jitted.py`` says which
+units form a family."""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+
+from .cache import CacheEntry
+from .capture.guards import VALUE, same_value
+from .core import glue
+from .core.proxies import Proxy
+from .core.trace import Trace
+from .passes.fast_prologue import fast_prologue
+from .structure import _GLOBAL_HOOK_TABLES, _HOOK_TABLES, hook_state
+
+
+def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module,
+                 args: tuple, kwargs: dict, own_hooks_in_program: bool) -> CacheEntry | None:
+    """``entry``, compiled for ``module``, made to serve this call of ``to``: the same
+    computation, backward and epilogue callables, behind a prologue of its own that reads and
+    checks ``to``; None unless that prologue accepts the call.
+
+    Why that is sound: the readable prologue reaches every module value through its ``module``
+    name (paths, attributes, submodule types, parameter metadata, hooks), so run on ``to`` it
+    checks everything the program assumed of ``module``; objects it checks by identity (a
+    config object) must be the very same ones, and the hooks the program runs (those of the
+    submodules; ``own_hooks_in_program``: ``to``'s own too) the same functions. Where the
+    argument does not hold, None: a trace that names one of ``module``'s own objects directly
+    (a submodule, parameter or buffer), a prologue the fast prologue did not write. An entry
+    whose fused tier is compiling gets the rebound one switched with it
+    (``Tiering.followers``). The fast prologue's C++ tensor checks are built from example tensors:
+    here ``to``'s, once the readable checks passed and they are of the same type and dispatch
+    keys as the compiling call's (plain tensors, where those are gone)."""
+    traces = entry.prologue_traces
+    fast_from = len(traces) - (2 if len(traces) > 2
+                               and traces[-2].name == "refresh_module_structure" else 1)
+    if fast_from < 1 or not any("Fast Prologue" in h for h in traces[-1].header):
+        return None
+    readable = traces[fast_from - 1]
+    if readable.namespace.get("module") is not module:
+        return None
+    owned = {id(module)} | {id(x) for x in (*module.modules(), *module.parameters(),
+                                            *module.buffers())}
+    named = [v for k, v in readable.namespace.items() if k != "module"]
+    for trace in (entry.computation_traces[-1:] + entry.backward_traces[-1:]
+                  + entry.epilogue_traces[-1:]):
+        named += list(trace.namespace.values())
+    if any(id(v) in owned for v in named):
+        return None
+    if not _same_hooks(_compiled_hooks(traces), hook_state(to), own_hooks_in_program):
+        return None
+    t0 = time.perf_counter()
+    note = (f"Rebound to another {type(to).__qualname__} (an identical module: one compiled "
+            f"program for both)")
+    lines = [_expecting_values_of(b, to) for b in readable.bound_symbols]
+    namespace = {**readable.namespace, "module": to}
+    checked = Trace(readable.name, list(readable.params), lines, list(readable.header), namespace)
+    accepted = checked.python_callable()(*args, **kwargs)
+    if type(accepted) is not tuple:
+        return None
+    value_of = {p.name: v for p, v in zip(lines[-1].args[0], accepted[0])
+                if isinstance(p, Proxy)}
+    lines = [_with_example(b, value_of) for b in lines]
+    if any(b is None for b in lines):
+        return None
+    rebound = Trace(readable.name, list(readable.params), lines, readable.header + [note],
+                    namespace)
+    prologue, walk = fast_prologue(rebound)
+    prologue_fn = prologue.python_callable()
+    if type(prologue_fn(*args, **kwargs)) is not tuple:
+        return None
+    prologues = [rebound] + ([walk] if walk is not None else []) + [prologue]
+    shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
+                     stages={"rebind to an identical module": time.perf_counter() - t0},
+                     alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
+                     hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
+    if entry.tiering is not None:
+        entry.tiering.followers.append(weakref.ref(shared))
+        shared.computation_fn = entry.computation_fn  # the switch may have come meanwhile
+    return shared
+
+
+def _compiled_hooks(prologues: list) -> tuple | None:
+    """The hooks the entry was compiled with (what its module-structure walk checks)."""
+    walk = prologues[-2] if len(prologues) > 1 else None
+    if walk is None or walk.name != "refresh_module_structure":
+        return None
+    namespace = walk.source()[1]
+    return next((v for k, v in namespace.items() if k.startswith("_compiled_hooks")), None)
+
+
+def _same_hooks(compiled: tuple | None, now: tuple, own_hooks: bool) -> bool:
+    """Whether a module runs the hooks the program was compiled with: the same global hooks,
+    and its submodules' (with ``own_hooks``, its own too: else they are FSDP2's, run around
+    the program, not in it) the same functions in the same order. Hook handles differ between
+    modules; the functions must not."""
+    if compiled is None or len(compiled) != len(now):
+        return False
+    n_global, n_own = len(_GLOBAL_HOOK_TABLES), len(_HOOK_TABLES)
+    if compiled[:n_global] != now[:n_global]:
+        return False
+    start = n_global if own_hooks else n_global + n_own
+    return all(len(a) == len(b) and all(x[1] is y[1] for x, y in zip(a, b))
+               for a, b in zip(compiled[start:], now[start:]))
+
+
+def _with_example(line, value_of: dict):
+    """A tensor check whose example for the C++ checks is this call's tensor (None when that
+    tensor is not of the compiling call's type and dispatch keys)."""
+    if line.symbol is not glue.CHECK_TENSOR:
+        return line
+    tensor = value_of.get(line.args[0].name)
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    compiled_for = line.fields.real()
+    if compiled_for is None:  # gone: only a plain tensor is known to check alike
+        e = line.fields.expected
+        if e.dtype.is_complex:
+            return None
+        compiled_for = torch.empty(0, dtype=e.dtype, device=e.device,
+                                   requires_grad=e.requires_grad and e.dtype.is_floating_point)
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+    elif type(tensor) is not type(compiled_for):
+        return None
+    if torch._C._dispatch_keys(tensor) != torch._C._dispatch_keys(compiled_for):
+        return None
+    return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
+
+
+def _expecting_values_of(line, module: torch.nn.Module):
+    """A check that a module attribute has a value (``eps == 1e-05``), expecting ``module``'s own
+    object where it has that value: the fast prologue checks such attributes by identity with
+    the object compiled for, and two identical modules hold equal values in objects of their
+    own (``normalized_shape``, a tuple each). Where the value differs, the check stays, and
+    fails: the program is not for ``module``."""
+    guard = getattr(line.fields, "guard", None)
+    if line.symbol is not glue.CHECK or guard is None or guard.kind is not VALUE \
+            or not guard.from_module or guard.path is None:
+        return line
+    try:
+        value = _value_at(guard.path, module)
+    except Exception:  # noqa: BLE001 - not there: the check fails as it is
+        return line
+    if value is guard.expected or not same_value(value, guard.expected):
+        return line
+    return line.replace(fields=replace(line.fields, guard=replace(guard, expected=value)))
+
+
+def _value_at(path, module):
+    if path.is_root:
+        if path.key != "module":
+            raise KeyError(path.key)
+        return module
+    return eval(path.expression("parent"), {"parent": _value_at(path.parent, module)})
