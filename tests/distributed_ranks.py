@@ -25,13 +25,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, module: str, names: list, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, module: str, names: list, results,
+               backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":  # one GPU a rank (tests/test_distributed_cuda.py)
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
     except Exception:  # noqa: BLE001 - reported to the parent as every scenario's failure
         results.put((rank, None, ("error", traceback.format_exc())))
@@ -49,7 +52,7 @@ def _rank_main(rank: int, world_size: int, port: int, module: str, names: list, 
 
 
 def run_scenarios(module: str, names: list[str], world_size: int = 2,
-                  timeout: float = 150.0) -> dict[str, list]:
+                  timeout: float = 150.0, backend: str = "gloo") -> dict[str, list]:
     """``{scenario: [outcome of rank 0, outcome of rank 1, ...]}``; an outcome is ``("ok",
     value)``, ``("raised", (type name, message, traceback))``, or ``("missing", why)`` for a
     rank that died or ran out of time before reporting it."""
@@ -57,7 +60,8 @@ def run_scenarios(module: str, names: list[str], world_size: int = 2,
     results = context.Queue()
     port = _free_port()
     processes = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, world_size, port, module, names, results))
+                                 args=(rank, world_size, port, module, names, results,
+                                       backend))
                  for rank in range(world_size)]
     for p in processes:
         p.start()

@@ -265,29 +265,35 @@ def _mark_last_keraunos_node(loss, events):
         stack.extend(f for f, _ in node.next_functions)
 
 
+def _device(rank):
+    """Where this rank computes: its GPU under NCCL (tests/test_distributed_cuda.py), else the
+    CPU."""
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
     """Small buckets (bucket_cap_mb=0.005: 5 KB, about one layer each): the backward is one
     autograd node per stretch that fills a bucket, and DDP's reducer starts all-reducing
     buckets before the backward's last node runs. Losses, gradients and parameters equal eager
     DDP's with the same buckets, in both orders, also after a no_sync() step, and fused."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    cap = 0.005
+    device = _device(rank)
+    ddp = dict(bucket_cap_mb=0.005, device_ids=[rank] if device.type == "cuda" else None)
     results = {}
-    orders = {"eager": lambda m: DDP(m, bucket_cap_mb=cap),
-              "DDP(jit(m))": lambda m: DDP(keraunos.jit(m), bucket_cap_mb=cap),
-              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, bucket_cap_mb=cap)),
+    orders = {"eager": lambda m: DDP(m, **ddp),
+              "DDP(jit(m))": lambda m: DDP(keraunos.jit(m), **ddp),
+              "jit(DDP(m))": lambda m: keraunos.jit(DDP(m, **ddp)),
               # Fused: the backward is cut before fusion, whose regions stay within a node.
-              "DDP(jit(m, fuse='wait'))": lambda m: DDP(keraunos.jit(m, fuse="wait"),
-                                                        bucket_cap_mb=cap)}
+              "DDP(jit(m, fuse='wait'))": lambda m: DDP(keraunos.jit(m, fuse="wait"), **ddp)}
     runs = {}
     for order, wrap in orders.items():
-        model = wrap(_deep_model())
+        model = wrap(_deep_model().to(device))
         events = []
         _record_buckets_and_last_node(model, events)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads, early = [], [], []
         for i, step in enumerate(_batches(world_size, 4)):
-            x, y = step[rank]
+            x, y = (t.to(device) for t in step[rank])
             if i == 1:
                 with model.no_sync():
                     F.mse_loss(model(x), y).backward()
