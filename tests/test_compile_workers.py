@@ -136,7 +136,7 @@ def test_a_process_with_helpers_exits_at_once_and_takes_them_along(tmp_path):
         import sys, time, torch, keraunos
         from keraunos.executors.fusion import workers
         workers.busy = lambda: False
-        workers.start()  # still importing torch when the process leaves: killed all the same
+        workers._the_pool().start()  # still importing torch when the process leaves: killed
         print("helpers", *[h.process.pid for h in workers._pool.helpers], flush=True)
         def f(x, w):
             a = (x * 2 + 1).relu().sin() @ w
@@ -182,3 +182,14 @@ def test_the_backwards_regions_go_to_helpers_while_the_forward_compiles(pool):
     # the forward's compile began): this process found it compiled
     assert backward and backward[-1] in ("FX graph cache", "AOTAutograd cache"), backward
     assert not pool.jobs and not pool.queue
+
+
+def test_helpers_idle_for_a_while_are_ended(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    pool = ready_pool()
+    helper = pool.helpers[0]
+    monkeypatch.setattr(workers, "IDLE_S", 0.0)
+    pool._end_if_idle()
+    assert not pool.helpers and not pool.idle
+    assert helper.process.wait(timeout=60) == 0  # it read the end of its input and left
+    pool.stop()

@@ -499,7 +499,6 @@ def start_warming() -> None:
                               daemon=True)
     _warming.append(thread)
     thread.start()
-    workers.start()  # the helper processes import torch and Inductor meanwhile
 
 
 # Inductor's first probe of the vector instructions is not safe to run on two threads at once:

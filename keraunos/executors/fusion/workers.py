@@ -23,9 +23,8 @@ with it, so that the helper's cache key is this process's.
 
 How many helpers: ``KERAUNOS_COMPILE_WORKERS`` (0 turns them off); by default one fewer than the
 cores, at most 8, and none while the load average says the cores are taken. They start with the
-first fused compile of the process (``start``), import torch and Inductor meanwhile, and are
-killed when the process exits (``stop``; a helper whose parent died reads the end of its input
-and exits).
+first region sent to them (``prefetch``) and are killed when the process exits (``stop``; a
+helper whose parent died reads the end of its input and exits).
 """
 from __future__ import annotations
 
@@ -37,11 +36,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 ENV = "KERAUNOS_COMPILE_WORKERS"
+IDLE_S = 60.0  # helpers idle this long are ended
 
 
 def worker_count() -> int:
@@ -139,6 +140,7 @@ class Pool:
         self.jobs: dict[str, Job] = {}
         self.stopped = False
         self.spawned = 0  # helpers started, lost ones included: at most twice ``size``
+        self.last_finished = 0.0
 
     def start(self) -> None:
         with self.lock:
@@ -193,9 +195,27 @@ class Pool:
             helper.job = None
             self.idle.append(helper)
             self._dispatch()
+            self.last_finished = time.monotonic()
+            if len(self.idle) == len(self.helpers) and not self.queue:
+                reaper = threading.Timer(IDLE_S, self._end_if_idle)
+                reaper.daemon = True
+                reaper.start()
         if job is not None:
             job.ok = ok
             job.done.set()
+
+    def _end_if_idle(self) -> None:
+        """Helpers with nothing to do for ``IDLE_S`` are ended (each holds torch and Inductor in
+        memory); the next region sent starts them again."""
+        with self.lock:
+            if (self.stopped or self.queue or len(self.idle) != len(self.helpers)
+                    or time.monotonic() - self.last_finished < IDLE_S):
+                return
+            helpers, self.helpers, self.idle = self.helpers, [], []
+            self.spawned = 0
+        for helper in helpers:
+            with contextlib.suppress(OSError):
+                helper.process.stdin.close()  # the helper reads the end of its input and exits
 
     def lost(self, helper: Helper) -> None:
         with self.lock:
@@ -225,32 +245,33 @@ _pool: Pool | None = None
 _pool_lock = threading.Lock()
 
 
-def start() -> None:
-    """Start the helpers (none where ``worker_count()`` is 0, or while the machine is busy: the
-    next ``prefetch`` tries again)."""
+def _the_pool() -> Pool:
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = Pool(worker_count())
             atexit.register(stop)
-    if _pool.size and not busy():
-        _pool.start()
+    return _pool
 
 
 def available() -> bool:
     """Whether ``prefetch`` would send anything now (helpers wanted, the machine not busy)."""
-    return _pool is not None and bool(_pool.size) and not busy()
+    return bool(_the_pool().size) and not busy()
 
 
 def prefetch(key: str, graph_module, inputs, layout_choice, config_patches: dict) -> bool:
     """Send a region's compile to a helper; whether it was sent. Not while the machine is busy:
-    a helper then takes a core from the compiling thread or from the program itself."""
+    a helper then takes a core from the compiling thread or from the program itself.
+
+    The helpers start with the first region sent (they take seconds to import torch and
+    Inductor, and the compiling thread does not wait for them), not with the first fused compile:
+    a process whose regions all load from the store, or are all compiled already, starts none."""
     if not available():
         return False
-    _pool.start()  # (helpers lost or not started yet: they serve the next traces)
     payload = job_payload(graph_module, inputs, layout_choice, config_patches)
     if payload is None:
         return False
+    _pool.start()  # (none yet, or some lost)
     _pool.prefetch(key, payload)
     return True
 
