@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 
 import torch
 
@@ -33,7 +34,7 @@ from ... import store
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
-FORMAT = 1                     # bump when what a row holds, or how it is loaded, changes
+FORMAT = 2                     # bump when what a row holds, or how it is loaded, changes
 
 
 def key_of(region_key: tuple) -> str | None:
@@ -84,8 +85,32 @@ def save(key: str, graph) -> bool:
     source = getattr(graph, "source_code", None)
     if not source:
         return False
-    store.default_store().put(NAMESPACE, key, source.encode())
+    store.default_store().put(NAMESPACE, key, _without_select_algorithm(source).encode())
     return True
+
+
+_EXTERN_KERNELS = "from torch._inductor.select_algorithm import extern_kernels\n"
+_TORCH_AS_EXTERN_KERNELS = "import torch as extern_kernels  # keraunos: each one used is torch's\n"
+
+
+def _without_select_algorithm(source: str) -> str:
+    """``source`` with its import of ``extern_kernels`` from Inductor's ``select_algorithm``
+    (which imports Inductor's lowering: about 0.5 s of a restart that only loads stored regions)
+    replaced by ``torch``, when every ``extern_kernels.NAME`` the module uses is the object
+    ``torch.NAME`` (``mm``, ``addmm``, ``bmm``: checked in this process, whose torch version is
+    in the key). Unchanged when any use is something else, or the name is used otherwise."""
+    if _EXTERN_KERNELS not in source:
+        return source
+    from torch._inductor.select_algorithm import extern_kernels
+    names = re.findall(r"\bextern_kernels\.(\w+)", source)
+    every_use = len(re.findall(r"\bextern_kernels\b", source))
+    if every_use != len(names) + source.count(_EXTERN_KERNELS):
+        return source  # the namespace itself is used: only Inductor's will do
+    for name in set(names):
+        ours = getattr(extern_kernels, name, None)
+        if ours is None or ours is not getattr(torch, name, None):
+            return source
+    return source.replace(_EXTERN_KERNELS, _TORCH_AS_EXTERN_KERNELS)
 
 
 def load(key: str):
