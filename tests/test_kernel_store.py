@@ -320,7 +320,7 @@ def test_a_stored_module_calls_torch_for_extern_kernels_that_are_torchs():
     from keraunos.executors.fusion import kernel_store
     header = "import torch\nfrom torch._inductor.select_algorithm import extern_kernels\n"
     uses_mm = header + "def call(a, b, out):\n    extern_kernels.mm(a, b, out=out)\n"
-    rewritten = kernel_store._without_select_algorithm(uses_mm)
+    rewritten = kernel_store._lighter_imports(uses_mm)
     assert "select_algorithm" not in rewritten
     scope = {}
     exec(rewritten, scope)
@@ -333,8 +333,20 @@ def test_a_stored_module_keeps_inductors_extern_kernels_where_one_is_not_torchs(
     from keraunos.executors.fusion import kernel_store
     header = "import torch\nfrom torch._inductor.select_algorithm import extern_kernels\n"
     own_kernel = header + "def call(a, b, c):\n    return extern_kernels.bias_addmm(a, b, c)\n"
-    assert kernel_store._without_select_algorithm(own_kernel) == own_kernel
+    assert kernel_store._lighter_imports(own_kernel) == own_kernel
     missing = header + "def call(a):\n    return extern_kernels.no_such_kernel(a)\n"
-    assert kernel_store._without_select_algorithm(missing) == missing
+    assert kernel_store._lighter_imports(missing) == missing
     whole = header + "def call(a):\n    return getattr(extern_kernels, 'mm')(a, a)\n"
-    assert kernel_store._without_select_algorithm(whole) == whole
+    assert kernel_store._lighter_imports(whole) == whole
+
+
+def test_a_stored_module_imports_memory_planning_only_when_it_aligns():
+    from torch._inductor.codegen.memory_planning import _align
+    from keraunos.executors.fusion import kernel_store
+    module = ("import torch\nfrom torch._inductor.codegen.memory_planning import _align as align\n"
+              "def call(n):\n    return align(n)\n")
+    rewritten = kernel_store._lighter_imports(module)
+    assert "memory_planning import _align as align" not in rewritten
+    scope = {}
+    exec(rewritten, scope)
+    assert [scope["call"](n) for n in (1, 63, 64, 65, 1000)] == [_align(n) for n in (1, 63, 64, 65, 1000)]

@@ -34,7 +34,7 @@ from ... import store
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
-FORMAT = 2                     # bump when what a row holds, or how it is loaded, changes
+FORMAT = 3                     # bump when what a row holds, or how it is loaded, changes
 
 
 def key_of(region_key: tuple) -> str | None:
@@ -85,32 +85,8 @@ def save(key: str, graph) -> bool:
     source = getattr(graph, "source_code", None)
     if not source:
         return False
-    store.default_store().put(NAMESPACE, key, _without_select_algorithm(source).encode())
+    store.default_store().put(NAMESPACE, key, _lighter_imports(source).encode())
     return True
-
-
-_EXTERN_KERNELS = "from torch._inductor.select_algorithm import extern_kernels\n"
-_TORCH_AS_EXTERN_KERNELS = "import torch as extern_kernels  # keraunos: each one used is torch's\n"
-
-
-def _without_select_algorithm(source: str) -> str:
-    """``source`` with its import of ``extern_kernels`` from Inductor's ``select_algorithm``
-    (which imports Inductor's lowering: about 0.5 s of a restart that only loads stored regions)
-    replaced by ``torch``, when every ``extern_kernels.NAME`` the module uses is the object
-    ``torch.NAME`` (``mm``, ``addmm``, ``bmm``: checked in this process, whose torch version is
-    in the key). Unchanged when any use is something else, or the name is used otherwise."""
-    if _EXTERN_KERNELS not in source:
-        return source
-    from torch._inductor.select_algorithm import extern_kernels
-    names = re.findall(r"\bextern_kernels\.(\w+)", source)
-    every_use = len(re.findall(r"\bextern_kernels\b", source))
-    if every_use != len(names) + source.count(_EXTERN_KERNELS):
-        return source  # the namespace itself is used: only Inductor's will do
-    for name in set(names):
-        ours = getattr(extern_kernels, name, None)
-        if ours is None or ours is not getattr(torch, name, None):
-            return source
-    return source.replace(_EXTERN_KERNELS, _TORCH_AS_EXTERN_KERNELS)
 
 
 def load(key: str):
@@ -128,3 +104,35 @@ def load(key: str):
         return module.call, source, module.__file__
     except Exception:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
         return None
+
+
+_EXTERN_KERNELS = "from torch._inductor.select_algorithm import extern_kernels\n"
+_TORCH_AS_EXTERN_KERNELS = "import torch as extern_kernels  # keraunos: each one used is torch's\n"
+_ALIGN = "from torch._inductor.codegen.memory_planning import _align as align\n"
+_LAZY_ALIGN = """def align(nbytes):  # keraunos: Inductor's, imported when first called
+    from torch._inductor.codegen.memory_planning import _align
+    return _align(nbytes)
+"""
+
+
+def _lighter_imports(source: str) -> str:
+    """``source`` without the two imports of Inductor's compiler that a generated module makes
+    (a restart that only loads stored regions would pay about 1 s for them, on this machine):
+    ``align`` from ``memory_planning`` becomes a function that imports it when first called
+    (only memory-planned wrappers call it), and ``extern_kernels`` from ``select_algorithm``
+    becomes ``torch`` when every ``extern_kernels.NAME`` the module uses is the object
+    ``torch.NAME`` (``mm``, ``addmm``, ``bmm``: checked in this process, whose torch version is
+    in the key); where any use is something else, or the name is used otherwise, it stays."""
+    source = source.replace(_ALIGN, _LAZY_ALIGN)
+    if _EXTERN_KERNELS not in source:
+        return source
+    from torch._inductor.select_algorithm import extern_kernels
+    names = re.findall(r"\bextern_kernels\.(\w+)", source)
+    every_use = len(re.findall(r"\bextern_kernels\b", source))
+    if every_use != len(names) + source.count(_EXTERN_KERNELS):
+        return source  # the namespace itself is used: only Inductor's will do
+    for name in set(names):
+        ours = getattr(extern_kernels, name, None)
+        if ours is None or ours is not getattr(torch, name, None):
+            return source
+    return source.replace(_EXTERN_KERNELS, _TORCH_AS_EXTERN_KERNELS)
