@@ -19,6 +19,11 @@ region's guards are facts of a ShapeEnv that is not kept), no constants of the g
 the CPU. A stored module that does not load (a corrupted row that still checksums, a changed
 torch) is a miss: the region is compiled as before. The C++ kernels themselves stay in Inductor's
 cache directory; one that is gone is built again by the load.
+
+A kept module imports no more of Inductor than its runtime (``codecache``, ``async_compile``):
+two imports of Inductor's compiler that the generated header makes are rewritten when the row is
+kept (``_lighter_imports``), so that a restart whose regions all come from here never imports
+``compile_fx``, the lowering or ``select_algorithm`` (about 1 s of a 32-layer model's restart).
 """
 from __future__ import annotations
 
