@@ -50,6 +50,8 @@ from typing import Callable
 
 import torch
 
+from .executors.base import IMPORT_LOCK
+
 
 class FuseMode(enum.Enum):
     """How the fused program of an entry is compiled (``keraunos.jit(..., fuse=...)``)."""
@@ -284,11 +286,6 @@ def exiting() -> bool:
     """The process is exiting: what fails in a fused compile now fails for that reason."""
     return _worker.stopping or sys.is_finalizing()
 
-# Taken while torch._dynamo's and Inductor's modules are first imported: two threads importing
-# that circle of modules at once can meet one of them half initialized. The worker imports them
-# under it, and so does the caller's thread before it imports torch._dynamo itself (the dynamo
-# fallback).
-IMPORT_LOCK = threading.RLock()
 
 
 def schedule(tiering: Tiering, compile_fused: Callable[[], Callable], switch: Callable) -> None:

@@ -268,3 +268,85 @@ def test_symbolic_and_non_cpu_regions_have_no_store_key():
         ("src2", (static,), (0,), env, None))
     assert kernel_store.key_of(("src", (static,), (0,), env, None)) != kernel_store.key_of(
         ("src", (static,), (0,), (2, *env[1:]), None))
+
+
+RESTART = textwrap.dedent("""
+    import copy, sys, torch, keraunos
+    from keraunos.examples.gpt import GPT, GPTConfig
+    from keraunos.executors.fusion import compiler
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
+    jitted = keraunos.jit(copy.deepcopy(model), executors=["inductor", "torch"], fuse="wait")
+    x = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        for _ in range(2):  # a region is kept in the store after its first call
+            torch.testing.assert_close(jitted(x), model(x), rtol=1e-4, atol=1e-4)
+    assert keraunos.compile_stats(jitted).tier == "fused", keraunos.compile_stats(jitted)
+    print("kernels:", sorted({f.kernel.cache for f in keraunos.last_fusions(jitted)}))
+    print("compiler imported:", [m for m in ("torch._inductor.compile_fx",
+          "torch._inductor.select_algorithm", "torch._inductor.lowering") if m in sys.modules])
+    print("ok")
+""")
+
+
+@needs_cxx
+def test_a_restart_that_loads_every_region_imports_no_inductor_compiler(tmp_path):
+    """Inductor's compiler (``compile_fx``, its lowering, ``select_algorithm``) costs a restart
+    about 0.6 s to import. A process whose regions all come from keraunos's store imports none of
+    it: the stored modules call ``torch.mm`` where Inductor's call ``extern_kernels.mm`` (the
+    same object), and the hook that collects generated sources is installed by a compile only.
+    A cold process, then a restart, each a real process on the same two cache directories."""
+    script = tmp_path / "program.py"
+    script.write_text(RESTART)
+    import keraunos
+    here = os.path.dirname(os.path.dirname(keraunos.__file__))  # this checkout's keraunos
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "KERAUNOS_CACHE_DIR": str(tmp_path / "store"), "KERAUNOS_FUSE": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    cold, restart = outputs
+    assert "kernels: ['compiled']" in cold and "'torch._inductor.compile_fx'" in cold, cold
+    assert "kernels: ['keraunos store']" in restart, restart
+    assert "compiler imported: []" in restart, restart
+
+
+def test_a_stored_module_calls_torch_for_extern_kernels_that_are_torchs():
+    from keraunos.executors.fusion import kernel_store
+    header = "import torch\nfrom torch._inductor.select_algorithm import extern_kernels\n"
+    uses_mm = header + "def call(a, b, out):\n    extern_kernels.mm(a, b, out=out)\n"
+    rewritten = kernel_store._lighter_imports(uses_mm)
+    assert "select_algorithm" not in rewritten
+    scope = {}
+    exec(rewritten, scope)
+    a, b, out = torch.randn(3, 4), torch.randn(4, 5), torch.empty(3, 5)
+    scope["call"](a, b, out)
+    torch.testing.assert_close(out, torch.mm(a, b))
+
+
+def test_a_stored_module_keeps_inductors_extern_kernels_where_one_is_not_torchs():
+    from keraunos.executors.fusion import kernel_store
+    header = "import torch\nfrom torch._inductor.select_algorithm import extern_kernels\n"
+    own_kernel = header + "def call(a, b, c):\n    return extern_kernels.bias_addmm(a, b, c)\n"
+    assert kernel_store._lighter_imports(own_kernel) == own_kernel
+    missing = header + "def call(a):\n    return extern_kernels.no_such_kernel(a)\n"
+    assert kernel_store._lighter_imports(missing) == missing
+    whole = header + "def call(a):\n    return getattr(extern_kernels, 'mm')(a, a)\n"
+    assert kernel_store._lighter_imports(whole) == whole
+
+
+def test_a_stored_module_imports_memory_planning_only_when_it_aligns():
+    from torch._inductor.codegen.memory_planning import _align
+    from keraunos.executors.fusion import kernel_store
+    module = ("import torch\nfrom torch._inductor.codegen.memory_planning import _align as align\n"
+              "def call(n):\n    return align(n)\n")
+    rewritten = kernel_store._lighter_imports(module)
+    assert "memory_planning import _align as align" not in rewritten
+    scope = {}
+    exec(rewritten, scope)
+    assert [scope["call"](n) for n in (1, 63, 64, 65, 1000)] == [_align(n) for n in (1, 63, 64, 65, 1000)]

@@ -2,6 +2,8 @@
 ``OperatorExecutor``s of yours; the registry and the claims (see the package docstring)."""
 from __future__ import annotations
 
+import threading
+
 from ..core.glue import Glue
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.runner import trace_step
@@ -148,6 +150,13 @@ register(PythonExecutor())
 # Fusion by default, compiled in the background (tiers.py): the first calls run on the torch
 # executor, later ones on Inductor's regions; ``jit(..., fuse="off")`` leaves just "torch".
 DEFAULT_EXECUTORS = ("inductor", "torch")
+
+# Taken while torch._dynamo's and Inductor's modules are first imported: two threads importing
+# that circle of modules at once can meet one of them half initialized. The fusion worker
+# imports them under it (at its start, and Inductor's compiler at the first region a process
+# compiles), and so does the caller's thread before it imports torch._dynamo itself (the dynamo
+# fallback).
+IMPORT_LOCK = threading.RLock()
 
 
 def resolve(executors) -> list[Executor]:

@@ -40,6 +40,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
+from ..base import IMPORT_LOCK
 from . import fx_graph, isa_probe, kernel_store, symbolic, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
@@ -392,7 +393,8 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.compile_fx import compile_fx
+    with IMPORT_LOCK:  # the first region a process compiles: see ``start_warming``
+        from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     with stopwatch() as elapsed:
@@ -408,6 +410,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
         _probe_vector_isa()  # waits for the warming thread's probe rather than racing it
+        _hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
                 _collecting_from_inductor() as (sources, pending):
@@ -435,21 +438,39 @@ def _cache_counts(counters) -> tuple[int, int]:
 # once each collect their own, and neither restores a hook the other set.
 _collecting = threading.local()
 _hooks_lock = threading.Lock()
-_hooked: list[bool] = []
+_hooked: list[str] = []  # which of the two hooks below are installed
 
 
-def _install_hooks() -> None:
-    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code`` (on a fresh
-    compile and on both cache hits), and waits for a wrapper's C++ kernels in
-    ``AsyncCompile.wait`` when it loads it. Within ``_collecting_from_inductor`` on a thread, the
-    wrapper is kept (and passed on to a hook already set) and the wait is recorded instead of
-    done; elsewhere both behave as Inductor's own."""
+def _hook_waits() -> None:
+    """Inductor waits for a wrapper's C++ kernels in ``AsyncCompile.wait`` when it loads the
+    wrapper (a compile, or a module from keraunos's store). Within ``_collecting_from_inductor``
+    on a thread, the wait is recorded instead of done; elsewhere it is Inductor's own."""
     from torch._inductor.async_compile import AsyncCompile
+    with _hooks_lock:
+        if "waits" in _hooked:
+            return
+        original_wait = AsyncCompile.wait
+
+        def wait(self, scope):
+            pending = getattr(_collecting, "pending", None)
+            if pending is None:
+                return original_wait(self, scope)
+            pending.append((functools.partial(original_wait, self), scope))
+        AsyncCompile.wait = wait
+        _hooked.append("waits")
+
+
+def _hook_sources() -> None:
+    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code`` (on a fresh
+    compile and on both cache hits). Within ``_collecting_from_inductor`` on a thread, the
+    wrapper is kept (and passed on to a hook already set). Installed by the first compile, not
+    by a load from the store: ``torch._inductor.graph`` imports Inductor's lowering (about half
+    a second), which a process that only loads stored regions never needs."""
     from torch._inductor.graph import GraphLowering
     with _hooks_lock:
-        if _hooked:
+        if "sources" in _hooked:
             return
-        previous_save, original_wait = GraphLowering.save_output_code, AsyncCompile.wait
+        previous_save = GraphLowering.save_output_code
 
         def save(code: str) -> None:
             sources = getattr(_collecting, "sources", None)
@@ -457,15 +478,8 @@ def _install_hooks() -> None:
                 sources.append(code)
             if previous_save is not None:
                 previous_save(code)
-
-        def wait(self, scope):
-            pending = getattr(_collecting, "pending", None)
-            if pending is None:
-                return original_wait(self, scope)
-            pending.append((functools.partial(original_wait, self), scope))
         GraphLowering.save_output_code = save
-        AsyncCompile.wait = wait
-        _hooked.append(True)
+        _hooked.append("sources")
 
 
 @contextlib.contextmanager
@@ -473,7 +487,7 @@ def _collecting_from_inductor():
     """Within it, this thread's compile keeps Inductor's generated wrappers and puts off its
     waits for their C++ kernels: the kernels stay futures in the wrapper module's globals until
     ``Kernel.ready`` waits for them, and g++ works on them meanwhile. Yields (sources, pending)."""
-    _install_hooks()
+    _hook_waits()
     _collecting.sources, _collecting.pending = [], []
     try:
         yield _collecting.sources, _collecting.pending
@@ -491,8 +505,11 @@ def start_warming() -> None:
     if _warming:
         return
     # Imported here, on the calling thread: two threads importing torch._dynamo's circle of
-    # modules at once can meet one of them half initialized (an ImportError).
-    from torch._inductor import codecache, compile_fx, cpp_builder, cpu_vec_isa  # noqa: F401
+    # modules at once can meet one of them half initialized (an ImportError). Not Inductor's
+    # compiler (``compile_fx``, its lowering and ``select_algorithm``: about 0.6 s even with
+    # torch._dynamo imported): a restart whose regions all come from keraunos's store never
+    # needs it, and the first compile imports it (under ``IMPORT_LOCK``).
+    from torch._inductor import async_compile, codecache, cpp_builder, cpu_vec_isa  # noqa: F401
     _dynamo_takes_turns()  # before any fused compile can run on another thread
 
     thread = threading.Thread(target=_probe_vector_isa, name="keraunos-inductor-warming",

@@ -19,6 +19,11 @@ region's guards are facts of a ShapeEnv that is not kept), no constants of the g
 the CPU. A stored module that does not load (a corrupted row that still checksums, a changed
 torch) is a miss: the region is compiled as before. The C++ kernels themselves stay in Inductor's
 cache directory; one that is gone is built again by the load.
+
+A kept module imports no more of Inductor than its runtime (``codecache``, ``async_compile``):
+two imports of Inductor's compiler that the generated header makes are rewritten when the row is
+kept (``_lighter_imports``), so that a restart whose regions all come from here never imports
+``compile_fx``, the lowering or ``select_algorithm`` (about 1 s of a 32-layer model's restart).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 
 import torch
 
@@ -33,7 +39,7 @@ from ... import store
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
-FORMAT = 1                     # bump when what a row holds, or how it is loaded, changes
+FORMAT = 3                     # bump when what a row holds, or how it is loaded, changes
 
 
 def key_of(region_key: tuple) -> str | None:
@@ -84,7 +90,7 @@ def save(key: str, graph) -> bool:
     source = getattr(graph, "source_code", None)
     if not source:
         return False
-    store.default_store().put(NAMESPACE, key, source.encode())
+    store.default_store().put(NAMESPACE, key, _lighter_imports(source).encode())
     return True
 
 
@@ -107,3 +113,35 @@ def load(key: str):
         return module.call, source, module.__file__
     except Exception:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
         return None
+
+
+_EXTERN_KERNELS = "from torch._inductor.select_algorithm import extern_kernels\n"
+_TORCH_AS_EXTERN_KERNELS = "import torch as extern_kernels  # keraunos: each one used is torch's\n"
+_ALIGN = "from torch._inductor.codegen.memory_planning import _align as align\n"
+_LAZY_ALIGN = """def align(nbytes):  # keraunos: Inductor's, imported when first called
+    from torch._inductor.codegen.memory_planning import _align
+    return _align(nbytes)
+"""
+
+
+def _lighter_imports(source: str) -> str:
+    """``source`` without the two imports of Inductor's compiler that a generated module makes
+    (a restart that only loads stored regions would pay about 1 s for them, on this machine):
+    ``align`` from ``memory_planning`` becomes a function that imports it when first called
+    (only memory-planned wrappers call it), and ``extern_kernels`` from ``select_algorithm``
+    becomes ``torch`` when every ``extern_kernels.NAME`` the module uses is the object
+    ``torch.NAME`` (``mm``, ``addmm``, ``bmm``: checked in this process, whose torch version is
+    in the key); where any use is something else, or the name is used otherwise, it stays."""
+    source = source.replace(_ALIGN, _LAZY_ALIGN)
+    if _EXTERN_KERNELS not in source:
+        return source
+    from torch._inductor.select_algorithm import extern_kernels
+    names = re.findall(r"\bextern_kernels\.(\w+)", source)
+    every_use = len(re.findall(r"\bextern_kernels\b", source))
+    if every_use != len(names) + source.count(_EXTERN_KERNELS):
+        return source  # the namespace itself is used: only Inductor's will do
+    for name in set(names):
+        ours = getattr(extern_kernels, name, None)
+        if ours is None or ours is not getattr(torch, name, None):
+            return source
+    return source.replace(_EXTERN_KERNELS, _TORCH_AS_EXTERN_KERNELS)

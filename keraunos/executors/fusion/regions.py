@@ -32,8 +32,8 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ...core import tree
 from ...core.symbolic import SymbolicValue
 from ...core.effects import draws_random, forbidding, is_inplace_by_name, may_move
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
@@ -118,12 +118,12 @@ def fusible(bsym: BoundSymbol) -> bool:
     if bsym.kwargs.get("requires_grad"):  # a new leaf of autograd: a compiled graph makes none
         return False
     if any(symbol.fn is r for r in _REPEAT_INTERLEAVE) and any(  # tensor repeats: from data
-            isinstance(x, TensorProxy) for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs))):
+            isinstance(x, TensorProxy) for x in tree.leaves((bsym.args[1:], bsym.kwargs))):
         return False
-    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
+    leaves = tree.leaves((bsym.args, bsym.kwargs))
     if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) for x in leaves):
         return False
-    outputs = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
+    outputs = [x for x in tree.leaves(bsym.outputs) if x is not None]
     if not outputs and writes(bsym) is not None:  # ``cache.index_copy_(...)``, result unused
         outputs = [bsym.args[0]]
     if not outputs or not all(isinstance(x, TensorProxy) for x in outputs):
@@ -194,11 +194,11 @@ def _fusible_write(bsym: BoundSymbol) -> bool:
     if any(type(st) is int and st == 0 and not (type(n) is int and n == 1)
            for n, st in zip(target.shape, target.stride)):
         return False  # an expanded tensor: eager's kernel refuses to write it, Inductor's would
-    made = [x for x in pytree.tree_leaves(bsym.outputs) if x is not None]
+    made = [x for x in tree.leaves(bsym.outputs) if x is not None]
     if len(made) > 1 or made and not (isinstance(made[0], TensorProxy)
                                       and made[0].storage == target.storage):
         return False  # (its result: the tensor written, or a name the input had before)
-    others = pytree.tree_leaves((bsym.args[1:], bsym.kwargs))
+    others = tree.leaves((bsym.args[1:], bsym.kwargs))
     return not any(isinstance(x, TensorProxy) and x.storage == target.storage for x in others)
 
 
@@ -286,7 +286,7 @@ class _Proxies:
         found = self._memo.get(id(bsym))
         if found is None:
             ins = bsym.input_proxies()  # and the size symbols of expressions (``2*s0``),
-            leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))  # slices' bounds included
+            leaves = tree.leaves((bsym.args, bsym.kwargs))  # slices' bounds included
             bounds = _slice_bounds(leaves)
             for x in leaves + bounds:
                 if isinstance(x, SymbolicValue):
@@ -482,7 +482,7 @@ def _written(bsym: BoundSymbol, io: _Proxies) -> list[TensorProxy]:
 
 
 def _all_proxies(bsym: BoundSymbol) -> list[Proxy]:
-    leaves = pytree.tree_leaves((bsym.args, bsym.kwargs))
+    leaves = tree.leaves((bsym.args, bsym.kwargs))
     return [x for x in leaves if isinstance(x, Proxy)]
 
 
@@ -571,7 +571,7 @@ def _inplace_activation(bsym: BoundSymbol) -> bool:
             "::")[-1] in _ACTIVATION_NAMES):
         return False
     return not any(isinstance(x, TensorProxy)
-                   for x in pytree.tree_leaves((bsym.args[1:], bsym.kwargs)))
+                   for x in tree.leaves((bsym.args[1:], bsym.kwargs)))
 
 
 def _unsafe_lines(region: Region, observable: set[str], last_write: dict[int, int],
