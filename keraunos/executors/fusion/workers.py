@@ -81,7 +81,7 @@ def busy() -> bool:
     if os.environ.get(ENV, "").strip():
         return False
     try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1) - 0.5
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
     except OSError:
         return False
 
