@@ -328,6 +328,47 @@ def ddp_backward_is_split_at_bucket_boundaries(rank, world_size):
     return results
 
 
+def the_torch_compile_backend_matches_eager(rank, world_size):
+    """``torch.compile(..., backend="keraunos")``, the route programs with graph breaks take: an
+    in-place all_reduce inside a compiled function (Dynamo remaps it to the functional
+    collective), DDP compiled whole (Dynamo's DDPOptimizer splits the graph at the buckets;
+    keraunos compiles each piece) training like eager DDP, also with a buffer, and an FSDP2
+    model (per block and root) training like eager FSDP2."""
+    import torch._dynamo
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch._dynamo.reset()
+
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+    compiled = torch.compile(f, backend="keraunos")
+    reduced = []
+    for call in range(3):
+        x = torch.arange(4.0) + rank * 10 + call
+        reduced.append(_equal(compiled(x.clone()), f(x.clone())))
+    trained = {}
+    for make in (_model, _WithBuffer):
+        # (DDP's default buckets: DDPOptimizer asserts that the first bucket, 1 MiB, is no
+        # larger than the others)
+        eager = _train_ddp(DDP, make(), world_size, rank)
+        inside = _train_ddp(lambda m: torch.compile(DDP(m), backend="keraunos"),
+                            make(), world_size, rank)
+        trained[make.__name__] = (
+            all(_close(a, b) for a, b in zip(inside[0], eager[0]))
+            and all(_close(a, b) for a, b in zip(inside[1], eager[1])))
+    eager = _train_fsdp(_fsdp_stack("eager"), rank, world_size)
+    compiled_fsdp = torch.compile(_fsdp_stack("eager"), backend="keraunos")
+    inside = _train_fsdp(compiled_fsdp, rank, world_size)
+    fsdp = all(_close(a, b) for run, ref in zip(inside, eager) for a, b in
+               zip(_flat(run), _flat(ref)))
+    return {"all_reduce": reduced, "ddp": trained, "fsdp2": fsdp}
+
+
+def _flat(values):
+    return [t for v in values for t in (v if isinstance(v, list) else [v])]
+
+
 # ------------------------------------------------------------------------------ DTensor
 # DTensor and tensor parallel: tests/dtensor_scenarios.py, run in this spawn too.
 from dtensor_scenarios import (  # noqa: E402,F401

@@ -25,6 +25,7 @@ SCENARIOS = [
     "jitted_model_inside_ddp_trains_like_one_process",
     "both_ddp_orders_train_alike",
     "ddp_backward_is_split_at_bucket_boundaries",
+    "the_torch_compile_backend_matches_eager",
     "dtensor_function_matches_eager",
     "tensor_parallel_inference_matches_eager",
     "tensor_parallel_mlp_trains_like_eager",
@@ -122,6 +123,12 @@ def test_ddp_backward_is_split_at_bucket_boundaries_so_all_reduces_overlap_it(ou
             # Step 0: DDP's single first bucket waits for the whole backward; from step 2 on
             # (step 1 is no_sync), buckets are all-reduced before the last node runs.
             assert r["early"][0] == 0 and all(n >= 2 for n in r["early"][1:]), (order, r)
+
+
+def test_collectives_and_ddp_under_the_torch_compile_backend_match_eager(outcomes):
+    for rank in values(outcomes, "the_torch_compile_backend_matches_eager"):
+        assert rank == {"all_reduce": [True, True, True],
+                        "ddp": {"_model": True, "_WithBuffer": True}, "fsdp2": True}
 
 
 def test_dtensor_function_is_flattened_to_local_ops_and_matches_eager(outcomes):
