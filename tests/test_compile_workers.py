@@ -193,3 +193,18 @@ def test_helpers_idle_for_a_while_are_ended(tmp_path, monkeypatch):
     assert not pool.helpers and not pool.idle
     assert helper.process.wait(timeout=60) == 0  # it read the end of its input and left
     pool.stop()
+
+
+def test_the_helper_compiles_under_this_processs_settings(pool):
+    """What Inductor's cache keys on besides the graph goes with the job: here a matmul
+    precision set and set back, which leaves torch's per-backend setting at "ieee" where a fresh
+    process has "none" (a key the helper's compile would not have shared)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        x, w = inputs(9)
+        jitted = run_both(x, w)
+        kernels = [r.kernel.cache for r in keraunos.last_fusions(jitted)]
+        assert kernels[1] in ("FX graph cache", "AOTAutograd cache"), kernels
+    finally:
+        torch.set_float32_matmul_precision(before)

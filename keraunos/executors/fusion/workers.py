@@ -67,9 +67,16 @@ class Job:
 def settings() -> dict:
     """What besides the graph decides Inductor's code and cache key, as this process has it."""
     from torch._inductor import config
+    matmul = torch.backends.cuda.matmul
     return {"threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
             "matmul_precision": torch.get_float32_matmul_precision(),
+            # what Inductor's FX graph cache keys on, which the setting above does not decide
+            # alone: ``set_float32_matmul_precision("highest")`` turns it from "none" to "ieee"
+            "cuda_matmul": (matmul.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
+                            matmul.allow_bf16_reduced_precision_reduction),
             "mkldnn": torch.backends.mkldnn.enabled,
             "inductor_config": config.save_config_portable()}
 
@@ -325,10 +332,19 @@ def _compile(graph_module, metas, layout_choice, config_patches: dict, given: di
         torch.set_num_threads(given["threads"])
     if torch.get_default_dtype() != given["default_dtype"]:
         torch.set_default_dtype(given["default_dtype"])
-    if torch.are_deterministic_algorithms_enabled() != given["deterministic"]:
-        torch.use_deterministic_algorithms(given["deterministic"])
+    mode, warn_only = given["deterministic"]
+    if (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled()) != (mode, warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = given["fill_uninitialized_memory"]
     if torch.get_float32_matmul_precision() != given["matmul_precision"]:
         torch.set_float32_matmul_precision(given["matmul_precision"])
+    matmul = torch.backends.cuda.matmul
+    precision, fp16, bf16 = given["cuda_matmul"]
+    if matmul.fp32_precision != precision:
+        matmul.fp32_precision = precision
+    matmul.allow_fp16_reduced_precision_reduction = fp16
+    matmul.allow_bf16_reduced_precision_reduction = bf16
     if torch.backends.mkldnn.enabled != given["mkldnn"]:
         torch.backends.mkldnn.enabled = given["mkldnn"]
     config.load_config(given["inductor_config"])
