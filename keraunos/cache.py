@@ -8,6 +8,14 @@ from typing import Callable
 from .core.trace import Trace
 
 
+class _NotAsked:
+    def __repr__(self) -> str:
+        return "NOT_ASKED"
+
+
+NOT_ASKED = _NotAsked()  # CacheEntry.native_hit before anyone asked
+
+
 class CacheMode(enum.Enum):
     """How cache entries are checked against a call."""
 
@@ -49,6 +57,9 @@ class CacheEntry:
     hit_fn: Callable = lambda args, kwargs: "no hit path yet"
     hit_trace: Trace | None = None
     check_seconds: float = 0.0
+    # The native hit path's ``Hit`` of this entry, made once a jitted function's native
+    # ``__call__`` first serves it (jit._native_hit): None where it cannot serve it.
+    native_hit: object = NOT_ASKED
     fusion_regions: list = field(default_factory=list)  # keraunos.last_fusions
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background

@@ -45,7 +45,8 @@ from torch.utils import _pytree as pytree
 
 from . import debug
 from . import executors as executors_module
-from .cache import CacheEntry, CacheMode
+from . import native
+from .cache import NOT_ASKED, CacheEntry, CacheMode
 from .core import glue
 from .core.trace import Trace
 from .passes.fast_prologue import ReturnInputs
@@ -190,6 +191,9 @@ class _JitState:
         # nested, and the original's own ``forward`` attribute to put back after the outermost.
         self.routing_depth = 0
         self.saved_forward = None
+        # A JittedFunction served by the native hit path (jitted.py, _go_native): its
+        # ``__call__``, whose ``hit`` is the front entry's (``_sync_native`` keeps it so).
+        self.native_front = None
 
     @property
     def hits(self) -> int:
@@ -361,17 +365,37 @@ def call(state: _JitState, args: tuple, kwargs: dict):
     # (a frame less a call); the rest is ``call_past_hit_path``.
     entries = state.entries
     if entries:
-        entry = entries[0]
         try:
-            r = entry.hit_fn(args, kwargs)
+            r = entries[0].hit_fn(args, kwargs)
         except Exception:  # noqa: BLE001
-            if prologue_accepts(entry, args, kwargs):
-                raise  # the program's own error, from its computation or epilogue
-            r = None  # "not this entry": see get_computation_and_inputs
+            r = None  # the checks could not run on this call: "not this entry"
         if type(r) is tuple:
             next(state.hit_count)
             return r[0]
+        if type(r) is ProgramRaised:
+            reraise(r)
     return call_past_hit_path(state, args, kwargs)
+
+
+class ProgramRaised:
+    """What a hit path returns when the program itself raised, after its checks passed: the
+    caller raises ``error`` and never tries the call again (the program may have written to its
+    inputs before it raised, and the prologue may then reject what it accepted)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def reraise(raised: ProgramRaised):
+    """Raise the program's error, holding no reference to it from this frame afterwards (its
+    traceback refers to the frame: a cycle that would keep the call's tensors alive)."""
+    error, raised.error = raised.error, None
+    try:
+        raise error
+    finally:
+        error = None
 
 
 def call_past_hit_path(state: _JitState, args: tuple, kwargs: dict):
@@ -385,23 +409,16 @@ def call_past_hit_path(state: _JitState, args: tuple, kwargs: dict):
     return entry.epilogue_fn(entry.computation_fn(*inputs), pro_to_epi)
 
 
-def prologue_accepts(entry: CacheEntry, args: tuple, kwargs: dict) -> bool:
-    """Whether ``entry``'s prologue and alias check accept this call (it raised in its hit path:
-    from the checks, it is a miss; after them, the program's own error)."""
-    try:
-        r = entry.prologue_fn(*args, **kwargs)
-    except Exception:  # noqa: BLE001
-        return False
-    return type(r) is tuple and entry.alias_check(r[0])
-
-
 # ------------------------------------------------------------------------------ hit paths
 def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
     """The entry's hit path and its trace: ``hit(args, kwargs)`` runs the fast prologue's lines,
     then, instead of returning the inputs, the alias check where sharing matters and the
     computation and epilogue, returning ``(result,)``. When the epilogue only hands back the one
-    output, the computation's own ``(result,)`` is returned as it is. A prologue that is not the
-    fast prologue's (the dynamo fallback's, say) gets a hit path that calls it."""
+    output, the computation's own ``(result,)`` is returned as it is. What the computation or the
+    epilogue raise comes back as a ``ProgramRaised`` (a ``try`` costs nothing until something
+    raises), so that the caller tells the program's errors from a check that could not run. A
+    prologue that is not the fast prologue's (the dynamo fallback's, say) gets a hit path that
+    calls it."""
     prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
     ret = prologue.bound_symbols[-1] if prologue is not None else None
     returned = getattr(ret.fields, "lines", None) if ret is not None else None
@@ -415,18 +432,21 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
         if alias_check is not sharing_cannot_matter:
             lines.append(f"if not {w.constant(alias_check, 'alias_check')}(({inputs},)): "
                          f"return 'the inputs share memory differently'")
+        lines.append("try:")
         if _returns_the_only_output(entry.epilogue_traces[-1]):
-            lines.append(f"return _entry.computation_fn({inputs})  # (result,): the epilogue "
+            lines.append(f"  return _entry.computation_fn({inputs})  # (result,): the epilogue "
                          f"only returns the one output")
         else:
-            lines.append(f"return (_entry.epilogue_fn(_entry.computation_fn({inputs}), "
+            lines.append(f"  return (_entry.epilogue_fn(_entry.computation_fn({inputs}), "
                          f"{w.value(pro_to_epi)}),)")
+        lines += ["except Exception as _program_error:",
+                  "  return ProgramRaised(_program_error)  # raised by the caller, never retried"]
         return lines
     line = glue.PYTHON.bind(label="hit", lines=run, outputs=None, executor="python")
     trace = Trace("hit", ["args", "kwargs"], prologue.bound_symbols[:-1] + [line],
                   prologue.header + ["Constructed by Hit Path (jit.py): the prologue's checks, "
                                      "then the computation and the epilogue"],
-                  {**prologue.namespace, "_entry": entry})
+                  {**prologue.namespace, "_entry": entry, "ProgramRaised": ProgramRaised})
     return trace.python_callable(), trace
 
 
@@ -439,7 +459,10 @@ def _calling_hit_path(entry: CacheEntry) -> Callable:
         r = prologue(*args, **kwargs)
         if type(r) is not tuple or not alias_check(r[0]):
             return r if type(r) is not tuple else "the inputs share memory differently"
-        return (entry.epilogue_fn(entry.computation_fn(*r[0]), r[1]),)
+        try:
+            return (entry.epilogue_fn(entry.computation_fn(*r[0]), r[1]),)
+        except Exception as error:  # noqa: BLE001 - the program's own: see hit_path
+            return ProgramRaised(error)
     return hit
 
 
@@ -508,25 +531,63 @@ def _promote(state: _JitState, entry: CacheEntry) -> None:
     entries = state.entries
     if entry in entries:  # another thread may have replaced the list meanwhile
         state.entries = [entry] + [e for e in entries if e is not entry]
+        _sync_native(state)
+
+
+def _sync_native(state: _JitState) -> None:
+    """After ``state.entries`` changed: the native hit path serves the new front entry (when it
+    can). The loader's thread may call this too (``jitted._go_native``): whoever writes last
+    wrote it for the entries that are there, since each writer checks them again after."""
+    front = state.native_front
+    if front is None:
+        return
+    while True:
+        entries = state.entries
+        front.hit = _native_hit(entries[0]) if entries else None
+        if state.entries is entries:
+            return
+
+
+def _native_hit(entry: CacheEntry):
+    """``entry``'s native ``Hit``, made once (None where the native hit path cannot serve it):
+    it checks what the prologue checks; the alias check and the epilogue must have nothing to
+    do (``keraunos/native`` says which prologues it takes)."""
+    if entry.native_hit is NOT_ASKED:
+        hit = None
+        if (entry.alias_check is sharing_cannot_matter and entry.epilogue_traces
+                and _returns_the_only_output(entry.epilogue_traces[-1])):
+            try:
+                hit = native.hit_for(entry)
+            except Exception as e:  # noqa: BLE001 - an unexpected guard object: Python
+                debug.logger.debug("keraunos: no native hit path for an entry: %s: %s",
+                                   type(e).__name__, e)
+        entry.native_hit = hit
+    return entry.native_hit
+
 
 
 # ----------------------------------------------------------------------------------- misses
 def explain(entry: CacheEntry, args: tuple, kwargs: dict) -> str | None:
     """Why ``entry`` does not fit this call, in words; ``None`` when it does."""
+    return _verdict(entry, args, kwargs)[0]
+
+
+def _verdict(entry: CacheEntry, args: tuple, kwargs: dict) -> tuple[str | None, tuple | None]:
+    """``(why entry does not fit this call, None)``, or ``(None, what its prologue returned)``."""
     try:
         r = entry.prologue_fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure to unpack is a reason
-        return f"the prologue could not unpack the call: {type(e).__name__}: {e}"
+        return f"the prologue could not unpack the call: {type(e).__name__}: {e}", None
     if type(r) is int:
         description = entry.check_descriptions[r]
         live = getattr(description, "explain_miss", None)  # ambient.AmbientDifference
-        return f"check failed: {live() if live is not None else description}"
+        return f"check failed: {live() if live is not None else description}", None
     if type(r) is str:
-        return f"check failed: {r}"
+        return f"check failed: {r}", None
     if not check_storage_aliases(entry, r[0]):
         return (f"inputs share memory differently: compiled for alias pattern "
-                f"{entry.alias_pattern}, called with {_alias_pattern(entry, r[0])}")
-    return None
+                f"{entry.alias_pattern}, called with {_alias_pattern(entry, r[0])}"), None
+    return None, r
 
 
 def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
@@ -537,9 +598,8 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
     with state.lock:
         reasons = []
         for entry in state.entries:  # another thread may have compiled it meanwhile
-            reason = explain(entry, args, kwargs)
+            reason, r = _verdict(entry, args, kwargs)
             if reason is None:
-                r = entry.prologue_fn(*args, **kwargs)
                 next(state.hit_count)
                 state.last_entry = entry
                 state.last_lookup = _clock() - start
@@ -557,6 +617,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
                 raise
             entry = _dynamo_fallback_entry(state, e)
             state.entries = [entry]  # dynamo's guards decide from now on: it always hits
+            _sync_native(state)
             state.last_entry = entry
             return entry, (args, kwargs), None
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
@@ -760,6 +821,7 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
                 f"constants; pass them as tensors instead.")
             _warn_at_user_line(message, stacklevel=3)
     state.entries = entries
+    _sync_native(state)
 
 
 def state_of(jitted) -> _JitState:

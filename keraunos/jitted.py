@@ -23,15 +23,21 @@ import torch
 
 from .cache import CacheMode
 from .capture.state import active_context
-from .jit import (CHECK_RESULTS, Fallback, JitOptions, _fsdp_units, _JitState,
-                  _warn_at_user_line, call, call_past_hit_path, call_profiled, checked_result,
-                  prologue_accepts)
+from . import native
+from .jit import (CHECK_RESULTS, Fallback, JitOptions, ProgramRaised, _fsdp_units, _JitState,
+                  _sync_native, _warn_at_user_line, call, call_past_hit_path, call_profiled,
+                  checked_result, reraise)
 from .tiers import FuseMode
 from .transforms import Transform
 
 # ------------------------------------------------------------------------- public wrappers
 class JittedFunction:
-    """A function compiled by ``keraunos.jit``; call it as you would the original."""
+    """A function compiled by ``keraunos.jit``; call it as you would the original.
+
+    Once the native hit path is loaded (``keraunos/native``), the instance's class becomes a
+    subclass of its own whose ``__call__`` is a ``native.Front``: a C callable that serves the
+    front entry's hits (when its prologue is one the native path can check) and calls the
+    ``__call__`` below for everything else (``_go_native``)."""
 
     def __init__(self, fn: Callable, options: JitOptions):
         self._keraunos = _JitState(fn, None, options)
@@ -39,24 +45,25 @@ class JittedFunction:
         functools.update_wrapper(self, fn)
         if options.profile:
             self.__class__ = _ProfiledJittedFunction
-        elif CHECK_RESULTS:
+            return
+        if CHECK_RESULTS:
             self.__class__ = _CheckedJittedFunction
+        native.LOADER.when_loaded(self, _go_native)
 
     def __call__(self, *args, **kwargs):
         # jit.call's first lines, made here: a frame less on every call (jit.call says why).
         state = self._keraunos
         entries = state.entries
         if entries:
-            entry = entries[0]
             try:
-                r = entry.hit_fn(args, kwargs)
+                r = entries[0].hit_fn(args, kwargs)
             except Exception:  # noqa: BLE001
-                if prologue_accepts(entry, args, kwargs):
-                    raise  # the program's own error, from its computation or epilogue
-                r = None  # "not this entry"
+                r = None  # the checks could not run on this call: "not this entry"
             if type(r) is tuple:
                 next(state.hit_count)
                 return r[0]
+            if type(r) is ProgramRaised:
+                reraise(r)  # the program's own error, from its computation or epilogue
         return call_past_hit_path(state, args, kwargs)
 
     def __repr__(self) -> str:
@@ -76,6 +83,30 @@ class _CheckedJittedFunction(JittedFunction):
 
     def __call__(self, *args, **kwargs):
         return checked_result(self._keraunos, JittedFunction.__call__(self, *args, **kwargs))
+
+
+def _go_native(jitted: JittedFunction) -> None:
+    """Serve ``jitted``'s calls through the native hit path from now on: its class becomes one
+    of its own whose ``__call__`` is a ``native.Front`` falling back to ``JittedFunction``'s
+    (under ``KERAUNOS_CHECK_RESULTS``, a Python ``__call__`` that calls the ``Front`` and checks
+    the result). Runs where the module loaded: at ``jit()``, or on the build's thread."""
+    base = type(jitted)
+    if base is not JittedFunction and base is not _CheckedJittedFunction:
+        return  # profiled, or already native
+    state = jitted._keraunos
+    front = native.module().Front(JittedFunction.__call__, state.hit_count)
+    namespace = {"__slots__": (), "__module__": base.__module__,
+                 "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+    if base is JittedFunction:
+        namespace["__call__"] = front
+    else:
+        def __call__(self, *args, **kwargs):
+            return checked_result(self._keraunos, front(self, *args, **kwargs))
+        namespace["__call__"] = __call__
+    with state.lock:
+        jitted.__class__ = type(base.__name__, (base,), namespace)
+        state.native_front = front
+    _sync_native(state)
 
 
 class JittedModule(torch.nn.Module):

@@ -79,7 +79,8 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
     shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
                      stages={"rebind to an identical module": time.perf_counter() - t0},
                      alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
-                     hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0)
+                     hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0,
+                     native_hit=CacheEntry.native_hit)
     if entry.tiering is not None:
         entry.tiering.followers.append(weakref.ref(shared))
         shared.computation_fn = entry.computation_fn  # the switch may have come meanwhile

@@ -183,33 +183,48 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trac
     if checks:
         implied = [b for b in lines if _implied_by_tensor_checks(b)]
         lines = [b for b in lines if not _implied_by_tensor_checks(b)]
-        guards = tensor_guards(checks)
-        names = [b.fields.path for b in checks]
-        arg_list = _splice(check_names, static_names, statics_expr)
-
-        def fused(w):
-            g = w.constant(guards, "tensor_guards")
-            if isinstance(guards, TensorTree):  # one tuple: ``check((x, w))``
-                checked = f"({arg_list},)"
-                reason = f"{g}.reason({checked})"
-            else:
-                checked = arg_list
-                reason = (f"{g}.check_verbose({arg_list}, "
-                          f"tensor_check_names={w.constant(names, 'tensor_names')})")
-            also = ""
-            for b in implied:  # a miss names the setting first when it is what differs
-                reason = (f"{w.constant(b.fields.description, 'ambient')}"
-                          f".before_tensor_reason({reason})")
-                also = f"; they also tell {b.fields.description.ambient.label} apart"
-            return [f"if not {g}.check({checked}):",
-                    f"  return {reason}  # {len(checks)} tensors checked in one C++ call{also}"
-                    ] + _tensor_comments(checks)
+        fused = TensorChecks(tensor_guards(checks), check_names, checks, implied,
+                             _splice(check_names, static_names, statics_expr))
         lines = lines + [_glue("check tensors", fused)]
     inputs, pro_to_epi = ret.args
     spliced = _splice([p.name for p in inputs], static_names, statics_expr)
     returned = ReturnInputs(spliced, tuple(pro_to_epi))
     lines = lines + [_glue("return", returned)]
     return trace.derive(lines, "Fast Prologue (python executor)")
+
+
+@dataclass(frozen=True, eq=False)
+class TensorChecks:
+    """The line that checks every tensor's metadata in one C++ call: ``guards`` (a
+    ``TensorGuards``, or a ``TensorTree`` from ``TREE_FROM`` tensors on) over the tensors named
+    ``checked``, written as ``arg_list``; the native hit path (``keraunos/native``) calls the same
+    ``guards``."""
+
+    guards: Any
+    checked: list[str]
+    checks: list[BoundSymbol]
+    implied: list[BoundSymbol]  # ambient checks the tensor checks stand in for
+    arg_list: str
+
+    def __call__(self, w) -> list[str]:
+        guards, checks, arg_list = self.guards, self.checks, self.arg_list
+        g = w.constant(guards, "tensor_guards")
+        if isinstance(guards, TensorTree):  # one tuple: ``check((x, w))``
+            checked = f"({arg_list},)"
+            reason = f"{g}.reason({checked})"
+        else:
+            checked = arg_list
+            names = [b.fields.path for b in checks]
+            reason = (f"{g}.check_verbose({arg_list}, "
+                      f"tensor_check_names={w.constant(names, 'tensor_names')})")
+        also = ""
+        for b in self.implied:  # a miss names the setting first when it is what differs
+            reason = (f"{w.constant(b.fields.description, 'ambient')}"
+                      f".before_tensor_reason({reason})")
+            also = f"; they also tell {b.fields.description.ambient.label} apart"
+        return [f"if not {g}.check({checked}):",
+                f"  return {reason}  # {len(checks)} tensors checked in one C++ call{also}"
+                ] + _tensor_comments(checks)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,293 @@
+"""The native hit path: a jitted function's hit in one C call (``hit_path.cpp``), for the entries
+whose prologue it can express whole; every other entry keeps the Python hit path (``jit.py``).
+
+What it serves: an entry of a function (not a module) whose fast prologue is exactly
+
+    if len(args) != N: ...            # N positional arguments, every one a tensor
+    if kwargs: ...                    # no keywords
+    if not _global_state.check(): ... # dynamo's GlobalStateGuard
+    if _get_autocast_dtype(dev) is not ...; if _get_float32_matmul_precision() != ...
+    x = args[0]; ...                  # each argument once, in order
+    if not _tensor_guards.check(x, ...): ...   # TensorGuards (fewer than guard_trees.TREE_FROM)
+    return (x, ...), ()               # the computation takes the arguments as they came
+
+with static sizes (no size symbols, no guards on them), no alias check (``jit.py`` decides, with
+the epilogue: it must hand back the computation's one output as it is). Anything else in the
+prologue (module attributes, Python values, aliasing, symbolic sizes, dataclass or container
+arguments) leaves the entry on the Python hit path: ``why_not(entry)`` says which line.
+
+Why it accepts exactly the calls the Python hit path accepts: it calls the prologue's own
+``GlobalStateGuard`` and ``TensorGuards`` objects through their C functions, with the same
+arguments (the call's positional tuple is the tensors' tuple), and reads the settings the
+prologue compares in Python with the C++ getters behind the prologue's calls
+(``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``). Any
+``Ambient`` it does not know keeps the entry in Python (``SUPPORTED_AMBIENT``; a test fails when
+``AMBIENT_STATE`` grows). What it rejects, or a call with keywords, goes to the Python
+``__call__``, which runs the Python hit path and explains a miss as before.
+
+The build: ``hit_path.cpp`` is compiled once per source, torch and Python version into
+``cache_directory()`` (a temporary name renamed into place, so never half-written), on the
+first ``keraunos.jit`` in the background (about 3 s of one core); until it loads, and forever
+where it cannot be built (no compiler, a failed build: one debug log line), calls take the
+Python path. ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
+(``python -m keraunos.native``).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from .. import debug
+from ..capture.ambient import AMBIENT_STATE, AmbientDifference
+from ..core import glue
+from ..passes.fast_prologue import ReturnInputs, TensorChecks
+
+SOURCE = pathlib.Path(__file__).with_name("hit_path.cpp")
+MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
+
+# The ambient settings a prologue may compare in Python that the native hit reads itself; those
+# in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
+SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision")
+_MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
+
+
+# ------------------------------------------------------------------------------- the build
+def enabled() -> bool:
+    return os.environ.get("KERAUNOS_NATIVE", "1") not in ("", "0")
+
+
+def cache_directory() -> pathlib.Path:
+    """``$KERAUNOS_NATIVE_DIR``, else ``$XDG_CACHE_HOME/keraunos-native``, else
+    ``~/.cache/keraunos-native``: apart from the program store (``store.py``), whose directory
+    tests point at a fresh one per run, so that the extension is built once per machine."""
+    if os.environ.get("KERAUNOS_NATIVE_DIR"):
+        return pathlib.Path(os.environ["KERAUNOS_NATIVE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base).expanduser() / "keraunos-native"
+
+
+def _torch_paths() -> tuple[str, str]:
+    root = os.path.dirname(torch.__file__)
+    return os.path.join(root, "include"), os.path.join(root, "lib")
+
+
+def _command(compiler: str, output: str) -> list[str]:
+    include, lib = _torch_paths()
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    return [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", str(SOURCE),
+            f"-I{sysconfig.get_paths()['include']}", f"-I{include}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{lib}", "-lc10", "-ltorch_cpu",
+            "-ltorch_python", f"-Wl,-rpath,{lib}", "-o", output]
+
+
+def library_path() -> pathlib.Path:
+    """Where the built extension is kept: named by a digest of its source, the command that
+    builds it, torch's version and Python's, so a change of any builds a new one."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(_command("c++", "out")).encode())
+    key.update(f"{torch.__version__} {sys.version} {sys.platform}".encode())
+    return cache_directory() / f"{MODULE_NAME}-{key.hexdigest()[:16]}.so"
+
+
+def build() -> pathlib.Path:
+    """Compile the extension into ``library_path()`` unless it is there; raise on failure."""
+    target = library_path()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="building-") as folder:
+        output = os.path.join(folder, target.name)
+        done = subprocess.run(_command(compiler, output), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        os.replace(output, target)  # atomic: another process sees all of it or nothing
+    return target
+
+
+def _import(path: pathlib.Path):
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+class _Loader:
+    """The extension's state in this process: not asked for yet, building in the background,
+    loaded, or failed (for good: the Python path serves every call)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.module = None
+        self.failed: str | None = None
+        self.thread: threading.Thread | None = None
+        # Callables waiting for the module: (weak reference to an object, what to call with it).
+        self.waiting: list[tuple[weakref.ref, Callable]] = []
+        self.build_seconds: float | None = None
+
+    def start(self, wait: bool = False):
+        """The module if it is loaded, or loads it now when it is built; otherwise starts the
+        build in the background (or runs it, with ``wait``) and returns None."""
+        if self.module is not None or self.failed is not None:
+            return self.module
+        with self.lock:
+            if self.module is not None or self.failed is not None:
+                return self.module
+            if not enabled():
+                self.failed = "KERAUNOS_NATIVE=0"
+                return None
+            try:
+                path = library_path()
+                if path.exists():
+                    self.module = _import(path)
+                    return self.module
+            except Exception as e:  # noqa: BLE001 - a stale or foreign file: build anew
+                debug.logger.debug("keraunos: the native hit path did not load (%s: %s); "
+                                   "building it again", type(e).__name__, e)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._build, name="keraunos-native-build",
+                                               daemon=True)
+                self.thread.start()
+            thread = self.thread
+        if wait:
+            thread.join()
+        return self.module
+
+    def _build(self) -> None:
+        start = time.perf_counter()
+        try:
+            module = _import(build())
+        except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the Python path
+            self.failed = f"{type(e).__name__}: {e}"
+            debug.logger.debug("keraunos: the native hit path is not available, calls take the "
+                               "Python hit path: %s", self.failed)
+            self.waiting = []
+            return
+        self.build_seconds = time.perf_counter() - start
+        with self.lock:
+            self.module = module
+            waiting, self.waiting = self.waiting, []
+        for ref, then in waiting:
+            obj = ref()
+            if obj is not None:
+                then(obj)
+
+    def when_loaded(self, obj, then: Callable) -> None:
+        """``then(obj)`` once the module is loaded: now if it is, later (on the build's thread)
+        if it is being built, never if it cannot be."""
+        module = self.start()
+        if module is not None:
+            then(obj)
+            return
+        with self.lock:
+            if self.module is None and self.failed is None:
+                self.waiting.append((weakref.ref(obj), then))
+                return
+        if self.module is not None:
+            then(obj)
+
+
+LOADER = _Loader()
+
+
+def module():
+    """The loaded extension, or None (not built yet, or not available)."""
+    return LOADER.module
+
+
+# --------------------------------------------------------------------- which entries it serves
+def why_not(entry) -> str | None:
+    """Why the native hit path cannot serve ``entry``'s prologue, or None when it can."""
+    plan = _plan(entry)
+    return plan if isinstance(plan, str) else None
+
+
+def hit_for(entry):
+    """``entry``'s ``Hit`` (what its prologue checks, in C), or None where the native hit path
+    cannot serve it or is not loaded. The caller has checked the alias check and epilogue."""
+    loaded = LOADER.module
+    if loaded is None:
+        return None
+    plan = _plan(entry)
+    if isinstance(plan, str):
+        return None
+    return loaded.Hit(entry, *plan)
+
+
+def _plan(entry):
+    """``(nargs, global_guard, tensor_guards, autocast_dtypes, matmul_precision)``: the
+    arguments of the entry's ``Hit``; or, in words, why there is none."""
+    from torch._C._dynamo.guards import TensorGuards
+    prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
+    if prologue is None or entry.hit_trace is None:
+        return "its prologue is not the fast prologue's"
+    *lines, ret = prologue.bound_symbols
+    returned = getattr(ret.fields, "lines", None)
+    if not isinstance(returned, ReturnInputs) or returned.pro_to_epi:
+        return "the prologue hands the epilogue values of its own"
+    nargs, no_kwargs, global_guard, tensors = None, False, None, None
+    autocast, matmul = [], -1
+    unpacked: dict[int, str] = {}
+    for b in lines:
+        symbol, fields = b.symbol, b.fields
+        guard = getattr(fields, "guard", None)
+        description = getattr(fields, "description", None)
+        if symbol is glue.CHECK and guard is not None and guard.path.is_root:
+            if guard.kind.name == "length" and guard.path.key == "args":
+                nargs = guard.expected[1]
+                continue
+            if guard.kind.name == "keys" and guard.path.key == "kwargs" and not guard.expected[1]:
+                no_kwargs = True
+                continue
+        if symbol is glue.CHECK and guard is None and isinstance(description, AmbientDifference):
+            ambient = description.ambient
+            if ambient is None:
+                global_guard = description.snapshot.cxx_guard
+                continue
+            value = description.snapshot.values[AMBIENT_STATE.index(ambient)]
+            if ambient.label.startswith("autocast dtype on ") and isinstance(value, torch.dtype):
+                autocast.append((ambient.label.removeprefix("autocast dtype on "), value))
+                continue
+            if ambient.label == "float32 matmul precision" and value in _MATMUL_PRECISIONS:
+                matmul = _MATMUL_PRECISIONS[value]
+                continue
+            return f"the prologue compares {ambient.label} in Python"
+        if symbol is glue.UNPACK and fields.path.is_item and fields.path.parent is not None \
+                and fields.path.parent.is_root and fields.path.parent.key == "args" \
+                and type(fields.path.key) is int and fields.path.key not in unpacked:
+            unpacked[fields.path.key] = b.outputs.name
+            continue
+        if symbol is glue.CHECK_SIZES and not b.args and not list(fields.symbols.checks()):
+            continue
+        if symbol is glue.PYTHON and isinstance(fields.lines, TensorChecks):
+            tensors = fields.lines
+            continue
+        return f"the prologue line {str(b).strip().splitlines()[0][:80]!r}"
+    names = [unpacked.get(i) for i in range(nargs or 0)]
+    if nargs is None or not no_kwargs or global_guard is None:
+        return "the prologue does not check the argument count, keywords and global state"
+    if not nargs or None in names or len(unpacked) != nargs:
+        return "not every argument is unpacked once"
+    if tensors is None or type(tensors.guards) is not TensorGuards:
+        return "the tensors are not checked by one TensorGuards call"
+    if tensors.checked != names or returned.inputs != ", ".join(names):
+        return "the computation does not take exactly the arguments, all tensors, in order"
+    return nargs, global_guard, tensors.guards, tuple(autocast), matmul

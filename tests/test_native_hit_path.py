@@ -1,0 +1,417 @@
+"""The native hit path (``keraunos/native``): a jitted function's hit in one C call. It must accept
+a call exactly when the Python hit path accepts it, and give eager's results; anything it
+rejects goes to the Python path, which explains the miss and recompiles as before. Every
+behaviour is compared with eager PyTorch."""
+import contextlib
+import logging
+import os
+import threading
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import keraunos
+from keraunos import native
+from keraunos.capture.ambient import AMBIENT_STATE
+from keraunos.jit import state_of
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_loaded():
+    """These tests need the extension: built here if this machine has not built it yet."""
+    if native.LOADER.start(wait=True) is None:
+        pytest.fail(f"the native hit path could not be built: {native.LOADER.failed}")
+
+
+def _f(x):
+    return (x * 2 + 1).relu()
+
+
+def _jit(fn=_f, *args):
+    jitted = keraunos.jit(fn)
+    args = args or (torch.randn(4),)
+    jitted(*args)
+    return jitted
+
+
+def _hit(jitted):
+    state = state_of(jitted)
+    assert state.native_front is not None, "the jitted function was not given the native path"
+    return state.native_front.hit
+
+
+def _python_accepts(jitted, *args, **kwargs) -> bool:
+    entry = state_of(jitted).entries[0]
+    try:
+        r = entry.prologue_fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - "not this entry", as for the hit path
+        return False
+    return type(r) is tuple
+
+
+def _counted_python_hit_path(jitted) -> list:
+    """Count the calls the front entry's Python hit path gets from now on."""
+    entry, calls = state_of(jitted).entries[0], []
+    python_hit = entry.hit_fn
+
+    def counted(args, kwargs):
+        calls.append(1)
+        return python_hit(args, kwargs)
+    entry.hit_fn = counted
+    return calls
+
+
+def test_native_path_serves_a_tiny_function_with_eager_results():
+    jitted = _jit()
+    hit = _hit(jitted)
+    assert hit is not None, native.why_not(state_of(jitted).entries[0])
+    python_calls = _counted_python_hit_path(jitted)
+    for _ in range(3):
+        x = torch.randn(4)
+        assert_close(jitted(x), _f(x))
+    assert python_calls == []  # served in C
+    assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
+    assert state_of(jitted).last_entry is state_of(jitted).entries[0]
+
+
+def test_native_path_with_autograd_gives_eager_gradients():
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    x, w = torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)
+    jitted = _jit(f, x, w)
+    assert _hit(jitted) is not None
+    w2 = w.detach().clone().requires_grad_()
+    jitted(x, w).backward()
+    f(x, w2).backward()
+    assert_close(w.grad, w2.grad)
+
+
+# Each setting the prologue compares: changed, the native path must reject what the Python path
+# rejects, and the call must miss, recompile and explain itself as it does without it.
+def _precision_per_backend():
+    previous = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = previous
+
+
+@contextlib.contextmanager
+def _changed(setter, getter, value):
+    before = getter()
+    setter(value)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
+_cuda_matmul = torch.backends.cuda.matmul
+SETTINGS = {
+    "grad mode": lambda: torch.no_grad(),
+    "inference mode": lambda: torch.inference_mode(),
+    "default dtype": lambda: _changed(torch.set_default_dtype, torch.get_default_dtype,
+                                      torch.float64),
+    "autocast on cpu": lambda: torch.autocast("cpu"),
+    "autocast dtype on cpu": lambda: _changed(
+        lambda d: torch.set_autocast_dtype("cpu", d), lambda: torch.get_autocast_dtype("cpu"),
+        torch.float16),
+    "autocast's cast cache": lambda: _changed(torch.set_autocast_cache_enabled,
+                                              torch.is_autocast_cache_enabled, False),
+    "deterministic algorithms": lambda: _changed(torch.use_deterministic_algorithms,
+                                                 torch.are_deterministic_algorithms_enabled,
+                                                 True),
+    "deterministic algorithms, warn only": lambda: _changed(
+        lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        lambda: (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled()), (True, True)),
+    "float32 matmul precision": lambda: _changed(torch.set_float32_matmul_precision,
+                                                 torch.get_float32_matmul_precision, "high"),
+    "float32 matmul precision per backend": lambda: contextlib.contextmanager(
+        _precision_per_backend)(),
+    "TF32 matmuls (cuBLAS)": lambda: _changed(lambda v: setattr(_cuda_matmul, "allow_tf32", v),
+                                              lambda: _cuda_matmul.allow_tf32, True),
+    "float16 reduced-precision reductions (cuBLAS)": lambda: _changed(
+        lambda v: setattr(_cuda_matmul, "allow_fp16_reduced_precision_reduction", v),
+        lambda: _cuda_matmul.allow_fp16_reduced_precision_reduction, False),
+    "bfloat16 reduced-precision reductions (cuBLAS)": lambda: _changed(
+        lambda v: setattr(_cuda_matmul, "allow_bf16_reduced_precision_reduction", v),
+        lambda: _cuda_matmul.allow_bf16_reduced_precision_reduction, False),
+    "intra-op threads": lambda: _changed(torch.set_num_threads, torch.get_num_threads,
+                                         torch.get_num_threads() + 1),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(setting):
+    def f(x, w):
+        return (x @ w + 1).relu()
+
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    jitted = _jit(f, x, w)
+    hit = _hit(jitted)
+    assert hit is not None
+    with SETTINGS[setting]():
+        assert hit.accepts(x, w) is False
+        assert _python_accepts(jitted, x, w) is False
+        assert_close(jitted(x, w), f(x, w))
+        assert keraunos.cache_misses(jitted) == 2
+        reasons = " ".join(state_of(jitted).last_miss_reasons)
+        assert "check failed" in reasons or "could not unpack" in reasons  # precision: raises
+        # The new entry is served natively in the new setting, and again gives eager's values.
+        python_calls = _counted_python_hit_path(jitted)
+        assert_close(jitted(x, w), f(x, w))
+        new_hit = _hit(jitted)
+        if new_hit is not None:
+            assert python_calls == []
+    assert hit.accepts(x, w) is True  # back as compiled
+    assert_close(jitted(x, w), f(x, w))
+    assert keraunos.cache_misses(jitted) == 2  # the first entry again, no compilation
+
+
+def test_every_ambient_setting_is_checked_by_the_native_path_or_keeps_python():
+    """A new kind of ambient state (capture/ambient.py) must be compared by dynamo's
+    GlobalStateGuard, implied by the tensor checks, or read by the native hit itself: otherwise
+    the native path would accept calls the prologue rejects."""
+    for ambient in AMBIENT_STATE:
+        assert (ambient.in_global_state_guard or ambient.implied_by_tensor_checks
+                or ambient.label.startswith(native.SUPPORTED_AMBIENT)
+                or ambient.label == "TF32 convolutions (cuDNN)"), ambient.label
+
+
+TENSOR_CHANGES = {
+    "shape": lambda x: torch.randn(5, 4),
+    "stride": lambda x: torch.randn(4, 4).t(),
+    "dtype": lambda x: x.double(),
+    "requires_grad": lambda x: x.clone().requires_grad_(),
+    "a tensor subclass": lambda x: torch.nn.Parameter(x.clone(), requires_grad=False),
+    "an inference tensor": lambda x: _inference_copy(x),
+}
+
+
+def _inference_copy(x):
+    with torch.inference_mode():
+        return x.clone()
+
+
+@pytest.mark.parametrize("change", list(TENSOR_CHANGES))
+def test_each_tensor_change_falls_back_to_the_python_path(change):
+    x = torch.randn(4, 4)
+    jitted = _jit(_f, x)
+    hit = _hit(jitted)
+    assert hit is not None
+    other = TENSOR_CHANGES[change](x)
+    assert hit.accepts(other) is False
+    assert _python_accepts(jitted, other) is False
+    expected = _f(other)
+    assert_close(jitted(other), expected)
+    assert type(jitted(other)) is type(expected)
+    assert keraunos.cache_misses(jitted) == 2
+    assert hit.accepts(x) is True
+    assert_close(jitted(x), _f(x))
+
+
+def test_argument_count_and_keywords_take_the_python_path():
+    def f(x, y=None):
+        return x * 2 if y is None else x * y
+
+    x = torch.randn(3)
+    jitted = _jit(f, x)
+    hit = _hit(jitted)
+    assert hit is not None
+    assert hit.accepts(x, x) is False
+    assert hit.accepts(3.0) is False and hit.accepts(x.tolist()) is False
+    assert_close(jitted(x, x), f(x, x))
+    assert_close(jitted(x, y=x), f(x, y=x))  # keywords: never the native path
+    assert keraunos.cache_misses(jitted) == 3
+    assert_close(jitted(x), f(x))
+
+
+def test_entries_the_native_path_cannot_express_keep_the_python_hit_path():
+    x = torch.randn(3)
+    cases = {
+        "a Python number": (lambda x, n: x * n, (x, 2)),
+        "the same tensor twice": (lambda x, y: x + y, (x, x)),
+        "a written input": (lambda x: x.add_(1), (x.clone(),)),
+        "a list of tensors": (lambda xs: xs[0] + xs[1], ([x, x + 1],)),
+        "a result built by the epilogue": (lambda x: (x, x + 1), (x,)),
+        "an input returned as it is": (lambda x, y: x, (x, x + 1)),
+    }
+    for name, (fn, args) in cases.items():
+        jitted = keraunos.jit(fn)
+        jitted(*args)
+        assert state_of(jitted).native_front.hit is None, name
+        assert_close(jitted(*args), fn(*args))
+    module = keraunos.jit(torch.nn.Linear(3, 2))
+    module(x)
+    assert native.why_not(state_of(module).entries[0]) is not None
+
+
+def test_symbolic_entry_keeps_the_python_hit_path():
+    jitted = keraunos.jit(_f, cache="symbolic values")
+    jitted(torch.randn(4))
+    assert state_of(jitted).native_front.hit is None
+    assert native.why_not(state_of(jitted).entries[0]) is not None
+    for n in (5, 6):
+        x = torch.randn(n)
+        assert_close(jitted(x), _f(x))
+
+
+def test_threads_each_with_their_grad_mode_and_thread_count():
+    def f(x):
+        return (x.sin() * 3).sum(0)
+
+    jitted = _jit(f, torch.randn(8, 4))
+    errors = []
+
+    def work(no_grad: bool):
+        try:
+            x = torch.randn(8, 4, requires_grad=True)
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                for _ in range(50):
+                    out = jitted(x)
+                    assert_close(out, f(x))
+                    assert out.requires_grad is not no_grad
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before != 1 else 2)
+    try:
+        x = torch.randn(8, 4)
+        misses = keraunos.cache_misses(jitted)
+        assert_close(jitted(x), f(x))
+        assert keraunos.cache_misses(jitted) == misses + 1
+        assert "intra-op threads" in " ".join(state_of(jitted).last_miss_reasons)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_tier_switch_is_seen_by_the_native_path():
+    jitted = _jit()
+    assert _hit(jitted) is not None
+    entry, ran = state_of(jitted).entries[0], []
+    computation = entry.computation_fn
+
+    def switched(*inputs):
+        ran.append(1)
+        return computation(*inputs)
+    entry.computation_fn = switched  # what tiers._switch does
+    x = torch.randn(4)
+    assert_close(jitted(x), _f(x))
+    assert ran == [1]
+
+
+# ----------------------------------------------------------------- the program's own errors
+def _raising_after_the_checks_change(entry, calls: list):
+    """The entry's computation, replaced: it counts its runs, changes what the prologue checks
+    (grad mode) and raises, as a program that writes and then fails may leave things."""
+    def computation(*inputs):
+        calls.append(1)
+        torch.set_grad_enabled(False)
+        raise ValueError("the program's own error")
+    entry.computation_fn = computation
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_program_error_is_raised_once_and_never_retried(path):
+    def f(x, y=None):
+        return x * 2
+
+    x = torch.randn(3)
+    jitted = keraunos.jit(f)
+    call = (lambda: jitted(x)) if path == "native" else (lambda: jitted(x, y=None))
+    call()
+    if path == "native":
+        assert _hit(jitted) is not None
+    calls = []
+    _raising_after_the_checks_change(state_of(jitted).entries[0], calls)
+    with pytest.raises(ValueError, match="the program's own error"):
+        call()
+    torch.set_grad_enabled(True)
+    assert calls == [1]
+    assert keraunos.cache_misses(jitted) == 1  # not recompiled and run again
+
+
+def test_program_error_on_the_python_hit_path_of_a_module_is_not_retried():
+    module = torch.nn.Linear(3, 2)
+    jitted = keraunos.jit(module)
+    x = torch.randn(4, 3)
+    jitted(x)
+    calls = []
+    _raising_after_the_checks_change(state_of(jitted).entries[0], calls)
+    with pytest.raises(ValueError, match="the program's own error"):
+        jitted(x)
+    torch.set_grad_enabled(True)
+    assert calls == [1]
+    assert keraunos.cache_misses(jitted) == 1
+
+
+# ------------------------------------------------------------------------------- the build
+def test_build_goes_to_a_directory_keyed_by_source_and_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAUNOS_NATIVE_DIR", str(tmp_path))
+    path = native.library_path()
+    assert path.parent == tmp_path and torch.__version__ not in path.name
+    assert native.build() == path and path.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    module = native._import(path)
+    assert hasattr(module, "Hit") and hasattr(module, "Front")
+
+
+def test_a_failed_build_logs_once_and_leaves_the_python_path(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KERAUNOS_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    loader = native._Loader()
+    monkeypatch.setattr(native, "LOADER", loader)
+    with caplog.at_level(logging.DEBUG, logger="keraunos"):
+        assert loader.start(wait=True) is None
+    assert "failed" in loader.failed
+    assert [r for r in caplog.records if "native hit path" in r.getMessage()] != []
+    assert loader.start() is None  # not built again
+    jitted = _jit()
+    assert state_of(jitted).native_front is None
+    x = torch.randn(4)
+    assert_close(jitted(x), _f(x))
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAUNOS_NATIVE_DIR", str(tmp_path))
+    loader = native._Loader()
+    monkeypatch.setattr(native, "LOADER", loader)
+    gate = threading.Event()
+    real_build = native.build
+
+    def slow_build():
+        gate.wait(60)
+        return real_build()
+    monkeypatch.setattr(native, "build", slow_build)
+    jitted = _jit()
+    assert state_of(jitted).native_front is None  # building: the Python path serves calls
+    x = torch.randn(4)
+    assert_close(jitted(x), _f(x))
+    gate.set()
+    loader.thread.join(120)
+    assert loader.module is not None, loader.failed
+    assert _hit(jitted) is not None
+    python_calls = _counted_python_hit_path(jitted)
+    assert_close(jitted(x), _f(x))
+    assert python_calls == []
+
+
+def test_native_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KERAUNOS_NATIVE", "0")
+    loader = native._Loader()
+    monkeypatch.setattr(native, "LOADER", loader)
+    jitted = _jit()
+    assert state_of(jitted).native_front is None and loader.failed == "KERAUNOS_NATIVE=0"
+    assert os.environ["KERAUNOS_NATIVE"] == "0"
