@@ -71,6 +71,7 @@ def test_native_path_serves_a_tiny_function_with_eager_results():
         x = torch.randn(4)
         assert_close(jitted(x), _f(x))
     assert python_calls == []  # served in C
+    assert hit.armed  # the guards' values recorded: later calls skip the guards
     assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
     assert state_of(jitted).last_entry is state_of(jitted).entries[0]
 
@@ -154,6 +155,7 @@ def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(settin
     jitted = _jit(f, x, w)
     hit = _hit(jitted)
     assert hit is not None
+    assert hit.accepts(x, w) is True and hit.armed  # the recorded values must not let it pass
     with SETTINGS[setting]():
         assert hit.accepts(x, w) is False
         assert _python_accepts(jitted, x, w) is False
@@ -203,6 +205,7 @@ def test_each_tensor_change_falls_back_to_the_python_path(change):
     jitted = _jit(_f, x)
     hit = _hit(jitted)
     assert hit is not None
+    assert hit.accepts(x) is True and hit.armed
     other = TENSOR_CHANGES[change](x)
     assert hit.accepts(other) is False
     assert _python_accepts(jitted, other) is False
@@ -212,6 +215,19 @@ def test_each_tensor_change_falls_back_to_the_python_path(change):
     assert keraunos.cache_misses(jitted) == 2
     assert hit.accepts(x) is True
     assert_close(jitted(x), _f(x))
+
+
+def test_entry_compiled_under_autocast_is_served_by_the_guards_alone():
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    with torch.autocast("cpu"):
+        jitted = _jit(lambda x, w: x @ w, x, w)
+        hit = _hit(jitted)
+        assert hit is not None
+        python_calls = _counted_python_hit_path(jitted)
+        assert_close(jitted(x, w), x @ w)
+        assert python_calls == [] and not hit.armed  # autocast on: nothing recorded
+    assert_close(jitted(x, w), x @ w)
+    assert keraunos.cache_misses(jitted) == 2
 
 
 def test_argument_count_and_keywords_take_the_python_path():

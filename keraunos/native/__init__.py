@@ -22,8 +22,12 @@ arguments (the call's positional tuple is the tensors' tuple), and reads the set
 prologue compares in Python with the C++ getters behind the prologue's calls
 (``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``). Any
 ``Ambient`` it does not know keeps the entry in Python (``SUPPORTED_AMBIENT``; a test fails when
-``AMBIENT_STATE`` grows). What it rejects, or a call with keywords, goes to the Python
-``__call__``, which runs the Python hit path and explains a miss as before.
+``AMBIENT_STATE`` grows). The two guards cost more than the rest of the call, so the first call
+they accept records what they depend on (``Armed`` in ``hit_path.cpp``: the global settings
+``GlobalStateGuard`` serializes, ``GLOBAL_STATE_FIELDS``, and each tensor's type, dispatch keys,
+dtype, device, requires_grad, sizes and strides), and a call with the very same values skips
+them; any other call is decided by the guards again. What it rejects, or a call with keywords,
+goes to the Python ``__call__``, which runs the Python hit path and explains a miss as before.
 
 The build: ``hit_path.cpp`` is compiled once per source, torch and Python version into
 ``cache_directory()`` (a temporary name renamed into place, so never half-written), on the
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import json
 import importlib.util
 import os
 import pathlib
@@ -63,6 +68,14 @@ MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
 # in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
 SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision")
 _MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
+# What dynamo's GlobalStateGuard compares (its serialized fields): the native hit records these
+# values to skip calling it (hit_path.cpp, ``Armed``); a torch whose guard compares anything
+# else keeps its entries on the Python hit path.
+GLOBAL_STATE_FIELDS = {"grad_mode", "autocast_state", "torch_function",
+                       "torch_function_all_disabled", "deterministic_algorithms",
+                       "deterministic_algorithms_warn_only", "allow_tf32", "allow_fp16_reduce",
+                       "allow_bf16_reduce", "num_threads", "default_dtype"}
+AUTOCAST_FIELDS = {"enabled", "dtype", "cached_enabled"}
 
 
 # ------------------------------------------------------------------------------- the build
@@ -284,6 +297,9 @@ def _plan(entry):
     names = [unpacked.get(i) for i in range(nargs or 0)]
     if nargs is None or not no_kwargs or global_guard is None:
         return "the prologue does not check the argument count, keywords and global state"
+    fields = json.loads(global_guard.__getstate__())
+    if set(fields) != GLOBAL_STATE_FIELDS or set(fields["autocast_state"]) != AUTOCAST_FIELDS:
+        return f"this torch's GlobalStateGuard compares {sorted(fields)}"
     if not nargs or None in names or len(unpacked) != nargs:
         return "not every argument is unpacked once"
     if tensors is None or type(tensors.guards) is not TensorGuards:

@@ -8,6 +8,11 @@
 //          functions are called, so they compare exactly what the prologue's calls compare), and
 //          the ambient settings the prologue compares in Python (autocast dtypes, float32 matmul
 //          precision), which are read here from the same C++ getters torch's bindings read.
+//          Those two guards cost 2.7k instructions a call (GlobalStateGuard asks every device
+//          type whether autocast is on, TensorGuards builds a set to find duplicates), so the
+//          first call they accept also records the values they depend on (``Armed``); a later
+//          call whose values are all the same is accepted without them, and any other call is
+//          decided by the guards themselves again.
 //   Front  a jitted function's ``__call__``: a method descriptor (so ``jitted(x)`` reaches it
 //          with no Python frame) that runs the front entry's Hit, and otherwise calls the
 //          Python ``__call__`` it was given, which explains misses and compiles.
@@ -15,11 +20,18 @@
 #include <Python.h>
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/core/Device.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/macros/Export.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <utility>
 #include <vector>
@@ -27,11 +39,127 @@
 // As ATen/autocast_mode.h declares it; that header costs seconds of compile time.
 namespace at::autocast {
 TORCH_API at::ScalarType get_autocast_dtype(at::DeviceType device_type);
+TORCH_API bool is_autocast_cache_enabled();
 }
 
 namespace {
 
 PyObject* computation_fn_name = nullptr;  // interned "computation_fn"
+
+// ---------------------------------------------------------------------------------- Armed
+// What GlobalStateGuard's and TensorGuards' checks depend on, read when both accepted a call.
+// Equal values now mean both would accept again: GlobalStateGuard compares grad mode, autocast
+// (on or off per device type: the thread's excluded dispatch keys; its dtype only where on, and
+// nothing is armed while any is on; its cast cache), torch function's state, deterministic
+// algorithms and warn-only, the cuBLAS TF32 precision and reduced-precision options, the thread
+// count and the default dtype; TensorGuards compares each tensor's Python type, its dispatch
+// keys as the thread's included and excluded keys modify them (nothing is armed where a Python
+// key takes part: its masking then depends on a dispatch mode), dtype, device index,
+// requires_grad, sizes and strides.
+struct TensorMeta {
+  PyTypeObject* type;
+  uint64_t keys;
+  caffe2::TypeMeta dtype;
+  c10::Device device = c10::Device(c10::kCPU);
+  bool requires_grad;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
+struct GlobalValues {
+  bool grad_mode;
+  uint64_t included, excluded;
+  at::impl::TorchFunctionDisabledState torch_function;
+  bool deterministic, warn_only, autocast_cache;
+  at::Float32Precision cublas_matmul;
+  at::CuBLASReductionOption fp16_reduce, bf16_reduce;
+  int num_threads;
+  caffe2::TypeMeta default_dtype;
+
+  static GlobalValues now() {
+    auto& ctx = at::globalContext();
+    auto local = c10::impl::tls_local_dispatch_key_set();
+    return {c10::GradMode::is_enabled(),
+            local.included_.raw_repr(),
+            local.excluded_.raw_repr(),
+            at::impl::PythonTorchFunctionTLS::get_disabled_state(),
+            ctx.deterministicAlgorithms(),
+            ctx.deterministicAlgorithmsWarnOnly(),
+            at::autocast::is_autocast_cache_enabled(),
+            ctx.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL),
+            ctx.allowFP16ReductionCuBLAS(),
+            ctx.allowBF16ReductionCuBLAS(),
+            at::get_num_threads(),
+            c10::get_default_dtype()};
+  }
+
+  bool operator==(const GlobalValues& o) const {
+    return grad_mode == o.grad_mode && included == o.included && excluded == o.excluded &&
+        torch_function == o.torch_function && deterministic == o.deterministic &&
+        warn_only == o.warn_only && autocast_cache == o.autocast_cache &&
+        cublas_matmul == o.cublas_matmul && fp16_reduce == o.fp16_reduce &&
+        bf16_reduce == o.bf16_reduce && num_threads == o.num_threads &&
+        default_dtype == o.default_dtype;
+  }
+};
+
+const c10::DispatchKeySet python_keys({c10::DispatchKey::Python,
+                                       c10::DispatchKey::PythonTLSSnapshot,
+                                       c10::DispatchKey::PythonDispatcher});
+
+struct Armed {
+  GlobalValues global;
+  std::vector<TensorMeta> tensors;
+
+  // Whether the values of this call can be armed: no autocast on, no Python key.
+  static bool armable(const GlobalValues& g) {
+    auto excluded = c10::DispatchKeySet(c10::DispatchKeySet::RAW, g.excluded);
+    auto included = c10::DispatchKeySet(c10::DispatchKeySet::RAW, g.included);
+    return (excluded & c10::autocast_dispatch_keyset) == c10::autocast_dispatch_keyset &&
+        (included & python_keys).empty();
+  }
+
+  // The tensor's values; false where they cannot be read as plain sizes and strides.
+  static bool read(PyObject* item, TensorMeta& meta) {
+    if (!THPVariable_Check(item)) return false;
+    const auto* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
+    if (impl->layout() != c10::kStrided || impl->is_nested() ||
+        impl->has_symbolic_sizes_strides() || !(impl->key_set() & python_keys).empty()) {
+      return false;
+    }
+    meta.type = Py_TYPE(item);
+    meta.keys = impl->key_set().raw_repr();
+    meta.dtype = impl->dtype();
+    meta.device = impl->device();
+    meta.requires_grad = impl->requires_grad();
+    auto sizes = impl->sizes();
+    auto strides = impl->strides();
+    meta.sizes.assign(sizes.begin(), sizes.end());
+    meta.strides.assign(strides.begin(), strides.end());
+    return true;
+  }
+
+  bool same_tensors(PyObject* const* args) const {
+    for (size_t i = 0; i < tensors.size(); i++) {
+      const TensorMeta& meta = tensors[i];
+      PyObject* item = args[i];
+      if (Py_TYPE(item) != meta.type) return false;
+      const auto* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
+      if (impl->key_set().raw_repr() != meta.keys || impl->dtype() != meta.dtype ||
+          impl->device() != meta.device || impl->requires_grad() != meta.requires_grad) {
+        return false;
+      }
+      auto sizes = impl->sizes();
+      auto strides = impl->strides();
+      if (sizes.size() != meta.sizes.size() ||
+          !std::equal(sizes.begin(), sizes.end(), meta.sizes.begin()) ||
+          !std::equal(strides.begin(), strides.end(), meta.strides.begin())) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
 
 // ------------------------------------------------------------------------------------ Hit
 struct Hit {
@@ -44,6 +172,7 @@ struct Hit {
   PyCFunctionWithKeywords tensor_check;
   std::vector<std::pair<c10::DeviceType, c10::ScalarType>>* autocast_dtypes;
   int matmul_precision;     // at::Float32MatmulPrecision as an int; -1: not checked
+  Armed* armed;             // null until the guards accept a call whose values can be armed
 };
 
 // The C function behind ``obj.<name>``, a method of a C type with the calling convention
@@ -106,6 +235,8 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
   self->global_check = global_check;
   self->tensor_check = tensor_check;
   self->matmul_precision = matmul_precision;
+  delete self->armed;
+  self->armed = nullptr;
   return 0;
 }
 
@@ -127,6 +258,7 @@ void Hit_dealloc(Hit* self) {
   PyObject_GC_UnTrack(self);
   Hit_clear(self);
   delete self->autocast_dtypes;
+  delete self->armed;
   Py_TYPE(self)->tp_free((PyObject*)self);
 }
 
@@ -135,35 +267,41 @@ PyObject* Hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (self != nullptr) {
     self->autocast_dtypes = nullptr;
     self->matmul_precision = -1;
+    self->armed = nullptr;
   }
   return (PyObject*)self;
 }
 
-// Whether the entry's checks accept these positional arguments: 1 yes, 0 no (the Python hit
-// path decides, and explains), -1 never (nothing raises here: an error means "not here" too).
-int Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != self->nargs) return 0;
+// The settings the prologue compares in Python, read from the getters behind its calls.
+bool Hit_python_settings_match(Hit* self) {
+  for (const auto& [device_type, dtype] : *self->autocast_dtypes) {
+    if (at::autocast::get_autocast_dtype(device_type) != dtype) return false;
+  }
+  if (self->matmul_precision >= 0) {
+    try {
+      if ((int)at::globalContext().float32MatmulPrecision() != self->matmul_precision) {
+        return false;
+      }
+    } catch (...) {  // precisions set per backend: torch's getter raises, and so does the prologue
+      return false;
+    }
+  }
+  return true;
+}
+
+// GlobalStateGuard and TensorGuards, called as the prologue calls them.
+bool Hit_guards_accept(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* ok = self->global_check(self->global_guard, nullptr);
   if (ok != Py_True) {
     Py_XDECREF(ok);
     PyErr_Clear();
-    return 0;
+    return false;
   }
   Py_DECREF(ok);
-  for (const auto& [device_type, dtype] : *self->autocast_dtypes) {
-    if (at::autocast::get_autocast_dtype(device_type) != dtype) return 0;
-  }
-  if (self->matmul_precision >= 0) {
-    try {
-      if ((int)at::globalContext().float32MatmulPrecision() != self->matmul_precision) return 0;
-    } catch (...) {  // precisions set per backend: torch's getter raises, and so does the prologue
-      return 0;
-    }
-  }
   PyObject* tensors = PyTuple_New(nargs);
   if (tensors == nullptr) {
     PyErr_Clear();
-    return 0;
+    return false;
   }
   for (Py_ssize_t i = 0; i < nargs; i++) {
     Py_INCREF(args[i]);
@@ -174,10 +312,40 @@ int Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
   if (ok != Py_True) {
     Py_XDECREF(ok);
     PyErr_Clear();
-    return 0;
+    return false;
   }
   Py_DECREF(ok);
-  return 1;
+  return true;
+}
+
+void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, const GlobalValues& global) {
+  if (!Armed::armable(global)) return;
+  auto armed = new Armed{global, std::vector<TensorMeta>(nargs)};
+  for (Py_ssize_t i = 0; i < nargs; i++) {
+    if (!Armed::read(args[i], armed->tensors[i])) {
+      delete armed;
+      return;
+    }
+  }
+  self->armed = armed;
+}
+
+// Whether the entry's checks accept these positional arguments. Nothing raises here: where
+// anything fails, the Python hit path decides (and explains).
+bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != self->nargs || !Hit_python_settings_match(self)) return false;
+  try {
+    GlobalValues global = GlobalValues::now();
+    if (self->armed != nullptr && self->armed->global == global &&
+        self->armed->same_tensors(args)) {
+      return true;
+    }
+    if (!Hit_guards_accept(self, args, nargs)) return false;
+    if (self->armed == nullptr) Hit_arm(self, args, nargs, global);
+    return true;
+  } catch (...) {
+    return false;
+  }
 }
 
 // ``hit.accepts(*args)``: the checks alone, for tests.
@@ -186,9 +354,18 @@ PyObject* Hit_accepts_py(Hit* self, PyObject* args) {
       Hit_accepts(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args)));
 }
 
+// ``hit.armed``: whether a call's values are recorded (tests).
+PyObject* Hit_armed(Hit* self, void*) {
+  return PyBool_FromLong(self->armed != nullptr);
+}
+
 PyMethodDef Hit_methods[] = {
     {"accepts", (PyCFunction)Hit_accepts_py, METH_VARARGS,
      "Whether the entry's checks accept these positional arguments."},
+    {nullptr}};
+
+PyGetSetDef Hit_getset[] = {
+    {"armed", (getter)Hit_armed, nullptr, "Whether the guards' values are recorded.", nullptr},
     {nullptr}};
 
 PyTypeObject HitType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -337,6 +514,7 @@ PyMODINIT_FUNC PyInit__keraunos_hit_path(void) {
   HitType.tp_traverse = (traverseproc)Hit_traverse;
   HitType.tp_clear = (inquiry)Hit_clear;
   HitType.tp_methods = Hit_methods;
+  HitType.tp_getset = Hit_getset;
   if (PyType_Ready(&HitType) < 0) return nullptr;
 
   FrontType.tp_name = "keraunos.native.Front";
