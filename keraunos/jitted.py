@@ -103,8 +103,9 @@ def _go_native(jitted: JittedFunction) -> None:
         def __call__(self, *args, **kwargs):
             return checked_result(self._keraunos, front(self, *args, **kwargs))
         namespace["__call__"] = __call__
+    cls = type(base.__name__, (base,), namespace)
     with state.lock:
-        jitted.__class__ = type(base.__name__, (base,), namespace)
+        jitted.__class__ = cls
         state.native_front = front
     _sync_native(state)
 

@@ -12,6 +12,7 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
+import keraunos.jitted
 from keraunos import native
 from keraunos.capture.ambient import AMBIENT_STATE
 from keraunos.jit import state_of
@@ -22,6 +23,13 @@ def _native_loaded():
     """These tests need the extension: built here if this machine has not built it yet."""
     if native.LOADER.start(wait=True) is None:
         pytest.fail(f"the native hit path could not be built: {native.LOADER.failed}")
+
+
+@pytest.fixture(autouse=True, params=["front", "checked"])
+def _call_route(request, monkeypatch):
+    """Each test twice: with the Front as the class's ``__call__`` (how users call it) and with
+    the suite's result checks, a Python ``__call__`` that calls the Front."""
+    monkeypatch.setattr(keraunos.jitted, "CHECK_RESULTS", request.param == "checked")
 
 
 def _f(x):
@@ -71,6 +79,8 @@ def test_native_path_serves_a_tiny_function_with_eager_results():
         x = torch.randn(4)
         assert_close(jitted(x), _f(x))
     assert python_calls == []  # served in C
+    assert (type(jitted).__call__ is state_of(jitted).native_front) == (
+        not keraunos.jitted.CHECK_RESULTS)
     assert hit.armed  # the guards' values recorded: later calls skip the guards
     assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
     assert state_of(jitted).last_entry is state_of(jitted).entries[0]

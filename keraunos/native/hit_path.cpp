@@ -164,7 +164,8 @@ struct Armed {
 // ------------------------------------------------------------------------------------ Hit
 struct Hit {
   PyObject_HEAD
-  PyObject* entry;          // the CacheEntry: computation_fn read on every call (tier switch)
+  PyObject* entry;          // the CacheEntry
+  PyObject* entry_dict;     // its __dict__: computation_fn read from it on every call (tiers)
   Py_ssize_t nargs;
   PyObject* global_guard;   // GlobalStateGuard
   PyCFunction global_check;
@@ -223,6 +224,15 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
       return -1;
     }
   }
+  // The instance dict itself (made now where attributes are kept inline), read on every call:
+  // a tier switch sets the entry's computation_fn there (CacheEntry has no slot or descriptor
+  // for it).
+  PyObject* entry_dict = PyObject_GenericGetDict(entry, nullptr);
+  if (entry_dict == nullptr) {
+    delete dtypes;
+    return -1;
+  }
+  Py_XSETREF(self->entry_dict, entry_dict);
   Py_INCREF(entry);
   Py_INCREF(global_guard);
   Py_INCREF(tensor_guards);
@@ -242,6 +252,7 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
 
 int Hit_traverse(Hit* self, visitproc visit, void* arg) {
   Py_VISIT(self->entry);
+  Py_VISIT(self->entry_dict);
   Py_VISIT(self->global_guard);
   Py_VISIT(self->tensor_guards);
   return 0;
@@ -249,6 +260,7 @@ int Hit_traverse(Hit* self, visitproc visit, void* arg) {
 
 int Hit_clear(Hit* self) {
   Py_CLEAR(self->entry);
+  Py_CLEAR(self->entry_dict);
   Py_CLEAR(self->global_guard);
   Py_CLEAR(self->tensor_guards);
   return 0;
@@ -289,8 +301,9 @@ bool Hit_python_settings_match(Hit* self) {
   return true;
 }
 
-// GlobalStateGuard and TensorGuards, called as the prologue calls them.
-bool Hit_guards_accept(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
+// GlobalStateGuard and TensorGuards, called as the prologue calls them. ``tuple``: the
+// arguments as a tuple, when the caller has one.
+bool Hit_guards_accept(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* tuple) {
   PyObject* ok = self->global_check(self->global_guard, nullptr);
   if (ok != Py_True) {
     Py_XDECREF(ok);
@@ -298,14 +311,19 @@ bool Hit_guards_accept(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
     return false;
   }
   Py_DECREF(ok);
-  PyObject* tensors = PyTuple_New(nargs);
+  PyObject* tensors = tuple;
   if (tensors == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < nargs; i++) {
-    Py_INCREF(args[i]);
-    PyTuple_SET_ITEM(tensors, i, args[i]);
+    tensors = PyTuple_New(nargs);
+    if (tensors == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+      Py_INCREF(args[i]);
+      PyTuple_SET_ITEM(tensors, i, args[i]);
+    }
+  } else {
+    Py_INCREF(tensors);
   }
   ok = self->tensor_check(self->tensor_guards, tensors, nullptr);
   Py_DECREF(tensors);
@@ -332,7 +350,7 @@ void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, const GlobalVal
 
 // Whether the entry's checks accept these positional arguments. Nothing raises here: where
 // anything fails, the Python hit path decides (and explains).
-bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
+bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* tuple = nullptr) {
   if (nargs != self->nargs || !Hit_python_settings_match(self)) return false;
   try {
     GlobalValues global = GlobalValues::now();
@@ -340,7 +358,7 @@ bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
         self->armed->same_tensors(args)) {
       return true;
     }
-    if (!Hit_guards_accept(self, args, nargs)) return false;
+    if (!Hit_guards_accept(self, args, nargs, tuple)) return false;
     if (self->armed == nullptr) Hit_arm(self, args, nargs, global);
     return true;
   } catch (...) {
@@ -351,7 +369,7 @@ bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs) {
 // ``hit.accepts(*args)``: the checks alone, for tests.
 PyObject* Hit_accepts_py(Hit* self, PyObject* args) {
   return PyBool_FromLong(
-      Hit_accepts(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args)));
+      Hit_accepts(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), args));
 }
 
 // ``hit.armed``: whether a call's values are recorded (tests).
@@ -379,25 +397,18 @@ struct Front {
   PyObject* hit_count;  // the state's itertools.count
 };
 
-PyObject* Front_vectorcall(PyObject* callable, PyObject* const* args, size_t nargsf,
-                           PyObject* kwnames) {
-  Front* self = (Front*)callable;
-  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  PyObject* hit = self->hit;
-  if (hit == Py_None || nargs < 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0)) {
-    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+PyTypeObject FrontType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// The front entry's computation on these arguments, its one output, and the hit counted; null
+// with the program's error set (raised, never retried: the checks passed).
+PyObject* Front_run(Front* self, Hit* h, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* computation = PyDict_GetItemWithError(h->entry_dict, computation_fn_name);
+  if (computation == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "an entry without computation_fn");
+    return nullptr;
   }
-  Py_INCREF(hit);  // a call may replace the front entry (another thread, a nested call)
-  Hit* h = (Hit*)hit;
-  if (!Hit_accepts(h, args + 1, nargs - 1)) {
-    Py_DECREF(hit);
-    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
-  }
-  PyObject* computation = PyObject_GetAttr(h->entry, computation_fn_name);
-  Py_DECREF(hit);
-  if (computation == nullptr) return nullptr;
-  // From here on, what raises is the program's own error: raised, never retried.
-  PyObject* outputs = PyObject_Vectorcall(computation, args + 1, nargs - 1, nullptr);
+  Py_INCREF(computation);  // borrowed from a dict the program could change
+  PyObject* outputs = PyObject_Vectorcall(computation, args, nargs, nullptr);
   Py_DECREF(computation);
   if (outputs == nullptr) return nullptr;
   if (!PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 1) {
@@ -412,6 +423,26 @@ PyObject* Front_vectorcall(PyObject* callable, PyObject* const* args, size_t nar
   PyObject* result = PyTuple_GET_ITEM(outputs, 0);
   Py_INCREF(result);
   Py_DECREF(outputs);
+  return result;
+}
+
+// ``Front.__call__(instance, *args, **kwargs)``, as ``instance.__call__(...)`` calls it.
+PyObject* Front_vectorcall(PyObject* callable, PyObject* const* args, size_t nargsf,
+                           PyObject* kwnames) {
+  Front* self = (Front*)callable;
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject* hit = self->hit;
+  if (hit == Py_None || nargs < 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0)) {
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  }
+  Py_INCREF(hit);  // a call may replace the front entry (another thread, a nested call)
+  PyObject* result;
+  if (Hit_accepts((Hit*)hit, args + 1, nargs - 1)) {
+    result = Front_run(self, (Hit*)hit, args + 1, nargs - 1);
+  } else {
+    result = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  }
+  Py_DECREF(hit);
   return result;
 }
 
@@ -490,8 +521,6 @@ PyGetSetDef Front_getset[] = {
     {"hit", (getter)Front_get_hit, (setter)Front_set_hit,
      "The front entry's Hit, or None: every call then goes to the Python __call__.", nullptr},
     {nullptr}};
-
-PyTypeObject FrontType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_keraunos_hit_path",
                           "keraunos's native hit path (keraunos/native/hit_path.cpp)", -1,
