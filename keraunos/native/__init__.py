@@ -111,7 +111,8 @@ def library_path() -> pathlib.Path:
     """Where the built extension is kept: named by a digest of its source, the command that
     builds it, torch's version and Python's, so a change of any builds a new one."""
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join(_command("c++", "out")).encode())
+    flags = [f for f in _command("c++", "out") if f != str(SOURCE)]  # any checkout: one build
+    key.update(" ".join(flags).encode())
     key.update(f"{torch.__version__} {sys.version} {sys.platform}".encode())
     return cache_directory() / f"{MODULE_NAME}-{key.hexdigest()[:16]}.so"
 
@@ -125,6 +126,7 @@ def build() -> pathlib.Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="building-") as folder:
         output = os.path.join(folder, target.name)
         done = subprocess.run(_command(compiler, output), capture_output=True, text=True)
@@ -133,6 +135,17 @@ def build() -> pathlib.Path:
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
         os.replace(output, target)  # atomic: another process sees all of it or nothing
     return target
+
+
+def _remove_abandoned_builds(folder: pathlib.Path) -> None:
+    """The temporary folders of builds a process left behind (it exited mid-build: the build
+    runs on a daemon thread), an hour after they were made."""
+    for old in folder.glob("building-*"):
+        try:
+            if time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _import(path: pathlib.Path):
