@@ -18,8 +18,11 @@ function that runs those three steps for it in a row: the prologue's checks as t
 alias check where sharing matters, then the computation and the epilogue (read off the entry on
 every call: a tier switch replaces the computation). It returns ``(result,)``, or what the
 failed check returns (the index of its description, or a reason), and ``call`` goes the general
-way with the other entries. Print one with
-``print(keraunos.state_of(jitted).last_entry.hit_trace)``.
+way with the other entries; or, when the program itself raised after the checks passed, a
+``ProgramRaised``, whose error ``call`` raises without trying the call again. Print one with
+``print(keraunos.state_of(jitted).last_entry.hit_trace)``. For a jitted function whose front
+entry it can check whole, the native hit path (``keraunos/native``) does all this in one C call
+before any of it runs (``_sync_native`` keeps it on the front entry).
 
 There is no separate step that connects the result to autograd (the design's
 ``maybe_connect_to_autograd``): for an entry with a backward trace, ``computation_fn`` runs the
@@ -563,7 +566,6 @@ def _native_hit(entry: CacheEntry):
                                    type(e).__name__, e)
         entry.native_hit = hit
     return entry.native_hit
-
 
 
 # ----------------------------------------------------------------------------------- misses
