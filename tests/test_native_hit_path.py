@@ -172,7 +172,10 @@ def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(settin
         assert_close(jitted(x, w), f(x, w))
         assert keraunos.cache_misses(jitted) == 2
         reasons = " ".join(state_of(jitted).last_miss_reasons)
-        assert "check failed" in reasons or "could not unpack" in reasons  # precision: raises
+        if setting.endswith("per backend"):  # torch's getter raises: the prologue cannot run
+            assert "could not unpack" in reasons and "matmul precision" in reasons
+        else:  # the miss names the setting, as on the Python path
+            assert f"{setting} is " in reasons and reasons.startswith("check failed"), reasons
         # The new entry is served natively in the new setting, and again gives eager's values.
         python_calls = _counted_python_hit_path(jitted)
         assert_close(jitted(x, w), f(x, w))
