@@ -410,7 +410,11 @@ def test_a_failed_build_logs_once_and_leaves_the_python_path(tmp_path, monkeypat
     assert state_of(jitted).native_front is None
     x = torch.randn(4)
     assert_close(jitted(x), _f(x))
-    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    # Nothing half-written; the failure is remembered, so the next process does not compile.
+    assert [p.suffix for p in tmp_path.iterdir()] == [".failed"]
+    fresh = native._Loader()
+    assert fresh.start(wait=True) is None and "less than a day ago" in fresh.failed
+    assert fresh.thread is None
 
 
 def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ The build: ``hit_path.cpp`` is compiled once per source, torch and Python versio
 ``cache_directory()`` (a temporary name renamed into place, so never half-written), on the
 first ``keraunos.jit`` in the background (about 3 s of one core); until it loads, and forever
 where it cannot be built (no compiler, a failed build: one debug log line), calls take the
-Python path. ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
+Python path (a failed compile is not tried again for a day: ``recent_failure``). ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
 (``python -m keraunos.native``).
 """
 from __future__ import annotations
@@ -131,10 +131,31 @@ def build() -> pathlib.Path:
         output = os.path.join(folder, target.name)
         done = subprocess.run(_command(compiler, output), capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): "
-                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            message = (f"{compiler} failed ({done.returncode}): "
+                       f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            _failure_marker(target).write_text(message)  # not tried again for a day
+            raise RuntimeError(message)
         os.replace(output, target)  # atomic: another process sees all of it or nothing
     return target
+
+
+FAILED_BUILD_RETRY_SECONDS = 24 * 3600
+
+
+def _failure_marker(target: pathlib.Path) -> pathlib.Path:
+    return target.with_suffix(".failed")
+
+
+def recent_failure(target: pathlib.Path) -> str | None:
+    """Why the last build of ``target`` failed, when it failed less than a day ago (a compile
+    error is not retried by every process; a missing compiler is looked for each time)."""
+    marker = _failure_marker(target)
+    try:
+        if time.time() - marker.stat().st_mtime < FAILED_BUILD_RETRY_SECONDS:
+            return marker.read_text()
+    except OSError:
+        pass
+    return None
 
 
 def _remove_abandoned_builds(folder: pathlib.Path) -> None:
@@ -185,6 +206,13 @@ class _Loader:
                 if path.exists():
                     self.module = _import(path)
                     return self.module
+                failure = recent_failure(path)
+                if failure is not None:
+                    self.failed = f"its build failed less than a day ago: {failure}"
+                    debug.logger.debug("keraunos: the native hit path is not available, calls "
+                                       "take the Python hit path: %s (delete %s to retry)",
+                                       self.failed, _failure_marker(path))
+                    return None
             except Exception as e:  # noqa: BLE001 - a stale or foreign file: build anew
                 debug.logger.debug("keraunos: the native hit path did not load (%s: %s); "
                                    "building it again", type(e).__name__, e)
