@@ -241,7 +241,9 @@ def _check_keys(b, g: Guard) -> None:
     elif g.path.is_root or g.path.key in MODULE_TABLES:
         check(g.description, lambda w: f"list({v}) != {w.value(list(keys))}", g.from_module)
     else:
-        check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
+        python_type = g.expected[0]
+        check(g.description, lambda w: f"type({v}) is not "
+              f"{w.constant(python_type, python_type.__name__)} or list({v}) != "
               f"{w.value(list(keys))}", g.from_module)
 
 

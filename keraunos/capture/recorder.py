@@ -44,6 +44,9 @@ class Recorder(TorchFunctionMode):
             (args, kwargs))
         if any(_is_functorch_wrapped(x) for x in tree.leaves((args, kwargs))):
             raise _transform_error()
+        if getattr(func, "__self__", None) is torch.Tensor.grad and len(args) == 1 and \
+                not has_capture_dtensor(args):  # x.grad: an input of its own when x is one
+            return ctx.input_grad(args[0], func(*args))
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
