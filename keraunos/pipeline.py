@@ -24,7 +24,7 @@ from .core.trace import Trace
 from .passes.fast_prologue import fast_prologue
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
-from .passes.reinplace import can_reinplace, reinplace
+from .passes.reinplace import can_reinplace, every_op_without_grad, reinplace
 from .tiers import FuseMode, Tiering
 
 # The computation's optimization passes, in order (each ``trace -> trace``, see core/runner.py).
@@ -440,9 +440,11 @@ def _written_positions(computation: Trace) -> tuple | None:
 
 
 def _needs_backward(computation: Trace) -> bool:
-    """Grad mode on and some input requires grad: the entry gets a backward trace."""
+    """Grad mode on and some input requires grad: the entry gets a backward trace, unless the
+    program switches grad mode off around all it does (an optimizer's step)."""
     return torch.is_grad_enabled() and any(
-        getattr(p, "requires_grad", False) for p in computation.params)
+        getattr(p, "requires_grad", False) for p in computation.params) and \
+        not every_op_without_grad(computation)
 
 
 def _warn_no_backward(state, error: Exception) -> None:
