@@ -135,7 +135,7 @@ class InputsMixin:
         path = Path(entry.path, ATTR, "grad")
         grad = entry.real.grad
         if grad is None:
-            self.guard(guards.VALUE, path, None)
+            self.guard(guards.TENSOR_ATTRIBUTE, path, None)
             return None
         return self.tensor_input(grad, path)
 
