@@ -219,3 +219,44 @@ def test_a_gradient_read_by_a_jitted_function_is_an_input_of_its_own():
     p.grad = None
     assert_close(doubled(p), torch.zeros(3))
     assert keraunos.cache_misses(doubled) == 2  # None is checked by value
+
+
+def test_the_fused_step_runs_each_parameters_update_in_a_region():
+    ours, theirs, step = train_both("adamw", fuse="wait")
+    assert_trained_alike(ours, theirs)
+    fused = str(keraunos.last_traces(step)[-1])
+    assert "Functionalize Writes" in fused
+    # No write of a parameter or state tensor is left outside the regions.
+    outside = [line for line in fused.splitlines()
+               if not line.lstrip().startswith("#") and ("_(" in line or ".copy_(" in line)]
+    assert not outside, outside
+
+
+def test_a_chain_of_writes_of_an_input_fuses_and_matches_eager():
+    def update(x, g):
+        x.mul_(0.9).add_(g, alpha=0.1)
+        x.clamp_(-1.0, 1.0)
+        return x.sum()
+
+    x, g = torch.randn(8, 8), torch.randn(8, 8)
+    reference = x.clone()
+    jitted = keraunos.jit(update, fuse="wait")
+    for _ in range(3):
+        assert_close(jitted(x, g), update(reference, g))
+        assert_close(x, reference)
+    assert "Functionalize Writes" in str(keraunos.last_traces(jitted)[-1])
+
+
+def test_a_written_tensor_with_a_view_keeps_its_in_place_writes():
+    def update(x, g):
+        row = x[0]
+        x.mul_(0.5).add_(g)
+        return row * 2  # reads the written memory through the view
+
+    x, g = torch.randn(4, 4), torch.randn(4, 4)
+    reference = x.clone()
+    jitted = keraunos.jit(update, fuse="wait")
+    for _ in range(2):
+        assert_close(jitted(x, g), update(reference, g))
+        assert_close(x, reference)
+    assert "Functionalize Writes" not in str(keraunos.last_traces(jitted)[-1])
