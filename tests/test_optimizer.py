@@ -105,6 +105,17 @@ def test_the_fused_tier_trains_like_eager(kind):
         assert keraunos.compile_stats(step).tier == "fused"
 
 
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_the_fused_tier_with_a_tensor_learning_rate_and_a_scheduler_trains_like_eager(kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no region Inductor could not compile
+        warnings.filterwarnings("ignore", "Detected call of")  # jitted before the scheduler
+        ours, theirs, step = train_both(kind, steps=5, lr=torch.tensor(1e-2), scheduler=True,
+                                        fuse="wait")
+    assert_trained_alike(ours, theirs)
+    assert keraunos.cache_misses(step) == 2 and keraunos.last_fusions(step)
+
+
 def test_the_step_writes_parameters_and_state_in_place_without_a_backward():
     ours, theirs, step = train_both("adamw", steps=3)
     assert_trained_alike(ours, theirs)

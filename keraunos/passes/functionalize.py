@@ -117,7 +117,10 @@ def functionalize_writes(trace):
         elif b.args and isinstance(b.args[0], TensorProxy) and (
                 MUTATION in b.tags or getattr(b.symbol, "name", "").endswith("_")):
             refused.add(b.args[0].name)  # written another way too: left as it is
-    chains = {n: c for n, c in chains.items() if n not in refused and len(c) > 1}
+    # One write alone is left in place (a region may hold it), unless its scalar factor is a
+    # tensor, which a region can take only spelled out.
+    chains = {n: c for n, c in chains.items() if n not in refused and (
+        len(c) > 1 or _tensor_scalar_factor(lines[c[0]]))}
     if not chains:
         return lines
     taken = {p.name for b in lines for p in (*b.input_proxies(), *b.output_proxies())}
@@ -157,6 +160,11 @@ _SPELLED_OUT = {"addcdiv": ("value", torch.Tensor.div, "div", torch.Tensor.add, 
                 "addcmul": ("value", torch.Tensor.mul, "mul", torch.Tensor.add, "add"),
                 "add": ("alpha", None, None, torch.Tensor.add, "add"),
                 "sub": ("alpha", None, None, torch.Tensor.sub, "sub")}
+
+
+def _tensor_scalar_factor(b: BoundSymbol) -> bool:
+    spelled = _SPELLED_OUT.get(b.symbol.name.rstrip("_"))
+    return spelled is not None and isinstance(b.kwargs.get(spelled[0]), TensorProxy)
 
 
 def _with_tensor_scalar_spelled_out(b: BoundSymbol, taken: set[str]) -> list[BoundSymbol]:
