@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import glue
+from ..core import glue, tree
 from ..core.proxies import TensorProxy
 from ..core.runner import trace_pass
 from ..core.symbols import BoundSymbol, TorchSymbol
@@ -54,7 +54,7 @@ def _out_of_place(bsym: BoundSymbol):
     return TorchSymbol(method, base, "method")
 
 
-def _exclusive_storages(lines) -> dict[int, set[str]]:
+def _names_by_storage(lines) -> dict[int, set[str]]:
     """For each storage, the names of the tensors in it."""
     names: dict[int, set[str]] = {}
     for b in lines:
@@ -74,15 +74,15 @@ def _grad_mode_by_line(lines) -> list[bool]:
 
 
 def _candidate(bsym: BoundSymbol, grad_on: bool, names: dict[int, set[str]], aliases: dict,
-               used_after: dict[str, int], index: int):
+               last_use: dict[str, int], index: int):
     """The written tensor when this line's write may become a value, else None."""
     if _out_of_place(bsym) is None or not bsym.args:
         return None
     w = bsym.args[0]
     if not isinstance(w, TensorProxy) or not w.dtype.is_floating_point or w.storage is None:
         return None
-    if not all(type(n) is int for n in (*w.shape, *w.stride)):
-        return None
+    if not all(type(n) is int for n in (*w.shape, *w.stride)) or w.stride != _contiguous(w.shape):
+        return None  # (an out-of-place value of another layout would not have w's strides)
     tensors = [p for p in bsym.input_proxies() if isinstance(p, TensorProxy)]
     if any(t.dtype != w.dtype or t.device != w.device for t in tensors):
         return None
@@ -90,7 +90,7 @@ def _candidate(bsym: BoundSymbol, grad_on: bool, names: dict[int, set[str]], ali
         return None
     others = names.get(w.storage, set()) - {w.name}
     source = aliases.get(w.name)
-    if others - {source} or (source is not None and used_after.get(source, -1) > index):
+    if others - {source} or (source is not None and last_use.get(source, -1) > index):
         return None
     if any(p.storage == w.storage for p in tensors if p.name != w.name):
         return None
@@ -100,7 +100,7 @@ def _candidate(bsym: BoundSymbol, grad_on: bool, names: dict[int, set[str]], ali
 @trace_pass("Functionalize Writes")
 def functionalize_writes(trace):
     lines = list(trace.bound_symbols)
-    names = _exclusive_storages(lines)
+    names = _names_by_storage(lines)
     aliases = {b.outputs.name: b.args[0].name for b in lines if b.symbol is glue.ALIAS}
     last_use: dict[str, int] = {}
     for i, b in enumerate(lines):
@@ -109,17 +109,18 @@ def functionalize_writes(trace):
     modes = _grad_mode_by_line(lines)
     # Which lines write which tensor as a value; the chain ends at the tensor's last write.
     chains: dict[str, list[int]] = {}
-    refused: set[str] = set()
+    storage_of: dict[str, int] = {}
+    refused: set[int] = set()  # storages some line may write another way: left as they are
     for i, b in enumerate(lines):
         w = _candidate(b, modes[i], names, aliases, last_use, i)
         if w is not None:
             chains.setdefault(w.name, []).append(i)
-        elif b.args and isinstance(b.args[0], TensorProxy) and (
-                MUTATION in b.tags or getattr(b.symbol, "name", "").endswith("_")):
-            refused.add(b.args[0].name)  # written another way too: left as it is
+            storage_of[w.name] = w.storage
+        elif MUTATION in b.tags or getattr(b.symbol, "name", "").endswith("_"):
+            refused |= {p.storage for p in _may_write(b) if isinstance(p, TensorProxy)}
     # One write alone is left in place (a region may hold it), unless its scalar factor is a
     # tensor, which a region can take only spelled out.
-    chains = {n: c for n, c in chains.items() if n not in refused and (
+    chains = {n: c for n, c in chains.items() if storage_of[n] not in refused and (
         len(c) > 1 or _tensor_scalar_factor(lines[c[0]]))}
     if not chains:
         return lines
@@ -200,6 +201,26 @@ def _with_tensor_scalar_spelled_out(b: BoundSymbol, taken: set[str]) -> list[Bou
     lines.append(b.replace(symbol=TorchSymbol(finish, finish_name, "method"),
                            args=(x, scaled), kwargs={}))
     return lines
+
+
+def _may_write(b: BoundSymbol) -> list:
+    """The tensors a writing line may write: ``out=``, an in-place method's own tensor, or, for
+    any other line that writes (an opaque call), every tensor it reads."""
+    if "out" in b.kwargs:
+        return list(tree.leaves(b.kwargs["out"]))
+    name = getattr(b.symbol, "name", "")
+    if isinstance(b.symbol, TorchSymbol) and b.symbol.style == "method" and \
+            name.endswith("_") and not name.endswith("__") and b.args:
+        return [b.args[0]]
+    return b.input_proxies()
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _proxy_like(w: TensorProxy, name: str) -> TensorProxy:
