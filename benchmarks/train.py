@@ -1,6 +1,13 @@
 """A training step (forward, backward, AdamW step) on a litgpt GPT: eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/train.py [--iters N] [--layers L] [--width W] [--skip-compile]
+                                [--compile-optimizer] [--optimizer-only]
+
+--compile-optimizer compiles the AdamW step too, on both sides: ``keraunos.jit(optimizer.step)``
+against ``torch.compile(optimizer.step)`` (the recipe of torch's tutorial "Compiling the
+optimizer"); without it the optimizer runs eagerly on every side. --optimizer-only times the
+AdamW step alone (and ``AdamW(fused=True)``, torch's own fused CPU kernel, for reference). Regional compilation
+(``block.compile()`` for each layer) is a system of its own.
 
 All figures from this one run, one intra-op thread:
 - compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
@@ -33,15 +40,23 @@ def make_model(layers: int, width: int):
     return GPT(config)
 
 
-def step_fn(model, optimizer, idx, targets):
+def step_fn(model, optimizer, idx, targets, optimizer_step=None):
+    optimizer_step = optimizer_step or optimizer.step
+
     def step():
         optimizer.zero_grad(set_to_none=True)
         logits = model(idx)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         loss.backward()
-        optimizer.step()
+        optimizer_step()
         return loss
     return step
+
+
+def regional(model):
+    for block in model.transformer.h:
+        block.compile()
+    return model
 
 
 def time_2n(step, n: int):
@@ -66,6 +81,28 @@ def interleaved_medians(steps: dict, rounds: int) -> dict:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def optimizer_only(base, idx, targets, rounds: int) -> None:
+    """The AdamW step alone, on gradients of one backward, every system in turns."""
+    steps = {}
+    for name, wrap, options in (
+            ("eager", lambda s: s, {}),
+            ("keraunos", lambda s: keraunos.jit(s, fuse="off"), {}),
+            ("keraunos fused", lambda s: keraunos.jit(s, fuse="wait"), {}),
+            ("torch.compile", torch.compile, {}),
+            ("AdamW(fused=True)", lambda s: s, {"fused": True})):
+        model = copy.deepcopy(base)
+        logits = model(idx)
+        F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)).backward()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)
+        steps[name] = wrap(optimizer.step)
+        for _ in range(3):  # the state, the capture, the fused compile
+            steps[name]()
+    medians = interleaved_medians(steps, rounds)
+    print(f"  AdamW step alone, interleaved ({rounds} rounds), median: " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms ({v / medians['eager']:.2f}x eager, "
+        f"{v / medians['torch.compile']:.2f}x torch.compile)" for k, v in medians.items()))
+
+
 def saved_bytes(model, idx) -> int:
     storages: dict[int, int] = {}
 
@@ -84,17 +121,33 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--compile-optimizer", action="store_true",
+                        help="compile the optimizer step too (keraunos.jit / torch.compile)")
+    parser.add_argument("--optimizer-only", action="store_true",
+                        help="time the AdamW step alone (eager, keraunos, torch.compile, fused)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = make_model(args.layers, args.width)
     idx = torch.randint(0, 512, (1, 64))
     targets = torch.randint(0, 512, (1, 64))
+    if args.optimizer_only:
+        print(f"torch {torch.__version__}, 1 thread; litgpt Llama-2 config, {args.layers} "
+              f"layers, n_embd {args.width}")
+        optimizer_only(base, idx, targets, args.iters)
+        return
     # The torch executor, and the fused program waited for (the default compiles it in the
     # background: benchmarks/tiers.py measures that).
     systems = {"eager": lambda m: m, "keraunos": lambda m: keraunos.jit(m, fuse="off"),
                "keraunos fused": lambda m: keraunos.jit(m, fuse="wait")}
     if not args.skip_compile:
         systems["torch.compile"] = torch.compile
+        systems["regional"] = regional
+    # How each system's optimizer step runs: eagerly, or compiled by the same system.
+    step_wraps = {name: (lambda s: s) for name in systems}
+    if args.compile_optimizer:
+        step_wraps.update({"keraunos": lambda s: keraunos.jit(s, fuse="off"),
+                           "keraunos fused": lambda s: keraunos.jit(s, fuse="wait"),
+                           "torch.compile": torch.compile, "regional": torch.compile})
     results = {}
     losses = {}
     steps = {}
@@ -102,15 +155,16 @@ def main():
         model = copy.deepcopy(base)
         runner = wrap(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = step_fn(runner, optimizer, idx, targets)
+        step = step_fn(runner, optimizer, idx, targets, step_wraps[name](optimizer.step))
         compile_time, median, first = time_2n(step, args.iters)
         losses[name] = step().item()
         steps[name] = step
         results[name] = (compile_time, median, first)
-        if name != "torch.compile":
+        if name not in ("torch.compile", "regional"):
             results[name] += (saved_bytes(runner, idx),)
     print(f"torch {torch.__version__}, 1 thread; litgpt Llama-2 config, {args.layers} layers, "
-          f"n_embd {args.width}, batch 1x64; AdamW; 2N method with N = {args.iters}")
+          f"n_embd {args.width}, batch 1x64; AdamW "
+          f"({'compiled' if args.compile_optimizer else 'eager'}); 2N method with N = {args.iters}")
     eager = results["eager"]
     print(f"  {'system':<14} {'compile+warmup':>15} {'step (median)':>15} {'vs eager':>9} "
           f"{'saved for bw':>14} {'vs eager':>9}")

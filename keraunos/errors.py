@@ -86,9 +86,24 @@ class UnguardableStateError(CaptureError):
     ``DataDependentError`` it takes the ``fallback`` route (dynamo guards such reads)."""
 
 
+class FakeKernelError(CaptureError):
+    """PyTorch's fake kernel of an op rejects a call its real kernel takes (``_foreach_addcdiv_``
+    with a CPU tensor of scalars, as a foreach optimizer step makes under tracing): capture
+    cannot tell what the call makes. Like a ``DataDependentError`` it takes the ``fallback``
+    route."""
+
+
+class LazyStateError(CaptureError):
+    """The program adds entries to a mapping held by an object it finds by name, and changes
+    nothing else there: state created on a first call (an optimizer's ``state[p]`` on its first
+    step). A cached program would create it again on every call, so ``keraunos.jit`` runs this
+    call eagerly (the state is then made for real) and captures on the next call; a program that
+    does it again on that call takes the ``fallback`` route like a ``ScopeMutationError``."""
+
+
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
 FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
-                   UnguardableStateError)
+                   UnguardableStateError, LazyStateError, FakeKernelError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

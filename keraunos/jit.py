@@ -56,7 +56,8 @@ from .passes.fast_prologue import ReturnInputs
 from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
-from .errors import FALLBACK_ERRORS, CaptureError, UnsupportedInputError, user_source
+from .errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
+                     user_source)
 from .pipeline import compile_entry
 from .rebind import rebind_entry
 from .tiers import IMPORT_LOCK, FuseMode, default_mode
@@ -181,6 +182,7 @@ class _JitState:
         self.seen_sizes: dict = {}
         self.symbolic_fallbacks: list[str] = []  # why symbolic entries were compiled exactly
         self.warned_transform = False  # called under a torch.func transform: warned once
+        self.lazy_state_calls = 0  # calls run eagerly because they made state (LazyStateError)
         # A unit of a fully_shard'ed model: captured from its ``forward`` alone (its call hooks
         # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
         self.forward_only = False
@@ -592,6 +594,11 @@ def _verdict(entry: CacheEntry, args: tuple, kwargs: dict) -> tuple[str | None, 
     return None, r
 
 
+# Calls a jitted callable runs eagerly because they made state (``LazyStateError``): its first
+# call, and a few more (an optimizer's parameter that gets its first gradient later).
+LAZY_STATE_CALLS = 4
+
+
 def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
     if active_context() is not None:  # called while capturing another program: inline it
         return _inline_entry(state), (args, kwargs), None
@@ -614,6 +621,12 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
+            if isinstance(e, LazyStateError) and state.lazy_state_calls < LAZY_STATE_CALLS:
+                # State made on this call (an optimizer's first step): made for real by running
+                # the program eagerly; the next call captures a program that reads it.
+                state.lazy_state_calls += 1
+                state.last_miss_reasons = reasons + [str(e).splitlines()[0]]
+                return _inline_entry(state), (args, kwargs), None
             if state.options.fallback is not Fallback.DYNAMO or not isinstance(
                     e, FALLBACK_ERRORS):
                 raise

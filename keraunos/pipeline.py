@@ -24,7 +24,8 @@ from .core.trace import Trace
 from .passes.fast_prologue import fast_prologue
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
-from .passes.reinplace import can_reinplace, reinplace
+from .passes.functionalize import functionalize_writes
+from .passes.reinplace import can_reinplace, every_op_without_grad, reinplace
 from .tiers import FuseMode, Tiering
 
 # The computation's optimization passes, in order (each ``trace -> trace``, see core/runner.py).
@@ -245,6 +246,17 @@ def reinplace_inputs(c: Compilation) -> None:
         c.time("reinplace", computation.seconds)
 
 
+def functionalize_for_fusion(c: Compilation) -> None:
+    """For the fused tier: chains of pointwise writes of one tensor become values and one
+    write, so that a region may hold them (``passes/functionalize.py``)."""
+    if not _fusing(c.executors) or c.backward is not None:
+        return
+    computation = functionalize_writes(c.computation)
+    if computation.bound_symbols != c.computation.bound_symbols:
+        c.computations.append(computation)
+        c.time("functionalize writes", computation.seconds)
+
+
 def executor_claims(c: Compilation) -> None:
     c.records_autograd = c.backward is None and torch.is_grad_enabled()
     executors = c.executors
@@ -374,7 +386,7 @@ def fast_prologue_stage(c: Compilation) -> None:
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
           fast_prologue_stage)
 # Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
-TIER_STAGES = (executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
+TIER_STAGES = (functionalize_for_fusion, executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
                delete_dead_names, show_segments)
 
 
@@ -440,9 +452,11 @@ def _written_positions(computation: Trace) -> tuple | None:
 
 
 def _needs_backward(computation: Trace) -> bool:
-    """Grad mode on and some input requires grad: the entry gets a backward trace."""
+    """Grad mode on and some input requires grad: the entry gets a backward trace, unless the
+    program switches grad mode off around all it does (an optimizer's step)."""
     return torch.is_grad_enabled() and any(
-        getattr(p, "requires_grad", False) for p in computation.params)
+        getattr(p, "requires_grad", False) for p in computation.params) and \
+        not every_op_without_grad(computation)
 
 
 def _warn_no_backward(state, error: Exception) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-from keraunos.errors import ScopeMutationError, UnguardableStateError
+from keraunos.errors import LazyStateError, ScopeMutationError, UnguardableStateError
 
 
 class Settings:
@@ -94,18 +94,36 @@ class Accumulator:
         return self.state["m"] * 1
 
 
-def test_a_method_that_fills_its_objects_dict_falls_back_and_matches_eager():
+def test_a_method_that_fills_its_objects_dict_runs_that_call_eagerly_then_is_captured():
     x = torch.randn(3)
     ours, eager = Accumulator(), Accumulator()
-    jitted = keraunos.jit(ours.step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's warning
-        for _ in range(3):
-            assert_close(jitted(x), eager.step(x))
+    jitted = keraunos.jit(ours.step, fallback="error")  # no fallback taken: captured
+    for _ in range(3):
+        assert_close(jitted(x), eager.step(x))
     assert type(ours.state["m"]) is torch.Tensor  # a real tensor, never capture's fake
     assert_close(ours.state["m"], eager.state["m"])
-    with pytest.raises(ScopeMutationError, match="self of Accumulator.step.*state"):
-        keraunos.jit(Accumulator().step, fallback="error")(x)
+    assert keraunos.last_traces(jitted)  # the second call captured the program
+    assert keraunos.cache_hits(jitted) == 1  # the third ran it
+
+
+class Growing:
+    """Adds an entry on every call: no call can be captured."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def step(self, x):
+        self.seen[len(self.seen)] = 1.0
+        return x * len(self.seen)
+
+
+def test_a_method_that_adds_state_on_every_call_takes_the_fallback_after_a_few_eager_calls():
+    x, ours, eager = torch.randn(3), Growing(), Growing()
+    with pytest.raises(LazyStateError, match="seen"):
+        jitted = keraunos.jit(ours.step, fallback="error")
+        for _ in range(10):
+            assert_close(jitted(x), eager.step(x))
+    assert len(ours.seen) == len(eager.seen) == 4  # the eager calls, then the refusal
 
 
 class Counter:
@@ -159,23 +177,43 @@ def test_jitting_an_optimizer_step_trains_like_eager():
             assert_close(optimizer.state[p][key], eager_optimizer.state[q][key])
 
 
-def test_state_keraunos_cannot_check_takes_the_fallback_route():
+def test_an_ordered_dict_an_object_holds_is_checked_by_identity_and_items():
     class Hooked:
         def __init__(self):
             import collections
             self.hooks = collections.OrderedDict(a=1.0)
 
         def apply(self, x):
-            return x * self.hooks["a"]
+            return x * sum(self.hooks.values())
 
     obj, x = Hooked(), torch.randn(3)
-    with pytest.raises(UnguardableStateError, match="hooks"):
+    jitted = keraunos.jit(obj.apply, fallback="error")
+    assert_close(jitted(x), obj.apply(x))
+    obj.hooks["a"] = 3.0  # a value changed
+    assert_close(jitted(x), obj.apply(x))
+    obj.hooks["b"] = 0.5  # a key added
+    assert_close(jitted(x), obj.apply(x))
+    obj.hooks = collections.OrderedDict(a=3.0, b=0.5)  # equal, but another object
+    assert_close(jitted(x), obj.apply(x))
+    assert keraunos.cache_misses(jitted) == 4
+
+
+def test_state_keraunos_cannot_check_takes_the_fallback_route():
+    class Hooked:
+        def __init__(self):
+            self.scales = {1.0}  # a set: read in C, not checked
+
+        def apply(self, x):
+            return x * max(self.scales)
+
+    obj, x = Hooked(), torch.randn(3)
+    with pytest.raises(UnguardableStateError, match="scales"):
         keraunos.jit(obj.apply, fallback="error")(x)
     jitted = keraunos.jit(obj.apply)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_close(jitted(x), obj.apply(x))
-        obj.hooks["a"] = 3.0
+        obj.scales.add(3.0)
         assert_close(jitted(x), obj.apply(x))
 
 

@@ -241,7 +241,9 @@ def _check_keys(b, g: Guard) -> None:
     elif g.path.is_root or g.path.key in MODULE_TABLES:
         check(g.description, lambda w: f"list({v}) != {w.value(list(keys))}", g.from_module)
     else:
-        check(g.description, lambda w: f"type({v}) is not dict or list({v}) != "
+        python_type = g.expected[0]
+        check(g.description, lambda w: f"type({v}) is not "
+              f"{w.constant(python_type, python_type.__name__)} or list({v}) != "
               f"{w.value(list(keys))}", g.from_module)
 
 
@@ -329,5 +331,8 @@ SYMBOLIC_INT = GuardKind("symbolic int", lambda g: f"{g.where} is an int (compil
 ABSENT_ATTRIBUTE = GuardKind("absent attribute", _describe_absent, _check_absent_attribute)
 ABSENT = GuardKind("absent", _describe_absent, _check_absent)
 DATA = GuardKind("data", _describe_data, _check_data, after_inputs=True)
+# A plain value held by a tensor input (``p.grad is None``): read from the tensor's variable, so
+# checked once the tensor inputs are extracted.
+TENSOR_ATTRIBUTE = GuardKind("tensor attribute", _describe_value, _check_value, after_inputs=True)
 AMBIENT = GuardKind("ambient", lambda g: "the ambient state (grad mode, autocast, ...) is as when "
                     "compiled", _check_ambient)

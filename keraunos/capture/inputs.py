@@ -10,14 +10,15 @@ lines' tensors (``proxy``, ``output_proxy``).
 from __future__ import annotations
 
 import dataclasses
-from collections import abc
+from collections import OrderedDict, abc, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.provenance import ATTR, BUFFER, ITEM, PARAMETER, SUBMODULE, Path, root
+from ..core.provenance import (ATTR, BUFFER, ITEM, KEYS_OF, PARAMETER, SUBMODULE, VALUES_OF,
+                               Path, root)
 from ..core.proxies import TensorProxy
 from ..core.symbolic import SymbolicUnsupported
 from ..core.tags import STATIC_MEMORY_LOCATION
@@ -38,6 +39,7 @@ class TensorInput:
     real: torch.Tensor
     fake: FakeTensor
     proxy: TensorProxy
+    grad_at_entry: Any = None  # the fake's .grad as taking it in made it (see ``input_grad``)
 
 
 class InputsMixin:
@@ -49,6 +51,7 @@ class InputsMixin:
     def _init_inputs(self, module: torch.nn.Module | None) -> None:
         self.inputs: list[TensorInput] = []
         self._input_by_real: dict[int, TensorInput] = {}
+        self._input_by_fake: dict[int, TensorInput] = {}
         self.proxy_of: dict[int, TensorProxy] = {}   # id(fake) -> proxy
         self.storage_of: dict[str, int] = {}        # proxy name -> fake storage key
         self.fake_of: dict[str, FakeTensor] = {}     # proxy name -> fake
@@ -112,11 +115,29 @@ class InputsMixin:
         proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
         if self.symbols is not None:
             self.symbols.bind_tensor(fake, proxy, path)
-        entry = TensorInput(path, real, fake, proxy)
+        with torch._C.DisableTorchFunction():
+            entry = TensorInput(path, real, fake, proxy, fake.grad)
         self.inputs.append(entry)
         self._input_by_real[id(real)] = entry
+        self._input_by_fake[id(fake)] = entry
         self._register(fake, proxy)
         return fake
+
+    def input_grad(self, fake: FakeTensor, grad_now: Any) -> Any:
+        """``x.grad`` of a tensor input ``x``, read by the program (an optimizer reads each
+        parameter's): while the program has not set it, it is what the call passes, so it is an
+        input of its own at ``x``'s path, ``.grad``, checked like any (``None`` by value: an
+        optimizer skips a parameter without a gradient). ``grad_now`` is the stand-in's
+        ``.grad``; a gradient the program made (a backward inside it) is the program's own."""
+        entry = self._input_by_fake.get(id(fake))
+        if entry is None or grad_now is not entry.grad_at_entry:
+            return grad_now
+        path = Path(entry.path, ATTR, "grad")
+        grad = entry.real.grad
+        if grad is None:
+            self.guard(guards.TENSOR_ATTRIBUTE, path, None)
+            return None
+        return self.tensor_input(grad, path)
 
     def _register(self, fake: FakeTensor, proxy: TensorProxy) -> None:
         self.proxy_of[id(fake)] = proxy
@@ -169,6 +190,8 @@ class InputsMixin:
             # same object, watched as its holder is (reads guarded; a write undone, and the
             # fallback route). A container of another kind (an OrderedDict, a set) is read in C,
             # unseen: it cannot be checked.
+            if type(value) in HELD_MAPPINGS:
+                return self._held_mapping_input(value, path)
             if isinstance(value, (abc.Mapping, abc.Set, abc.MutableSequence)):
                 raise UnsupportedInputError(_unsupported_input_message(path, value))
             self.guard(guards.IDENTITY, path, value)
@@ -187,6 +210,36 @@ class InputsMixin:
             self.guard(guards.TYPE, path, original_class(value))
             return value
         raise UnsupportedInputError(_unsupported_input_message(path, value))
+
+    def _held_mapping_input(self, value: dict, path: Path) -> dict:
+        """An ``OrderedDict`` or ``defaultdict`` held by an object the program finds by name (an
+        optimizer's hooks and its ``state``): read in C, so it is checked whole. The very same
+        mapping, with the same keys in the same order, each value taken in as any value at its
+        path is. Plain keys are compared by value (``hooks[3]``); tensor keys (``state[p]``, keyed
+        by parameters) are taken in by position (``list(state)[i]``, whose values are
+        ``list(state.values())[i]``), so that a key the program also reads elsewhere is checked
+        to be that very tensor. The program gets a stand-in keyed by the keys' stand-ins;
+        entries it adds are state made on this call (``LazyStateError``), anything else it
+        changes is refused (``ScopeMutationError``)."""
+        self.guard(guards.IDENTITY, path, value)
+        keys = list(value)
+        if all(is_plain(k) for k in keys):
+            self.guard(guards.KEYS, path, (type(value), tuple(keys)))
+            items = [(k, self.value_input(v, Path(path, ITEM, k))) for k, v in value.items()]
+        elif all(isinstance(k, torch.Tensor) for k in keys):
+            keys_path, values_path = Path(path, KEYS_OF, None), Path(path, VALUES_OF, None)
+            self.guard(guards.LENGTH, keys_path, (list, len(keys)))
+            self.guard(guards.LENGTH, values_path, (list, len(keys)))
+            items = [(self.tensor_input(k, Path(keys_path, ITEM, i)),
+                      self.value_input(v, Path(values_path, ITEM, i)))
+                     for i, (k, v) in enumerate(value.items())]
+        else:
+            raise UnsupportedInputError(_unsupported_input_message(path, value))
+        stand_in = type(value)(value.default_factory) if type(value) is defaultdict \
+            else type(value)()
+        stand_in.update(items)
+        self.scope_containers.watch(f"{path} (a {type(value).__name__})", stand_in)
+        return stand_in
 
     def real_tensor_reached_program(self, t: torch.Tensor) -> FakeTensor:
         """A real tensor met inside the program: a parameter read without our seeing the read
@@ -227,6 +280,10 @@ class InputsMixin:
             proxy = TensorProxy(self.names.fresh(), fake)
             self._register(fake, proxy)
         return proxy
+
+
+# Mappings whose items the program reads in C, taken in whole (``_held_mapping_input``).
+HELD_MAPPINGS = (OrderedDict, defaultdict)
 
 
 def _found_by_name(path: Path) -> bool:

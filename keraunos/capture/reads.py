@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.provenance import ATTR, BUFFER, PARAMETER, SUBMODULE, Path, root
+from ..core.provenance import ATTR, BUFFER, CALL, PARAMETER, SUBMODULE, Path, root
 from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import (CaptureError, UnguardableStateError, UnsupportedInputError, is_stdlib,
                       user_source)
@@ -55,6 +55,9 @@ class ReadsMixin:
         self.unguardable_reads: list[str] = []  # what of theirs could not be checked
         # Attributes the program set on those objects: (object, name, value before or _ABSENT).
         self._scope_writes: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        # Whether every attribute the program set on those objects is new, with a plain value
+        # (state made on a first call: ``LazyStateError``).
+        self.scope_attributes_only_added = True
 
     def module_path(self, module) -> Path:
         path = self.module_paths.get(id(module))
@@ -163,6 +166,13 @@ class ReadsMixin:
         # The same object at least (a function, a partial, a frozen dataclass, a logger), and
         # when it can be watched, each attribute the program reads.
         self.guard(guards.IDENTITY, path, obj)
+        if type(obj) is weakref.ref:
+            # The program reaches what it refers to by calling it: watched as found by name (an
+            # LR scheduler's wrapper of ``optimizer.step`` holds the optimizer so).
+            referent = obj()
+            if referent is not None and not isinstance(referent, torch.Tensor):
+                self.watch_scope_object(referent, Path(path, CALL, None))
+            return
         if _user_object(obj) and not is_device_mesh(obj):  # a mesh's state is torch's
             self._watch_object(obj, path, scope=True)
 
@@ -202,10 +212,12 @@ class ReadsMixin:
         """Put back every attribute the program set on an object reached by name; what was
         set, in words (``ScopeContainers.undo_changes``'s form)."""
         changed = []
+        self.scope_attributes_only_added = True
         for obj, name, before in reversed(self._scope_writes.values()):
             d = object.__getattribute__(obj, "__dict__")
             if d.get(name, _ABSENT) is before:
                 continue  # set and put back by the program itself (a context variable's reset)
+            self.scope_attributes_only_added &= before is _ABSENT and is_plain(d.get(name))
             if before is _ABSENT:
                 d.pop(name, None)
             else:
@@ -266,7 +278,10 @@ class ReadsMixin:
         if name not in d and not is_plain(raw):
             return raw  # a method or function of its class: the class is the object's own
         try:
-            value = overlay[name] = self.value_input(raw, where)  # a class attribute too
+            # Taken in inside the program: the recording mode must not see the metadata reads
+            # of taking a tensor in (it would count as reached from nowhere).
+            with torch._C.DisableTorchFunction():
+                value = overlay[name] = self.value_input(raw, where)  # a class attribute too
         except UnsupportedInputError as e:
             # Remembered as well as raised: a program that catches the error must not leave
             # the read unchecked (``refuse_unguardable_reads``, after capture).

@@ -10,7 +10,8 @@ from ..core import tree
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
-from ..errors import CaptureError, DataDependentError, FunctionTransformError, user_source
+from ..errors import (CaptureError, DataDependentError, FakeKernelError, FunctionTransformError,
+                      user_source)
 from .distributed import capture_collective, is_distributed_function
 from .dtensor import has_capture_dtensor, record_dtensor_call
 from .interceptors import paused_watch
@@ -44,6 +45,9 @@ class Recorder(TorchFunctionMode):
             (args, kwargs))
         if any(_is_functorch_wrapped(x) for x in tree.leaves((args, kwargs))):
             raise _transform_error()
+        if getattr(func, "__self__", None) is torch.Tensor.grad and len(args) == 1 and \
+                not has_capture_dtensor(args):  # x.grad: an input of its own when x is one
+            return ctx.input_grad(args[0], func(*args))
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
@@ -117,6 +121,13 @@ class Recorder(TorchFunctionMode):
                 for t in tensors if not _is_functorch_wrapped(t)):
             # Only the fake tensors failed (the real kernel runs): see _metadata_change_error.
             raise _metadata_change_error(symbol) from e
+        if real_error is None and _fake_kernel_refuses(e):
+            raise FakeKernelError(
+                f"keraunos cannot capture {user_source()}\n  PyTorch's fake kernel of "
+                f"`{symbol.name}` rejects this call, which its real kernel takes ({e}), so capture "
+                f"cannot tell what it makes.\n  What to do: keraunos.jit(..., fallback=\"dynamo\") "
+                f"(the default) runs the program through torch.compile(backend=\"keraunos\"); for "
+                f"an optimizer, foreach=False is captured whole.") from None
         e = real_error or e
         source = user_source()
         if source is not None and hasattr(e, "add_note"):
@@ -235,6 +246,11 @@ def _real_kernel_error(ctx, func, args, kwargs) -> Exception | None:
     except Exception as real:  # noqa: BLE001 - whatever the real kernel raises is eager's error
         return real
     return None
+
+
+def _fake_kernel_refuses(e: Exception) -> bool:
+    """A fake kernel that checks a CPU scalar argument's device sees the meta device."""
+    return "got meta instead" in str(e)
 
 
 def _no_fake_kernel(e: Exception) -> bool:

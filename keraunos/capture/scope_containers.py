@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 
-from ..errors import ScopeMutationError
+from ..errors import LazyStateError, ScopeMutationError
 
 
 def _state(value):
@@ -33,8 +33,8 @@ def _same(before, now) -> bool:
     if len(before) != len(now):
         return False
     if before and isinstance(before[0], tuple) and isinstance(now[0], tuple):  # dict items
-        return all(k1 is k2 or k1 == k2 and type(k1) is type(k2) and v1 is v2
-                   for (k1, v1), (k2, v2) in zip(before, now))
+        return all((k1 is k2 or type(k1) is type(k2) and not hasattr(k1, "__torch_function__")
+                    and k1 == k2) and v1 is v2 for (k1, v1), (k2, v2) in zip(before, now))
     return all(a is b for a, b in zip(before, now))
 
 
@@ -60,21 +60,37 @@ class ScopeContainers:
 
     def __init__(self):
         self.watched: dict[int, tuple[str, object, object]] = {}
+        self.only_added = False
 
     def watch(self, where: str, value) -> None:
         if isinstance(value, _WATCHED) and id(value) not in self.watched:
             self.watched[id(value)] = (where, value, _state(value))
 
     def undo_changes(self) -> list[str]:
-        """Put every changed container back as it was; what changed, in words."""
+        """Put every changed container back as it was; what changed, in words. ``only_added``
+        says afterwards whether every change added entries to a mapping and changed nothing
+        else: state made on this call (``refuse``)."""
         changed = []
+        self.only_added = True
         for where, value, state in self.watched.values():
-            if not _same(state, _state(value)):
+            now = _state(value)
+            if not _same(state, now):
+                self.only_added &= isinstance(value, dict) and len(now) > len(state) and \
+                    _same(state, now[:len(state)])
                 _restore(value, state)
                 changed.append(f"{where} ({type(value).__name__})")
         return changed
 
-    def refuse(self, changed: list[str]) -> ScopeMutationError:
+    def refuse(self, changed: list[str],
+               attributes_only_added: bool = False) -> ScopeMutationError | LazyStateError:
+        """The error for ``changed``: ``LazyStateError`` when the program only added entries to
+        mappings and (``attributes_only_added``) new plain attributes to objects found by name."""
+        if self.only_added and attributes_only_added:
+            return LazyStateError(
+                f"keraunos cannot capture this call as one trace: it adds new entries or "
+                f"attributes to {', '.join(changed)}: state that a cached program would make again on every "
+                f"call (the change is undone).\n  keraunos.jit runs this call eagerly, which "
+                f"makes the state, and captures the next call, which reads it.")
         return ScopeMutationError(
             f"keraunos cannot capture this program as one trace: it changes "
             f"{', '.join(changed)}, which a cached program would not do again on later calls "

@@ -145,6 +145,17 @@ PARAMETER = PathKind("parameter", _dotted, _table_step("_parameters"), _member_h
                      table="_parameters")
 BUFFER = PathKind("buffer", _dotted, _table_step("_buffers"), _member_hint, table="_buffers")
 VIEW = PathKind("view", lambda base, key: f"storage of {base}", None, _key_hint)
+# What a weak reference refers to (``opt_ref()``, the optimizer an LR scheduler's wrapper of
+# ``optimizer.step`` holds weakly).
+CALL = PathKind("call", lambda base, key: f"{base}()", lambda var, key: f"{var}()",
+                lambda path: "referent")
+# The keys and the values of a mapping, as lists: a mapping keyed by objects (an optimizer's
+# ``state``, keyed by its parameters) is read by position (``list(state.values())[3]``).
+KEYS_OF = PathKind("keys_of", lambda base, key: f"list({base})", lambda var, key: f"list({var})",
+                   lambda path: f"{path.parent.name_hint()}_keys")
+VALUES_OF = PathKind("values_of", lambda base, key: f"list({base}.values())",
+                     lambda var, key: f"list({var}.values())",
+                     lambda path: f"{path.parent.name_hint()}_values")
 
 
 def root(name: str) -> Path:

@@ -19,7 +19,21 @@ from ..core.trace import Trace
 
 def can_reinplace(computation: Trace) -> bool:
     return not torch.is_grad_enabled() or not any(
-        getattr(p, "requires_grad", False) for p in computation.params)
+        getattr(p, "requires_grad", False) for p in computation.params) or \
+        every_op_without_grad(computation)
+
+
+def every_op_without_grad(computation: Trace) -> bool:
+    """Whether the program switches grad mode off before its first operation and leaves it off
+    until its last (an optimizer's step runs under ``torch.no_grad``): autograd then records
+    none of its writes either."""
+    grad = torch.is_grad_enabled()
+    for b in computation.bound_symbols:
+        if b.symbol is glue.SET_GLOBAL_STATE:
+            grad = dict(b.args[0]).get(0, grad)  # index 0: grad mode (capture/ambient.py)
+        elif grad and not (isinstance(b.symbol, glue.Glue) or COPY_OF_WRITTEN_INPUT in b.tags):
+            return False
+    return True
 
 
 @trace_step

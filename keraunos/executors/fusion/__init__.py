@@ -167,9 +167,10 @@ def _formed(trace, observable, layer_of_name, executor, records_autograd):
     if not any(claimed):
         return None
     if records_autograd or _switches_grad_mode(lines):  # lines may record autograd as they run
-        claimed = [c and not any(getattr(p, "requires_grad", False)
-                                 for p in b.input_proxies() + b.output_proxies())
-                   for b, c in zip(lines, claimed)]
+        recording = _recording_autograd(lines, records_autograd)
+        claimed = [c and not (r and any(getattr(p, "requires_grad", False)
+                                        for p in b.input_proxies() + b.output_proxies()))
+                   for b, c, r in zip(lines, claimed, recording)]
     if not any(claimed):
         return lines, [], ""
     regions = []
@@ -248,6 +249,19 @@ def _why_not(lines, claimed) -> str | None:
                                f"here ({problem}); the torch executor runs its ops instead.")
             return problem
     return None
+
+
+def _recording_autograd(lines, records_autograd: bool) -> list[bool]:
+    """For each line, whether grad mode is on where it runs in a trace that autograd records
+    (``records_autograd``: the trace starts under grad mode with no backward trace of ours); a
+    ``torch.enable_grad()`` inside counts as recording anywhere. An optimizer's step switches
+    grad mode off first: its writes to parameters record nothing, and may fuse."""
+    recording, now = [], records_autograd
+    for b in lines:
+        if b.symbol is glue.SET_GLOBAL_STATE:
+            now = dict(b.args[0]).get(0, now)  # index 0: grad mode (capture/ambient.py)
+        recording.append(now)
+    return recording
 
 
 def _switches_grad_mode(lines) -> bool:

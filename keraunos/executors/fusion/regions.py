@@ -99,6 +99,11 @@ _REPEAT_INTERLEAVE = (torch.repeat_interleave, torch.Tensor.repeat_interleave,
                       torch.ops.aten.repeat_interleave)
 
 
+# Keyword arguments that are Scalars in ATen's schemas (``addcdiv(..., value=)``,
+# ``add(..., alpha=)``), which eager also takes as a 0-dim tensor.
+_SCALAR_FACTORS = ("value", "alpha")
+
+
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether a line may enter a region (the fusion executor's per-line claim)."""
     symbol = bsym.symbol
@@ -117,6 +122,8 @@ def fusible(bsym: BoundSymbol) -> bool:
         return False
     if bsym.kwargs.get("requires_grad"):  # a new leaf of autograd: a compiled graph makes none
         return False
+    if any(isinstance(bsym.kwargs.get(k), TensorProxy) for k in _SCALAR_FACTORS):
+        return False  # a 0-dim tensor as a Scalar (``value=t``): Inductor reads it with .item()
     if any(symbol.fn is r for r in _REPEAT_INTERLEAVE) and any(  # tensor repeats: from data
             isinstance(x, TensorProxy) for x in tree.leaves((bsym.args[1:], bsym.kwargs))):
         return False
