@@ -271,3 +271,23 @@ def test_a_written_tensor_with_a_view_keeps_its_in_place_writes():
         assert_close(jitted(x, g), update(reference, g))
         assert_close(x, reference)
     assert "Functionalize Writes" not in str(keraunos.last_traces(jitted)[-1])
+
+
+def test_is_compiling_is_true_only_on_the_capturing_thread():
+    """Under capture ``torch.compiler.is_compiling()`` answers true for the capturing thread
+    (so ``torch.optim`` takes its traceable path), and false for any other thread meanwhile."""
+    import threading
+
+    seen_elsewhere = []
+
+    def f(x):
+        inside = torch.compiler.is_compiling()
+        t = threading.Thread(target=lambda: seen_elsewhere.append(torch.compiler.is_compiling()))
+        t.start()
+        t.join()
+        return x + 1 if inside else x - 1
+
+    x = torch.randn(3)
+    assert torch.equal(keraunos.jit(f)(x), x + 1)
+    assert seen_elsewhere == [False]
+    assert not torch.compiler.is_compiling()

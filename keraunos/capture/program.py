@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -160,19 +159,6 @@ def _refuse_capture_values(template, what: str) -> None:
                 f"function and pass them in, or return plain tensors.")
 
 
-@contextlib.contextmanager
-def tracing():
-    """``torch.compiler.is_compiling()`` is true while the program is captured, as while dynamo
-    traces it: libraries pick their traceable code by it (``torch.optim`` keeps an optimizer's
-    step count a tensor, where eager reads it with ``.item()``). The flag is torch's own."""
-    before = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = before
-
-
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
                     check_values: bool = True, specialize_data: bool = False) -> Program:
     t0 = time.perf_counter()
@@ -199,7 +185,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:
         with ctx.fake_mode, Recorder(ctx), intercepting_torch(), \
-                ctx.module_calls.recording(ctx), tracing():
+                ctx.module_calls.recording(ctx):
             out = fn(*fake_args, **fake_kwargs)
         ctx.record_global_state()
     except GuardOnDataDependentSymNode as e:
