@@ -1,0 +1,179 @@
+"""Captured programs kept between processes (keraunos/program_store.py): a second process on the
+same cache directory loads the program instead of capturing it, and computes what eager does;
+anything the program depends on that changed (its code, a global it reads, the module's
+structure, an option, the input's dtype) is a miss, and a stored row that does not load is
+ignored and written again.
+
+Every run is a real process (the store is for restarts); each prints what ``compile_stats``
+says of the program store, whether capture ran, and the results, which the tests compare with
+eager's (in that process) and with the first process's.
+"""
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
+
+MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    SCALE = 0.5
+
+
+    def gate(x):
+        return torch.nn.functional.silu(x) * SCALE
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+            self.norm = nn.LayerNorm(width)
+
+        def forward(self, x):
+            return x + gate(self.fc(self.norm(x)))
+
+
+    class Model(nn.Module):
+        def __init__(self, width=16, layers=2):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+            self.head = nn.Linear(width, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).softmax(-1)
+''')
+
+RUN = textwrap.dedent('''
+    import copy, json, os, sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch, keraunos
+    import model_def
+    torch.set_num_threads(1)
+    variant = sys.argv[1]
+    torch.manual_seed(0)
+    model = model_def.Model(layers=3 if variant == "structure" else 2)
+    reference = copy.deepcopy(model)
+    options = {"specialize_data": True} if variant == "option" else {}
+    jitted = keraunos.jit(model, **options)
+    dtype = torch.float64 if variant == "dtype" else torch.float32
+    if variant == "dtype":
+        model.double(); reference.double()
+    x = torch.randn(3, 16, dtype=dtype)
+    train = variant == "train"
+    if train:
+        out = jitted(x)
+        out.square().sum().backward()
+        expected = reference(x)
+        expected.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        for g, p in zip(grads, reference.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    else:
+        with torch.no_grad():
+            out = jitted(x)
+            expected = reference(x)
+        grads = []
+    torch.testing.assert_close(out, expected)
+    stats = keraunos.compile_stats(jitted)
+    with torch.no_grad():  # a second call hits the entry, loaded or captured
+        again = jitted(x) if not train else None
+    print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
+                      "misses": keraunos.cache_misses(jitted),
+                      "out": out.detach().double().flatten().tolist(),
+                      "grads": [g.double().flatten().tolist() for g in grads]}))
+''')
+
+
+@pytest.fixture
+def program(tmp_path):
+    (tmp_path / "model_def.py").write_text(MODEL)
+    (tmp_path / "run.py").write_text(RUN)
+    return tmp_path
+
+
+def _run(directory, variant="plain") -> dict:
+    env = {**os.environ, "KERAUNOS_CACHE_DIR": str(directory / "store"),
+           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(directory / "run.py"), variant],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _rows(directory) -> list:
+    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
+
+
+def test_a_restart_loads_the_program_and_computes_what_eager_does(program):
+    first = _run(program)
+    assert first["captured"] and first["store"] == "kept", first["store"]
+    assert len(_rows(program)) == 1
+    second = _run(program)
+    assert second["store"] == "loaded" and not second["captured"], second
+    assert second["out"] == first["out"]  # and each equals eager's in its process (run.py)
+    assert second["misses"] == 1
+
+
+def test_training_loads_forward_and_backward(program):
+    first = _run(program, "train")
+    assert first["store"] == "kept", first["store"]
+    second = _run(program, "train")
+    assert second["store"] == "loaded" and not second["captured"], second
+    assert second["out"] == first["out"] and second["grads"] == first["grads"]
+    assert second["grads"]  # gradients equal eager's in both processes (run.py)
+
+
+@pytest.mark.parametrize("change", ["code", "global", "structure", "option", "dtype"])
+def test_what_the_program_depends_on_changing_misses_the_store(program, change):
+    assert _run(program)["store"] == "kept"
+    variant = "plain"
+    if change == "code":  # the same names and structure, another forward
+        (program / "model_def.py").write_text(
+            MODEL.replace("return x + gate(", "return x - gate("))
+    elif change == "global":
+        (program / "model_def.py").write_text(MODEL.replace("SCALE = 0.5", "SCALE = 0.25"))
+    else:
+        variant = change
+    changed = _run(program, variant)
+    assert changed["captured"] and changed["store"] == "kept", changed
+    assert len(_rows(program)) == 2  # a row of its own, next to the first one's
+
+
+def _set_value(directory, value: bytes, fix_checksum: bool) -> None:
+    import hashlib
+    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+        if fix_checksum:
+            db.execute("UPDATE entries SET value = ?, size = ?, checksum = ? WHERE namespace = "
+                       "'program'", (value, len(value), hashlib.sha256(value).hexdigest()))
+        else:
+            db.execute("UPDATE entries SET value = ? WHERE namespace = 'program'", (value,))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "checksummed garbage", "random"])
+def test_a_damaged_stored_program_is_ignored_and_written_again(program, damage):
+    first = _run(program)
+    (key, value), = _rows(program)
+    if damage == "truncated":  # the checksum no longer matches: the store drops the row
+        _set_value(program, value[:len(value) // 2], fix_checksum=False)
+    elif damage == "checksummed garbage":  # a row that checksums but does not unpickle
+        _set_value(program, value[:len(value) // 2], fix_checksum=True)
+    else:
+        _set_value(program, os.urandom(len(value)), fix_checksum=True)
+    second = _run(program)
+    assert second["captured"] and second["store"] == "kept", second
+    assert second["out"] == first["out"]
+    (rewritten_key, rewritten), = _rows(program)
+    assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
+    third = _run(program)
+    assert third["store"] == "loaded" and third["out"] == first["out"]
