@@ -27,6 +27,7 @@ from .passes.fast_prologue import fast_prologue
 from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.reinplace import can_reinplace, reinplace
+from .structure import hook_state
 from .tiers import FuseMode, Tiering
 
 # The computation's optimization passes, in order (each ``trace -> trace``, see core/runner.py).
@@ -134,6 +135,10 @@ def program_key(state, args, kwargs) -> tuple[str | None, str | None]:
         why = "only programs of exact sizes are kept (no symbolic sizes, no earlier entry)"
     elif active_ddp_bucket_caps() is not None:
         why = "a program inside DistributedDataParallel is not kept"
+    elif any(hook_state(module)):
+        # The fast prologue made on a load would check the hooks the module has now, not those
+        # the program was captured with.
+        why = "a module with hooks (or global module hooks) is not kept"
     elif getattr(_active, "dynamic", None) is not None and _active.dynamic.generating:
         why = "a program called by Hugging Face generate() has symbolic sizes"
     if why is not None:

@@ -422,6 +422,10 @@ def _keraunos_singletons() -> dict[int, tuple]:
     return found
 
 
+_VALUES = (*_SIMPLE, tuple, frozenset, enum.Enum, torch.dtype, torch.device, torch.layout,
+           torch.memory_format, torch.Tensor, torch.nn.Module, types.FunctionType, type)
+
+
 def _paths_of(module: torch.nn.Module) -> dict[int, tuple]:
     """The live objects a trace may refer to, by id: the module tree, its parameters and
     buffers, and the objects its modules hold in attributes (a config object)."""
@@ -429,8 +433,9 @@ def _paths_of(module: torch.nn.Module) -> dict[int, tuple]:
     for name, sub in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(sub), ("module", name))
         for attribute, value in vars(sub).items():
-            if not attribute.startswith("_") and not isinstance(value, _SIMPLE) \
-                    and not isinstance(value, (torch.Tensor, torch.nn.Module)):
+            # Only objects whose identity is theirs: a value (a tuple, a number, a dtype) may be
+            # the very object a trace holds for another reason (``()`` is one object).
+            if not attribute.startswith("_") and not isinstance(value, _VALUES):
                 paths.setdefault(id(value), ("attribute", name, attribute))
     for name, p in module.named_parameters(remove_duplicate=False):
         paths.setdefault(id(p), ("parameter", name))

@@ -62,6 +62,9 @@ RUN = textwrap.dedent('''
     torch.manual_seed(0)
     model = model_def.Model(layers=3 if variant == "structure" else 2)
     reference = copy.deepcopy(model)
+    if variant == "hook":  # a hook the stored program was not captured with
+        model.blocks[0].register_forward_hook(lambda module, args, out: out * 2)
+        reference = copy.deepcopy(model)
     options = {"specialize_data": True} if variant == "option" else {}
     jitted = keraunos.jit(model, **options)
     dtype = torch.float64 if variant == "dtype" else torch.float32
@@ -148,6 +151,14 @@ def test_what_the_program_depends_on_changing_misses_the_store(program, change):
     changed = _run(program, variant)
     assert changed["captured"] and changed["store"] == "kept", changed
     assert len(_rows(program)) == 2  # a row of its own, next to the first one's
+
+
+def test_a_module_with_hooks_is_neither_kept_nor_loaded(program):
+    """The fast prologue made on a load would check the hooks the module has now: a program
+    captured without a hook must not serve a module that has one."""
+    assert _run(program)["store"] == "kept"
+    hooked = _run(program, "hook")  # its results equal eager's, hook included (run.py)
+    assert hooked["captured"] and "hooks" in hooked["store"], hooked["store"]
 
 
 def _set_value(directory, value: bytes, fix_checksum: bool) -> None:
