@@ -171,6 +171,8 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
                     else [], executors=tuple(state.options.executors), split=stored["split"],
                     loaded=True, facts=stored["facts"])
     c.program_store = "loaded"
+    if getattr(_active, "dynamic", None) is not None:
+        _active.dynamic.updated.update(stored["seen_sizes"])
     c.time("program key", getattr(state, "program_key_seconds", 0.0))
     c.time("load stored program", time.perf_counter() - t0)
     return c
@@ -186,7 +188,10 @@ def keep_program(c: Compilation, key: str) -> str:
     split = replace(c.split, place_gradients=None) if c.split is not None else None
     stored = {"prologue": c.prologues[-1], "computation": c.computation,
               "epilogue": c.epilogues[-1], "backward": c.backward, "split": split,
-              "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c)}
+              "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c),
+              # What capture told automatic dynamic (each input's sizes): a load tells it too.
+              "seen_sizes": dict(getattr(_active, "dynamic", None) and _active.dynamic.updated
+                                 or {})}
     note = program_store.keep(key, stored, c.state.module)
     c.time("keep program", time.perf_counter() - t0)
     return note

@@ -591,7 +591,7 @@ def put(key: str, data: bytes) -> None:
 
 # ------------------------------------------------------------------------------- keep and load
 _KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_descriptions",
-         "facts")
+         "facts", "seen_sizes")
 
 
 def keep(key: str, stored: dict, module: torch.nn.Module) -> str:

@@ -89,8 +89,14 @@ RUN = textwrap.dedent('''
     stats = keraunos.compile_stats(jitted)
     with torch.no_grad():  # a second call hits the entry, loaded or captured
         again = jitted(x) if not train else None
+    resized = []
+    if variant == "resize":  # another batch size: automatic dynamic makes it a symbol
+        y = torch.randn(5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(jitted(y), reference(y))
+        resized = keraunos.last_cache_miss_reasons(jitted)
     print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
-                      "misses": keraunos.cache_misses(jitted),
+                      "misses": keraunos.cache_misses(jitted), "resized": resized,
                       "out": out.detach().double().flatten().tolist(),
                       "grads": [g.double().flatten().tolist() for g in grads]}))
 ''')
@@ -151,6 +157,15 @@ def test_what_the_program_depends_on_changing_misses_the_store(program, change):
     changed = _run(program, variant)
     assert changed["captured"] and changed["store"] == "kept", changed
     assert len(_rows(program)) == 2  # a row of its own, next to the first one's
+
+
+def test_a_loaded_entry_tells_automatic_dynamic_its_sizes(program):
+    """After a load, as after a capture, a call of another batch size compiles it as a symbol."""
+    first = _run(program, "resize")
+    second = _run(program, "resize")
+    assert second["store"] == "loaded", second["store"]
+    for run in (first, second):
+        assert any("recompiled with it symbolic" in r for r in run["resized"]), run["resized"]
 
 
 def test_a_module_with_hooks_is_neither_kept_nor_loaded(program):
