@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from keraunos.executors.fusion import compiler
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 
 MODEL = textwrap.dedent('''
@@ -66,6 +68,8 @@ RUN = textwrap.dedent('''
         model.blocks[0].register_forward_hook(lambda module, args, out: out * 2)
         reference = copy.deepcopy(model)
     options = {"specialize_data": True} if variant == "option" else {}
+    if variant == "fused":
+        options = {"executors": ["inductor", "torch"], "fuse": "wait"}
     jitted = keraunos.jit(model, **options)
     dtype = torch.float64 if variant == "dtype" else torch.float32
     if variant == "dtype":
@@ -97,6 +101,7 @@ RUN = textwrap.dedent('''
         resized = keraunos.last_cache_miss_reasons(jitted)
     print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
                       "misses": keraunos.cache_misses(jitted), "resized": resized,
+                      "tier": stats.tier,
                       "out": out.detach().double().flatten().tolist(),
                       "grads": [g.double().flatten().tolist() for g in grads]}))
 ''')
@@ -157,6 +162,18 @@ def test_what_the_program_depends_on_changing_misses_the_store(program, change):
     changed = _run(program, variant)
     assert changed["captured"] and changed["store"] == "kept", changed
     assert len(_rows(program)) == 2  # a row of its own, next to the first one's
+
+
+@pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
+                    reason="Inductor cannot build C++ kernels on this machine")
+def test_a_loaded_program_is_fused(program):
+    """The claims and the fusion run after a load as after a capture (the regions come from
+    the kernel store): the loaded program runs fused and computes what eager does."""
+    first = _run(program, "fused")
+    assert first["store"] == "kept" and first["tier"] == "fused", first
+    second = _run(program, "fused")
+    assert second["store"] == "loaded" and second["tier"] == "fused", second
+    assert second["out"] == first["out"]
 
 
 def test_a_loaded_entry_tells_automatic_dynamic_its_sizes(program):
