@@ -86,20 +86,38 @@ class Compilation:
         self.stages[label] = self.stages.get(label, 0.0) + seconds  # DCE runs twice: summed
 
 
-def compile_entry(state, args, kwargs, use_store: bool = True) -> CacheEntry:
-    """Capture the program, run every stage in ``STAGES`` order, then the claims and what
-    follows them (``TIER_STAGES``) once per tier: the entry holds it all. With fusion in the
-    background, the entry runs tier 0 (no fusion executors) and switches to the fused tier when
-    the worker has compiled it (``tiers.py``). A program kept by the program store
-    (``program_store.py``) whose prologue accepts the call stands in for capture and
-    ``STAGES``; a captured one is kept there."""
-    key, why_not = program_key(state, args, kwargs) if use_store else (None, None)
+def compile_entry(state, args, kwargs) -> CacheEntry:
+    """Capture the program, run every stage in ``STAGES`` order, then the fast prologue, the
+    claims and what follows them (``TIER_STAGES``) once per tier: the entry holds it all. With
+    fusion in the background, the entry runs tier 0 (no fusion executors) and switches to the
+    fused tier when the worker has compiled it (``tiers.py``). A program kept by the program
+    store (``program_store.py``) whose readable prologue accepts the call stands in for capture
+    and ``STAGES``; a captured one is kept there."""
+    key, why_not, key_seconds = program_key(state, args, kwargs)
     c = load_program(state, key, args, kwargs) if key is not None else None
-    if c is None:
-        c = capture(state, args, kwargs)
-        for stage in STAGES:
-            stage(c)
-        c.program_store = keep_program(c, key) if key is not None else why_not
+    if c is not None:
+        c.time("program key", key_seconds)
+        try:
+            return _finish(state, c, args, kwargs)
+        except Exception:  # noqa: BLE001 - captured (and kept again) as if nothing were stored
+            pass
+    c = capture(state, args, kwargs)
+    for stage in STAGES:
+        stage(c)
+    if key is not None:
+        c.time("program key", key_seconds)
+        c.program_store = keep_program(c, key)
+    else:
+        c.program_store = why_not
+    return _finish(state, c, args, kwargs)
+
+
+class _StoredProgramRejected(Exception):
+    """A loaded program's fast prologue rejected the call its readable prologue accepted."""
+
+
+def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
+    """The fast prologue, the tiers, code generation: the entry."""
     fast_prologue_stage(c)
     mode = _fuse_mode(c)
     if mode is FuseMode.BACKGROUND:
@@ -111,19 +129,18 @@ def compile_entry(state, args, kwargs, use_store: bool = True) -> CacheEntry:
         stage(c)
     entry = make_entry(c, Tiering(mode) if mode is FuseMode.BACKGROUND else None)
     if c.loaded and type(entry.prologue_fn(*args, **kwargs)) is not tuple:
-        # The readable prologue accepted the call, so this cannot happen; were it to, the
-        # program is captured as if nothing were stored.
-        return compile_entry(state, args, kwargs, use_store=False)
+        raise _StoredProgramRejected()
     if mode is FuseMode.BACKGROUND:
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
                        lambda made: _switch(state, entry, *made))
     return entry
 
 
-def program_key(state, args, kwargs) -> tuple[str | None, str | None]:
-    """The program store's key for this compilation, or None and why it is not kept."""
+def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
+    """The program store's key for this compilation, or None and why it is not kept; what
+    making the key took."""
     if not program_store.enabled():
-        return None, "off (KERAUNOS_PROGRAM_STORE=0)"
+        return None, "off (KERAUNOS_PROGRAM_STORE=0)", 0.0
     o = state.options
     module = state.module
     why = None
@@ -142,7 +159,7 @@ def program_key(state, args, kwargs) -> tuple[str | None, str | None]:
     elif getattr(_active, "dynamic", None) is not None and _active.dynamic.generating:
         why = "a program called by Hugging Face generate() has symbolic sizes"
     if why is not None:
-        return None, f"not kept: {why}"
+        return None, f"not kept: {why}", 0.0
     options = (tuple(getattr(e, "name", type(e).__qualname__) for e in o.executors),
                o.cache.value, o.specialize_data, o.fallback.value, o.dynamic, o.fuse.value,
                o.min_fused_forward_ops)
@@ -150,11 +167,10 @@ def program_key(state, args, kwargs) -> tuple[str | None, str | None]:
     try:
         key = program_store.key_of(module, state.fn, repr(options), args, kwargs)
     except program_store.Unstorable as e:
-        return None, f"not kept: {e}"
+        return None, f"not kept: {e}", time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
-        return None, f"not kept: the key failed ({type(e).__name__}: {e})"
-    state.program_key_seconds = time.perf_counter() - t0
-    return key, None
+        return None, f"not kept: the key failed ({type(e).__name__}: {e})", 0.0
+    return key, None, time.perf_counter() - t0
 
 
 def load_program(state, key: str, args, kwargs) -> Compilation | None:
@@ -173,7 +189,6 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
     c.program_store = "loaded"
     if getattr(_active, "dynamic", None) is not None:
         _active.dynamic.updated.update(stored["seen_sizes"])
-    c.time("program key", getattr(state, "program_key_seconds", 0.0))
     c.time("load stored program", time.perf_counter() - t0)
     return c
 
