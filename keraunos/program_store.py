@@ -8,7 +8,7 @@ submodules, parameters and buffers, and the objects held in submodules' attribut
 path from the root module and found again in the loading process's module; functions and classes
 are kept by their qualified names (pickle checks that the name leads back to the same object),
 keraunos's own closures by their code; any other object makes the entry not kept
-(``compile_stats``: ``stored program``). The claims, the fusion regions (each region's compiled
+(``compile_stats(jitted).program_store`` says why). The claims, the fusion regions (each region's compiled
 module comes from the kernel store, ``executors/fusion/kernel_store.py``), the fast prologue and
 code generation run again on a load: they are cheap, and they depend on what this process has.
 
