@@ -104,12 +104,18 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     c = capture(state, args, kwargs)
     for stage in STAGES:
         stage(c)
+    kept = why_not
     if key is not None:
         c.time("program key", key_seconds)
-        c.program_store = keep_program(c, key)
-    else:
-        c.program_store = why_not
-    return _finish(state, c, args, kwargs)
+        kept = program_to_keep(c)
+    c.program_store = kept if type(kept) is str else "keeping (pickled in the background)"
+    entry = _finish(state, c, args, kwargs)
+    if type(kept) is dict:
+        # Pickling the 32-layer model's program takes 0.2-0.5 s: not before the first result.
+        # The traces are done (passes derive new ones); the module tree's paths are taken now.
+        program_store.keep_in_background(key, kept, state.module,
+                                         lambda note: setattr(entry, "program_store", note))
+    return entry
 
 
 class _StoredProgramRejected(Exception):
@@ -193,23 +199,19 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
     return c
 
 
-def keep_program(c: Compilation, key: str) -> str:
-    """Keep ``c`` (as ``STAGES`` left it) in the program store under ``key``; what happened."""
+def program_to_keep(c: Compilation) -> dict | str:
+    """What the program store keeps of ``c`` (as ``STAGES`` left it), or why nothing is."""
     if getattr(_active, "dynamic", None) is not None and _active.dynamic.any_dynamic:
         return "not kept: symbolic sizes"
     if c.program.keep_alive:
         return "not kept: DTensors"
-    t0 = time.perf_counter()
     split = replace(c.split, place_gradients=None) if c.split is not None else None
-    stored = {"prologue": c.prologues[-1], "computation": c.computation,
-              "epilogue": c.epilogues[-1], "backward": c.backward, "split": split,
-              "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c),
-              # What capture told automatic dynamic (each input's sizes): a load tells it too.
-              "seen_sizes": dict(getattr(_active, "dynamic", None) and _active.dynamic.updated
-                                 or {})}
-    note = program_store.keep(key, stored, c.state.module)
-    c.time("keep program", time.perf_counter() - t0)
-    return note
+    return {"prologue": c.prologues[-1], "computation": c.computation,
+            "epilogue": c.epilogues[-1], "backward": c.backward, "split": split,
+            "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c),
+            # What capture told automatic dynamic (each input's sizes): a load tells it too.
+            "seen_sizes": dict(getattr(_active, "dynamic", None) and _active.dynamic.updated
+                               or {})}
 
 
 def _fuse_mode(c: Compilation) -> FuseMode | None:

@@ -32,8 +32,11 @@ import pathlib
 import pickle
 import platform
 import sys
+import threading
+import time
 import types
 import weakref
+from typing import Callable
 
 import torch
 
@@ -318,29 +321,27 @@ class _Pickler(pickle.Pickler):
     functions and classes by name, keraunos's own closures by their code; plain values and
     keraunos's own records by value. Anything else raises ``Unstorable``."""
 
-    def __init__(self, file, module: torch.nn.Module):
+    def __init__(self, file, paths: dict):
+        # ``persistent_id`` is asked of every object pickled (350,000 for the 32-layer model):
+        # one dict lookup by id, bound before pickle's own ``__init__`` looks it up.
+        self.paths = {**_module_globals(), **paths, **_keraunos_singletons()}
+        self.persistent_id = functools.partial(_path_of, self.paths.get)
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.paths = _paths_of(module)
-        self.paths.update(_keraunos_singletons())
-        self.storages: dict[int, int] = {}
-
-    def persistent_id(self, obj):
-        if type(obj) is torch.UntypedStorage:  # a proxy's capture-time storage: which share one
-            return ("storage", self.storages.setdefault(obj._cdata, len(self.storages)))
-        if type(obj) is types.ModuleType:
-            return ("import", obj.__name__)
-        if type(obj) is dict and "__name__" in obj:  # a module's globals (``fn_globals``)
-            module = sys.modules.get(obj["__name__"])
-            if module is not None and vars(module) is obj:
-                return ("globals", obj["__name__"])
-        return self.paths.get(id(obj))
+        self.storages: dict[int, _Storage] = {}  # a capture-time storage -> its stand-in
 
     def reducer_override(self, obj):
         t = type(obj)
+        if t in _BY_VALUE:  # most objects: decided once per type
+            return NotImplemented
         if t is TensorProxy:
             state = {s: getattr(obj, s) for s in _slots(t) if hasattr(obj, s)}
             del state["storage"]  # an address in this process: made again from ``_storage``
+            if state.get("_storage") is not None:  # one stand-in per storage the proxies share
+                state["_storage"] = self.storages.setdefault(state["_storage"]._cdata,
+                                                             _Storage())
             return _tensor_proxy, (state,)
+        if t is types.ModuleType:
+            return importlib.import_module, (obj.__name__,)
         if t.__name__ == "Symbols" and t.__module__ == "keraunos.capture.symbolic":
             # A capture's size symbols (the prologue's CHECK_SIZES line): kept only when there
             # are none, as the checks they print (none).
@@ -389,18 +390,24 @@ class _Pickler(pickle.Pickler):
             return _op, (obj._qualified_op_name, None)
         if isinstance(obj, (type, types.BuiltinFunctionType)):
             return NotImplemented  # by name
-        if t in _SIMPLE or t in (tuple, list, dict, set, frozenset, slice, range):
-            return NotImplemented
-        if isinstance(obj, enum.Enum):
+        if t in _SIMPLE or t in (tuple, list, dict, set, frozenset, slice, range) \
+                or isinstance(obj, enum.Enum):
+            _BY_VALUE.add(t)
             return NotImplemented
         members = getattr(t, "__members__", None)  # a C++ enum of torch's (``DispatchKey``)
         if isinstance(members, dict) and members.get(getattr(obj, "name", None)) is obj:
             return getattr, (t, obj.name)
         module = getattr(t, "__module__", "") or ""
         if module.startswith("keraunos.") or t in (functools.partial, types.MethodType):
+            if t.__name__ != "Symbols":  # every instance of these pickles by value
+                _BY_VALUE.add(t)
             return NotImplemented
         raise Unstorable(f"an object of type {module}.{t.__qualname__}")
 
+
+# Types whose every instance pickles by value as pickle does it (keraunos's records, containers,
+# enums), found as the pickler meets them: the common case costs one set lookup.
+_BY_VALUE: set[type] = set()
 
 _DESCRIPTORS = (types.WrapperDescriptorType, types.MethodDescriptorType,
                 types.GetSetDescriptorType, types.MemberDescriptorType,
@@ -448,7 +455,6 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file, module: torch.nn.Module):
         super().__init__(file)
         self.module = module
-        self.storages: dict[int, _Storage] = {}
 
     def persistent_load(self, pid):
         kind, name, *rest = pid
@@ -466,8 +472,7 @@ class _Unpickler(pickle.Unpickler):
             return importlib.import_module(name)
         if kind == "globals":
             return vars(importlib.import_module(name))
-        if kind == "storage":
-            return self.storages.setdefault(name, _Storage())
+
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
@@ -487,6 +492,19 @@ class _Storage:
 
     def __init__(self):
         self._cdata = id(self)
+
+    def __reduce__(self):
+        return _Storage, ()  # a new one on load (pickle's memo shares it between proxies)
+
+
+def _path_of(get, obj):
+    return get(id(obj))
+
+
+def _module_globals() -> dict[int, tuple]:
+    """Every imported module's globals dict (a prologue reads the forward's, ``fn_globals``)."""
+    return {id(vars(m)): ("globals", name) for name, m in list(sys.modules.items())
+            if isinstance(m, types.ModuleType)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -564,11 +582,12 @@ def _global_state_guard(state: str):
     return guard
 
 
-def dumps(value, module: torch.nn.Module) -> bytes:
-    """``value`` pickled against ``module``; raises ``Unstorable``."""
+def dumps(value, paths: dict) -> bytes:
+    """``value`` pickled against a module tree's ``paths`` (``_paths_of``); raises
+    ``Unstorable``."""
     f = io.BytesIO()
     try:
-        _Pickler(f, module).dump(value)
+        _Pickler(f, paths).dump(value)
     except Unstorable:
         raise
     except Exception as e:  # noqa: BLE001 - pickle's own refusal of an object
@@ -594,11 +613,46 @@ _KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_desc
          "facts", "seen_sizes")
 
 
-def keep(key: str, stored: dict, module: torch.nn.Module) -> str:
-    """Keep ``stored`` (the traces and facts ``pipeline.keep_program`` collects) under ``key``;
-    says what happened (``compile_stats().program_store``)."""
+_keeping: list[threading.Thread] = []  # threads still pickling a program
+_keeping_lock = threading.Lock()
+
+
+def keep_in_background(key: str, stored: dict, module: torch.nn.Module,
+                       done: Callable[[str], None]) -> None:
+    """``keep`` on a thread of its own (the interpreter waits for it at exit); ``done(note)``
+    when it is through. Where the module tree's objects are is taken now, on the caller's
+    thread: a module changed after this call is not seen."""
+    paths = _paths_of(module)
+
+    def run():
+        done(keep(key, stored, paths))
+        with _keeping_lock:
+            _keeping.remove(threading.current_thread())
+    thread = threading.Thread(target=run, name="keraunos-program-store")
+    with _keeping_lock:
+        _keeping.append(thread)
+    thread.start()
+
+
+def wait_for_keeps(timeout: float | None = None) -> bool:
+    """Wait until the programs being kept in the background are in the store (for tests and
+    benchmarks); False if ``timeout`` seconds passed first."""
+    with _keeping_lock:
+        threads = list(_keeping)
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        if thread.is_alive():
+            return False
+    return True
+
+
+def keep(key: str, stored: dict, paths: dict) -> str:
+    """Keep ``stored`` (the traces and facts ``pipeline.program_to_keep`` collects) under
+    ``key``, pickled against the module tree's ``paths`` (``_paths_of``); says what happened
+    (``compile_stats().program_store``)."""
     try:
-        data = dumps(stored, module)
+        data = dumps(stored, paths)
     except Unstorable as e:
         return f"not kept: {e}"
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation

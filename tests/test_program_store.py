@@ -99,6 +99,7 @@ RUN = textwrap.dedent('''
             expected = reference(x)
         grads = []
     torch.testing.assert_close(out, expected)
+    keraunos.program_store.wait_for_keeps()  # a captured program is pickled in the background
     stats = keraunos.compile_stats(jitted)
     with torch.no_grad():  # a second call hits the entry, loaded or captured
         again = jitted(x) if not train else None
