@@ -15,7 +15,9 @@ function; ``resnet18``, ``mobilenet_v3_small``, ``efficientnet_b0``
 (forward, a loss, backward, an SGD step) instead of a ``no_grad`` call.
 
 Systems: ``eager``; ``keraunos`` (the default: ``fuse="background"``); ``keraunos-alone`` (the
-default without the compile helper processes, ``KERAUNOS_COMPILE_WORKERS=0``); ``keraunos-wait``
+default without the compile helper processes, ``KERAUNOS_COMPILE_WORKERS=0``);
+``keraunos-nostore`` (the default without the program store, ``KERAUNOS_PROGRAM_STORE=0``: a
+restart captures the program again); ``keraunos-wait``
 (``fuse="wait"``); ``keraunos-torch`` (``fuse="off"``); ``regional`` (``torch.compile`` of each
 block, as torch's docs recommend for repeated layers); ``regional-async`` (the same with
 ``TORCHINDUCTOR_FX_COMPILE_MODE=async+subprocess``: each block runs eager's kernels until its
@@ -43,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SYSTEMS = ("eager", "keraunos", "keraunos-alone", "keraunos-wait", "keraunos-torch", "regional",
+SYSTEMS = ("eager", "keraunos", "keraunos-alone", "keraunos-nostore", "keraunos-wait",
+           "keraunos-torch", "regional",
            "regional-async",
            "compile")
 MODELS = ("gpt", "llama32", "llama2-4", "resnet18", "mobilenet_v3_small", "efficientnet_b0",
@@ -115,7 +118,8 @@ def child(system: str, args) -> dict:
     if system == "eager":
         run = model
     elif system.startswith("keraunos"):
-        fuse = {"keraunos": "background", "keraunos-alone": "background", "keraunos-wait": "wait",
+        fuse = {"keraunos": "background", "keraunos-alone": "background",
+                "keraunos-nostore": "background", "keraunos-wait": "wait",
                 "keraunos-torch": "off"}[system]
         run = keraunos.jit(model, fuse=fuse)
     elif system in ("regional", "regional-async"):
@@ -139,7 +143,7 @@ def child(system: str, args) -> dict:
             sync()
     call()
     first = time.perf_counter() - start
-    if system in ("keraunos", "keraunos-alone"):
+    if system in ("keraunos", "keraunos-alone", "keraunos-nostore"):
         keraunos.wait_for_fusion(run)
     elif system == "regional-async":
         _call_until_compiled(call)
@@ -180,6 +184,8 @@ def measure(system: str, args, cache_dir: str) -> dict | None:
            "KERAUNOS_CACHE_DIR": os.path.join(cache_dir, "keraunos-store")}
     if system == "keraunos-alone":  # the default without the compile helpers
         env["KERAUNOS_COMPILE_WORKERS"] = "0"
+    if system == "keraunos-nostore":  # the default without the program store: a restart captures
+        env["KERAUNOS_PROGRAM_STORE"] = "0"
     if system == "regional-async":
         env["TORCHINDUCTOR_FX_COMPILE_MODE"] = "async+subprocess"
         # With the FX graph cache on, torch 2.13's async mode raises on every cache miss

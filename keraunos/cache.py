@@ -63,3 +63,4 @@ class CacheEntry:
     fusion_regions: list = field(default_factory=list)  # keraunos.last_fusions
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background
+    program_store: str | None = None  # loaded from / kept in the program store, or why not

@@ -183,6 +183,11 @@ def format_compile_stats(stats) -> str:
     else:
         lines.append(f"tier: {stats.tier}" + (f" ({stats.fusion_note})" if stats.fusion_note
                                                 else ""))
+    store = getattr(stats, "program_store", None)
+    if store == "loaded":
+        lines.append("program store: loaded (no capture ran; its prologue accepted the call)")
+    elif store is not None:
+        lines.append(f"program store: {store}")
     misses = f"{stats.cache_misses} cache miss{'' if stats.cache_misses == 1 else 'es'}"
     hits = f"{stats.cache_hits} cache hit{'' if stats.cache_hits == 1 else 's'}"
     lines.append(f"calls so far: {hits}, {misses} (each miss compiles an entry)")

@@ -79,6 +79,7 @@ def compile_stats(jitted) -> CompileStats:
     if entry is None:
         return stats
     stats.fusion_note = getattr(entry, "fusion_note", None)
+    stats.program_store = getattr(entry, "program_store", None)
     stats.tier = "fused" if getattr(entry, "fusion_regions", None) else "torch"
     tiering = getattr(entry, "tiering", None)
     if tiering is not None:

@@ -86,6 +86,9 @@ class CompileStats:
     fusion_stages: dict[str, float] | None = None
     fusion_pending: bool = False
     fusion_note: str | None = None
+    # What the program store did with the entry: "loaded" (no capture ran), "kept", or
+    # "not kept: <why>" (program_store.py).
+    program_store: str | None = None
 
     @property
     def compile_time(self) -> float:

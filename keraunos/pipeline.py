@@ -15,7 +15,9 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode
-from .capture.program import capture_program
+from . import program_store
+from .capture.program import Program, capture_program
+from .capture.state import _active
 from .core.proxies import Proxy, TensorProxy
 from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
@@ -26,6 +28,7 @@ from .passes.peephole import peephole_stage
 from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from .passes.functionalize import functionalize_writes
 from .passes.reinplace import can_reinplace, every_op_without_grad, reinplace
+from .structure import hook_state
 from .tiers import FuseMode, Tiering
 
 # The computation's optimization passes, in order (each ``trace -> trace``, see core/runner.py).
@@ -65,6 +68,12 @@ class Compilation:
     # boundaries (``split_at_ddp_buckets``) into ``segments``.
     bucket_caps: Any = None
     segments: Any = None
+    # Loaded from the program store (``program_store.py``) instead of captured; what the store
+    # did with this compilation (compile_stats's ``program_store``); for a loaded one, the
+    # captured facts make_entry needs: (number of inputs, the inputs it writes).
+    loaded: bool = False
+    program_store: str | None = None
+    facts: tuple | None = None
 
     @property
     def computation(self) -> Trace:
@@ -79,13 +88,44 @@ class Compilation:
 
 
 def compile_entry(state, args, kwargs) -> CacheEntry:
-    """Capture the program, run every stage in ``STAGES`` order, then the claims and what
-    follows them (``TIER_STAGES``) once per tier: the entry holds it all. With fusion in the
-    background, the entry runs tier 0 (no fusion executors) and switches to the fused tier when
-    the worker has compiled it (``tiers.py``)."""
+    """Capture the program, run every stage in ``STAGES`` order, then the fast prologue, the
+    claims and what follows them (``TIER_STAGES``) once per tier: the entry holds it all. With
+    fusion in the background, the entry runs tier 0 (no fusion executors) and switches to the
+    fused tier when the worker has compiled it (``tiers.py``). A program kept by the program
+    store (``program_store.py``) whose readable prologue accepts the call stands in for capture
+    and ``STAGES``; a captured one is kept there."""
+    key, why_not, key_seconds = program_key(state, args, kwargs)
+    c = load_program(state, key, args, kwargs) if key is not None else None
+    if c is not None:
+        c.time("program key", key_seconds)
+        try:
+            return _finish(state, c, args, kwargs)
+        except Exception:  # noqa: BLE001 - captured (and kept again) as if nothing were stored
+            pass
     c = capture(state, args, kwargs)
     for stage in STAGES:
         stage(c)
+    kept = why_not
+    if key is not None:
+        c.time("program key", key_seconds)
+        kept = program_to_keep(c)
+    c.program_store = kept if type(kept) is str else "keeping (pickled in the background)"
+    entry = _finish(state, c, args, kwargs)
+    if type(kept) is dict:
+        # Pickling the 32-layer model's program takes 0.2-0.5 s: not before the first result.
+        # The traces are done (passes derive new ones); the module tree's paths are taken now.
+        program_store.keep_in_background(key, kept, state.module,
+                                         lambda note: setattr(entry, "program_store", note))
+    return entry
+
+
+class _StoredProgramRejected(Exception):
+    """A loaded program's fast prologue rejected the call its readable prologue accepted."""
+
+
+def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
+    """The fast prologue, the tiers, code generation: the entry."""
+    fast_prologue_stage(c)
     mode = _fuse_mode(c)
     if mode is FuseMode.BACKGROUND:
         fused = _fork(c)
@@ -95,10 +135,84 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     for stage in TIER_STAGES:
         stage(c)
     entry = make_entry(c, Tiering(mode) if mode is FuseMode.BACKGROUND else None)
+    if c.loaded and type(entry.prologue_fn(*args, **kwargs)) is not tuple:
+        raise _StoredProgramRejected()
     if mode is FuseMode.BACKGROUND:
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
                        lambda made: _switch(state, entry, *made))
     return entry
+
+
+def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
+    """The program store's key for this compilation, or None and why it is not kept; what
+    making the key took."""
+    if not program_store.enabled():
+        return None, "off (KERAUNOS_PROGRAM_STORE=0)", 0.0
+    o = state.options
+    module = state.module
+    why = None
+    if module is None or state.forward_only or isinstance(module, torch.fx.GraphModule):
+        why = "only the programs of jitted modules are kept"
+    elif o.transforms:
+        why = "a program with Transforms is not kept"
+    elif o.cache is not CacheMode.CONSTANT_VALUES or o.dynamic or state.seen_sizes:
+        why = "only programs of exact sizes are kept (no symbolic sizes, no earlier entry)"
+    elif active_ddp_bucket_caps() is not None:
+        why = "a program inside DistributedDataParallel is not kept"
+    elif any(hook_state(module)):
+        # The fast prologue made on a load would check the hooks the module has now, not those
+        # the program was captured with.
+        why = "a module with hooks (or global module hooks) is not kept"
+    elif getattr(_active, "dynamic", None) is not None and _active.dynamic.generating:
+        why = "a program called by Hugging Face generate() has symbolic sizes"
+    if why is not None:
+        return None, f"not kept: {why}", 0.0
+    options = (tuple(getattr(e, "name", type(e).__qualname__) for e in o.executors),
+               o.cache.value, o.specialize_data, o.fallback.value, o.dynamic, o.fuse.value,
+               o.min_fused_forward_ops)
+    t0 = time.perf_counter()
+    try:
+        key = program_store.key_of(module, state.fn, repr(options), args, kwargs)
+    except program_store.Unstorable as e:
+        return None, f"not kept: {e}", time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
+        return None, f"not kept: the key failed ({type(e).__name__}: {e})", 0.0
+    return key, None, time.perf_counter() - t0
+
+
+def load_program(state, key: str, args, kwargs) -> Compilation | None:
+    """The compilation kept under ``key``, as ``STAGES`` left it, if its readable prologue
+    accepts this call (None otherwise: the program is captured)."""
+    t0 = time.perf_counter()
+    stored = program_store.load(key, state.module, args, kwargs)
+    if stored is None:
+        return None
+    program = Program(stored["prologue"], stored["computation"], stored["epilogue"],
+                      stored["check_descriptions"])
+    c = Compilation(state, program, [stored["prologue"]], [stored["computation"]],
+                    [stored["epilogue"]], backwards=[stored["backward"]] if stored["backward"]
+                    else [], executors=tuple(state.options.executors), split=stored["split"],
+                    loaded=True, facts=stored["facts"])
+    c.program_store = "loaded"
+    if getattr(_active, "dynamic", None) is not None:
+        _active.dynamic.updated.update(stored["seen_sizes"])
+    c.time("load stored program", time.perf_counter() - t0)
+    return c
+
+
+def program_to_keep(c: Compilation) -> dict | str:
+    """What the program store keeps of ``c`` (as ``STAGES`` left it), or why nothing is."""
+    if getattr(_active, "dynamic", None) is not None and _active.dynamic.any_dynamic:
+        return "not kept: symbolic sizes"
+    if c.program.keep_alive:
+        return "not kept: DTensors"
+    split = replace(c.split, place_gradients=None) if c.split is not None else None
+    return {"prologue": c.prologues[-1], "computation": c.computation,
+            "epilogue": c.epilogues[-1], "backward": c.backward, "split": split,
+            "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c),
+            # What capture told automatic dynamic (each input's sizes): a load tells it too.
+            "seen_sizes": dict(getattr(_active, "dynamic", None) and _active.dynamic.updated
+                               or {})}
 
 
 def _fuse_mode(c: Compilation) -> FuseMode | None:
@@ -383,8 +497,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 
 # What runs after capture, in order; each stage records its traces and time in the Compilation.
 # The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
-STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs,
-          fast_prologue_stage)
+# What they leave is what the program store keeps; the fast prologue follows (``compile_entry``).
+STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs)
 # Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
 TIER_STAGES = (functionalize_for_fusion, executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
                delete_dead_names, show_segments)
@@ -397,18 +511,25 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
     computation_fn = _computation_callable(c)
     epilogue_fn = c.epilogues[-1].python_callable()
     c.time("codegen", time.perf_counter() - t0)
-    captured = c.program.computation
-    positions = tuple(range(len(captured.params)))
+    n_inputs, written = c.facts if c.facts is not None else captured_facts(c)
+    positions = tuple(range(n_inputs))
     entry = CacheEntry(prologue_fn=prologue_fn, computation_fn=computation_fn,
                        epilogue_fn=epilogue_fn, prologue_traces=c.prologues,
                        computation_traces=c.computations, epilogue_traces=c.epilogues,
                        backward_traces=c.backwards,
                        check_descriptions=c.program.check_descriptions, stages=c.stages,
                        alias_positions=positions if len(positions) > 1 else None,
-                       written_positions=_written_positions(captured),
+                       written_positions=written,
                        fusion_regions=c.fusion_regions, fusion_note=c.fusion_note,
-                       tiering=tiering)
+                       tiering=tiering, program_store=c.program_store)
     return entry
+
+
+def captured_facts(c: Compilation) -> tuple:
+    """What make_entry needs of the captured computation: its number of inputs, and which of
+    them it writes (``_written_positions``)."""
+    captured = c.program.computation
+    return len(captured.params), _written_positions(captured)
 
 
 def _computation_callable(c: Compilation):

@@ -12,11 +12,10 @@ from dataclasses import replace
 import torch
 
 from .cache import CacheEntry
-from .capture.guards import VALUE, same_value
 from .core import glue
 from .core.proxies import Proxy
 from .core.trace import Trace
-from .passes.fast_prologue import fast_prologue
+from .passes.fast_prologue import expecting_values_of, fast_prologue, with_example
 from .structure import _GLOBAL_HOOK_TABLES, _HOOK_TABLES, hook_state
 
 
@@ -58,7 +57,7 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
     t0 = time.perf_counter()
     note = (f"Rebound to another {type(to).__qualname__} (an identical module: one compiled "
             f"program for both)")
-    lines = [_expecting_values_of(b, to) for b in readable.bound_symbols]
+    lines = [expecting_values_of(b, to) for b in readable.bound_symbols]
     namespace = {**readable.namespace, "module": to}
     checked = Trace(readable.name, list(readable.params), lines, list(readable.header), namespace)
     accepted = checked.python_callable()(*args, **kwargs)
@@ -66,7 +65,7 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         return None
     value_of = {p.name: v for p, v in zip(lines[-1].args[0], accepted[0])
                 if isinstance(p, Proxy)}
-    lines = [_with_example(b, value_of) for b in lines]
+    lines = [with_example(b, value_of) for b in lines]
     if any(b is None for b in lines):
         return None
     rebound = Trace(readable.name, list(readable.params), lines, readable.header + [note],
@@ -109,54 +108,3 @@ def _same_hooks(compiled: tuple | None, now: tuple, own_hooks: bool) -> bool:
     start = n_global if own_hooks else n_global + n_own
     return all(len(a) == len(b) and all(x[1] is y[1] for x, y in zip(a, b))
                for a, b in zip(compiled[start:], now[start:]))
-
-
-def _with_example(line, value_of: dict):
-    """A tensor check whose example for the C++ checks is this call's tensor (None when that
-    tensor is not of the compiling call's type and dispatch keys)."""
-    if line.symbol is not glue.CHECK_TENSOR:
-        return line
-    tensor = value_of.get(line.args[0].name)
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    compiled_for = line.fields.real()
-    if compiled_for is None:  # gone: only a plain tensor is known to check alike
-        e = line.fields.expected
-        if e.dtype.is_complex:
-            return None
-        compiled_for = torch.empty(0, dtype=e.dtype, device=e.device,
-                                   requires_grad=e.requires_grad and e.dtype.is_floating_point)
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-    elif type(tensor) is not type(compiled_for):
-        return None
-    if torch._C._dispatch_keys(tensor) != torch._C._dispatch_keys(compiled_for):
-        return None
-    return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
-
-
-def _expecting_values_of(line, module: torch.nn.Module):
-    """A check that a module attribute has a value (``eps == 1e-05``), expecting ``module``'s own
-    object where it has that value: the fast prologue checks such attributes by identity with
-    the object compiled for, and two identical modules hold equal values in objects of their
-    own (``normalized_shape``, a tuple each). Where the value differs, the check stays, and
-    fails: the program is not for ``module``."""
-    guard = getattr(line.fields, "guard", None)
-    if line.symbol is not glue.CHECK or guard is None or guard.kind is not VALUE \
-            or not guard.from_module or guard.path is None:
-        return line
-    try:
-        value = _value_at(guard.path, module)
-    except Exception:  # noqa: BLE001 - not there: the check fails as it is
-        return line
-    if value is guard.expected or not same_value(value, guard.expected):
-        return line
-    return line.replace(fields=replace(line.fields, guard=replace(guard, expected=value)))
-
-
-def _value_at(path, module):
-    if path.is_root:
-        if path.key != "module":
-            raise KeyError(path.key)
-        return module
-    return eval(path.expression("parent"), {"parent": _value_at(path.parent, module)})

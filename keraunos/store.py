@@ -4,7 +4,8 @@ Entries are ``(namespace, key) -> bytes``; each row also holds the value's size,
 on every read), when it was written and when it was last read. Past a byte limit the least recently
 used entries go first. It holds which of Inductor's vector-ISA test libraries load
 (``executors/fusion/isa_probe.py``) and each fused region's compiled module
-(``executors/fusion/kernel_store.py``); captured programs are not kept yet.
+(``executors/fusion/kernel_store.py``), and jitted modules' captured programs
+(``program_store.py``).
 
 The store cannot hurt: a store that fails (a corrupted or truncated file, a checksum mismatch, a
 read-only or missing directory, a full disk, a lock held past the timeout) behaves as an empty one.

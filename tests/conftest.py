@@ -25,6 +25,11 @@ if "KERAUNOS_CACHE_DIR" not in os.environ:
     import tempfile  # noqa: E402
     os.environ["KERAUNOS_CACHE_DIR"] = tempfile.mkdtemp(prefix="keraunos-test-store-")
 
+# No captured programs kept between tests (keraunos/program_store.py): a test that jits a module
+# another test jitted would load its program instead of capturing, and tests of capture would see
+# that. tests/test_program_store.py turns it on in the processes it starts.
+os.environ.setdefault("KERAUNOS_PROGRAM_STORE", "0")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

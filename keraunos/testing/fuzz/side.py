@@ -3,6 +3,9 @@ call, one backward; and what happened to a program (``Outcome``). The driver (dr
 sides and compares them; the classifier (classify.py) runs sides again to judge a mismatch."""
 from __future__ import annotations
 
+import hashlib
+import sys
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,7 +42,16 @@ class Outcome:
 
 class Side:
     def __init__(self, program: Program, filename: str, make_jitted: Callable | None):
-        self.ns: dict = {"__name__": "keraunos_fuzz_program", "__file__": filename}
+        # The program's globals are a module's, found in ``sys.modules`` under a name made from
+        # its source: its classes and functions can then be named (the program store keeps a
+        # jitted module's program only where they can, and a later run of the same programs
+        # loads it).
+        digest = hashlib.sha256(program.source.encode()).hexdigest()[:16]
+        name = f"keraunos_fuzz_program_{digest}_{'jit' if make_jitted else 'eager'}"
+        module = types.ModuleType(name)
+        module.__file__ = filename
+        sys.modules[name] = module
+        self.ns: dict = vars(module)
         exec(compile(program.source, filename, "exec"), self.ns)
         torch.manual_seed(0)
         plain = self.ns["Model"]() if program.kind == "module" else self.ns["f"]

@@ -1,0 +1,694 @@
+"""Captured programs kept between processes, so that a restart skips capture and the passes
+before the executors' claims.
+
+What is kept, per cache entry of a jitted module: the traces as the passes left them just before
+the fast prologue (the readable prologue, the computation, the epilogue, the backward and what the
+autograd split knows of it), pickled. What a trace refers to in the live program (the module, its
+submodules, parameters and buffers, and the objects held in submodules' attributes) is kept as its
+path from the root module and found again in the loading process's module; functions and classes
+are kept by their qualified names (pickle checks that the name leads back to the same object),
+keraunos's own closures by their code; any other object makes the entry not kept
+(``compile_stats(jitted).program_store`` says why). The claims, the fusion regions (each region's compiled
+module comes from the kernel store, ``executors/fusion/kernel_store.py``), the fast prologue and
+code generation run again on a load: they are cheap, and they depend on what this process has.
+
+A load is used like a capture: its readable prologue runs on the call first, and only if it
+accepts the call (every check that capture would have written: tensor metadata, module
+structure, module attributes, Python values, global state) does the entry go into the cache;
+anything else captures as usual. The key (``key_of``) covers what the prologue cannot check,
+chiefly the Python code that ran; docs/limitations.md says exactly what it covers and what it
+cannot see. ``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib
+import io
+import marshal
+import os
+import pathlib
+import pickle
+import platform
+import sys
+import threading
+import time
+import types
+import weakref
+from typing import Callable
+
+import torch
+
+from . import store
+from .core.proxies import Proxy, TensorProxy
+from .core.trace import Trace
+from .passes.fast_prologue import expecting_values_of, with_example
+from .version import __version__
+
+NAMESPACE = "program"  # the store's namespace for these rows
+FORMAT = 1             # bump when what a row holds, or how it is loaded, changes
+
+
+def enabled() -> bool:
+    return os.environ.get("KERAUNOS_PROGRAM_STORE", "1") not in ("0", "")
+
+
+class Unstorable(Exception):
+    """Why a program is not kept (or not looked up): said in ``compile_stats``."""
+
+
+# ------------------------------------------------------------------------------------ the key
+def key_of(module: torch.nn.Module, forward, options_text: str, args: tuple,
+           kwargs: dict) -> str:
+    """The store's key for a capture of ``module`` (called through ``forward``) on this call:
+    keraunos's own source, torch's and Python's versions, the options, the code the program may
+    run (``code_fingerprint``), the module tree (paths, classes, parameters' and buffers'
+    metadata), the call's input metadata and the global state. Raises ``Unstorable``."""
+    parts = [FORMAT, _keraunos_source_hash(), __version__, torch.__version__,
+             torch.version.git_version, sys.version, platform.machine(), options_text,
+             _global_state(), _module_tree(module), code_fingerprint(module, forward),
+             _inputs(args, kwargs)]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _keraunos_source_hash() -> str:
+    """Every source file of the keraunos package: a program kept by one checkout is not loaded
+    by another, whatever the version string says."""
+    h = hashlib.sha256()
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _global_state() -> tuple:
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    return (guard.__getstate__(), torch.is_inference_mode_enabled(),
+            torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype())
+
+
+def _module_tree(module: torch.nn.Module) -> tuple:
+    described = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        t = type(sub)
+        described.append((name, t.__module__, t.__qualname__, sub.training))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        described.append((name, _tensor(p)))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        described.append((name, _tensor(b)))
+    return tuple(described)
+
+
+def _tensor(t: torch.Tensor) -> tuple:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        raise Unstorable(f"a tensor of type {type(t).__qualname__}")
+    return ("tensor", type(t).__name__, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+            t.device, t.requires_grad, t.layout, t.is_contiguous())
+
+
+_MUTABLE = (list, dict, set, bytearray)
+_SIMPLE = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis))
+
+
+def _inputs(args: tuple, kwargs: dict) -> tuple:
+    def describe(v, depth=0):
+        if depth > 8:
+            raise Unstorable("inputs nested too deeply")
+        t = type(v)
+        if t in _SIMPLE:
+            return (t.__name__, repr(v))
+        if isinstance(v, torch.Tensor):
+            if getattr(v, "_keraunos_dynamic", None) or getattr(v, "_dynamo_dynamic_indices",
+                                                                None):
+                raise Unstorable("a tensor marked dynamic")
+            return _tensor(v)
+        if t in (tuple, list):
+            return (t.__name__, tuple(describe(x, depth + 1) for x in v))
+        if t is dict and all(type(k) is str for k in v):
+            return ("dict", tuple((k, describe(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, (torch.dtype, torch.device)):
+            return (t.__name__, str(v))
+        raise Unstorable(f"an argument of type {t.__qualname__}")
+    return describe(args), describe(kwargs)
+
+
+# ------------------------------------------------------------------------------ code fingerprint
+def code_fingerprint(module: torch.nn.Module, forward) -> str:
+    """A hash of the Python code a call of ``module`` may run: every method of every class in the
+    module tree (its MRO up to ``torch.nn.Module``; torch's own classes by name, their code is
+    torch's version), ``forward`` itself, and, from each function's code, what its names lead to
+    in its globals and closure (functions and classes recursively, modules by name and the
+    attributes the code names on them, plain values by value). Raises ``Unstorable`` for a value
+    it cannot hash soundly (a global list, dict or object of another type)."""
+    f = _Fingerprint()
+    for sub in module.modules():
+        f.cls(type(sub))
+    f.value(forward, "forward")
+    return f.digest()
+
+
+_TORCH_PREFIXES = ("torch", "typing", "builtins", "functools", "math", "collections", "abc",
+                   "enum", "dataclasses", "itertools", "operator", "contextlib", "warnings",
+                   "inspect", "types", "numbers", "keraunos")
+
+
+def _library(module_name: str | None) -> bool:
+    """Code whose version the key already holds (torch, keraunos, the standard library)."""
+    if not module_name:
+        return False
+    top = module_name.split(".")[0]
+    return top in _TORCH_PREFIXES or top in sys.stdlib_module_names
+
+
+@functools.lru_cache(maxsize=None)
+def _library_directories() -> tuple:
+    import sysconfig
+    return tuple(os.path.join(os.path.realpath(d), "") for d in (
+        sysconfig.get_paths()["stdlib"], os.path.dirname(torch.__file__),
+        os.path.dirname(__file__)))
+
+
+def _library_file(filename: str) -> bool:
+    """Code generated by the standard library (a dataclass's ``__repr__``, whose module is the
+    dataclass's) or written in torch or keraunos: their versions are in the key."""
+    return os.path.realpath(filename).startswith(_library_directories())
+
+
+class _Fingerprint:
+    def __init__(self):
+        self.parts: list = []
+        self.seen: set[int] = set()
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self.parts).encode()).hexdigest()
+
+    def cls(self, t: type) -> None:
+        if id(t) in self.seen:
+            return
+        self.seen.add(id(t))
+        self.parts.append(("class", t.__module__, t.__qualname__))
+        if _library(t.__module__):
+            return
+        for base in t.__mro__:
+            if base is torch.nn.Module or base is object or _library(base.__module__):
+                if base is not t:
+                    self.parts.append(("base", base.__module__, base.__qualname__))
+                continue
+            for name, member in sorted(vars(base).items()):
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if isinstance(member, property):
+                    for accessor in (member.fget, member.fset, member.fdel):
+                        if accessor is not None:
+                            self.value(accessor, f"{base.__qualname__}.{name}")
+                    continue
+                if isinstance(member, types.FunctionType):
+                    self.value(member, f"{base.__qualname__}.{name}")
+                elif name not in ("__dict__", "__weakref__", "__doc__", "__module__",
+                                  "__qualname__", "__annotations__", "__slots__",
+                                  "__parameters__", "__orig_bases__", "__abstractmethods__",
+                                  "_abc_impl", "__dataclass_fields__", "__dataclass_params__",
+                                  "__match_args__", "__hash__"):
+                    self.value(member, f"{base.__qualname__}.{name}")
+
+    def function(self, fn: types.FunctionType) -> None:
+        if id(fn) in self.seen:
+            self.parts.append(("seen", fn.__module__, fn.__qualname__))
+            return
+        self.seen.add(id(fn))
+        self.parts.append(("function", fn.__module__, fn.__qualname__))
+        if _library(fn.__module__) or _library_file(fn.__code__.co_filename):
+            return
+        self.code(fn.__code__, fn.__globals__)
+        self.parts.append(("defaults", self._plain(fn.__defaults__),
+                           self._plain(fn.__kwdefaults__)))
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                contents = cell.cell_contents
+            except ValueError:
+                self.parts.append(("empty cell", name))
+                continue
+            self.value(contents, name)
+
+    def code(self, code: types.CodeType, globals_: dict) -> None:
+        self.parts.append(("code", code.co_code, code.co_names, code.co_varnames,
+                           code.co_freevars, code.co_cellvars, code.co_argcount,
+                           code.co_kwonlyargcount, code.co_flags, code.co_filename,
+                           code.co_firstlineno, code.co_qualname))
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self.code(const, globals_)
+            else:
+                self.parts.append(("const", self._plain(const)))
+        builtins = globals_.get("__builtins__", {})
+        builtins = builtins if isinstance(builtins, dict) else vars(builtins)
+        attributes = set(code.co_names)
+        for name in code.co_names:
+            if name in globals_:
+                self.value(globals_[name], name, attributes)
+            elif name in builtins:
+                self.parts.append(("builtin", name))
+
+    def value(self, v, name: str, attributes: set[str] = frozenset()) -> None:
+        """A value the code reads by ``name``; ``attributes``: names the code reads on objects
+        (those read on a module global are hashed as well)."""
+        if isinstance(v, types.FunctionType):
+            self.function(v)
+        elif isinstance(v, types.MethodType):
+            self.value(v.__func__, name)
+        elif isinstance(v, type):
+            if issubclass(v, enum.Enum) or _library(v.__module__):
+                self.parts.append(("type", name, v.__module__, v.__qualname__))
+            else:
+                self.cls(v)
+        elif isinstance(v, types.ModuleType):
+            self.parts.append(("module", name, v.__name__))
+            if not _library(v.__name__) and id(v) not in self.seen:
+                self.seen.add(id(v))
+                for attribute in sorted(attributes):
+                    if attribute in vars(v):
+                        self.value(vars(v)[attribute], f"{v.__name__}.{attribute}")
+        elif isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            self.parts.append(("builtin function", name, getattr(v, "__module__", None),
+                               getattr(v, "__qualname__", repr(v))))
+        elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            self.parts.append(("op", name, str(v)))
+        elif callable(v) and _library(getattr(type(v), "__module__", None)):
+            # torch's functions and callable objects (``torch.nn.functional.linear``'s
+            # wrappers): their behaviour is torch's version.
+            self.parts.append(("library callable", name, type(v).__module__,
+                               type(v).__qualname__, getattr(v, "__qualname__", None)))
+        elif isinstance(v, (typing_special_forms())):
+            self.parts.append(("typing", name, repr(v)))
+        else:
+            self.parts.append(("value", name, self._plain(v)))
+
+    def _plain(self, v):
+        t = type(v)
+        if t in _SIMPLE:
+            return (t.__name__, repr(v))
+        if t in (tuple, frozenset, list):
+            return (t.__name__, tuple(self._plain(x) for x in v))
+        if t is set:
+            return ("set", tuple(sorted(repr(self._plain(x)) for x in v)))
+        if isinstance(v, enum.Enum):
+            return ("enum", type(v).__module__, type(v).__qualname__, v.name)
+        if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return (t.__name__, str(v))
+        if t is dict:  # its contents as they are now, in order
+            return ("dict", tuple((self._plain(k), self._plain(x)) for k, x in v.items()))
+        if _library(t.__module__) and not isinstance(v, _MUTABLE):
+            # A sentinel or setting object of torch or the standard library (dataclasses'
+            # ``MISSING``): what it does is its library's version.
+            return ("library object", t.__module__, t.__qualname__)
+        raise Unstorable(f"a global or closure value of type {t.__qualname__} (a mutable or "
+                         f"unknown object: its contents cannot be hashed soundly)")
+
+
+@functools.lru_cache(maxsize=None)
+def typing_special_forms() -> tuple:
+    import typing
+    return (type(typing.Optional), type(typing.List), type(typing.Optional[int]),
+            typing.TypeVar)
+
+
+# ------------------------------------------------------------------------- pickling the traces
+class _Pickler(pickle.Pickler):
+    """Pickles traces: objects of the live program by their path from the root module;
+    functions and classes by name, keraunos's own closures by their code; plain values and
+    keraunos's own records by value. Anything else raises ``Unstorable``."""
+
+    def __init__(self, file, paths: dict):
+        # ``persistent_id`` is asked of every object pickled (350,000 for the 32-layer model):
+        # one dict lookup by id, bound before pickle's own ``__init__`` looks it up.
+        self.paths = {**_module_globals(), **paths, **_keraunos_singletons()}
+        self.persistent_id = functools.partial(_path_of, self.paths.get)
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: dict[int, _Storage] = {}  # a capture-time storage -> its stand-in
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        if t in _BY_VALUE:  # most objects: decided once per type
+            return NotImplemented
+        if t is TensorProxy:
+            state = {s: getattr(obj, s) for s in _slots(t) if hasattr(obj, s)}
+            del state["storage"]  # an address in this process: made again from ``_storage``
+            if state.get("_storage") is not None:  # one stand-in per storage the proxies share
+                state["_storage"] = self.storages.setdefault(state["_storage"]._cdata,
+                                                             _Storage())
+            return _tensor_proxy, (state,)
+        if t is types.ModuleType:
+            return importlib.import_module, (obj.__name__,)
+        if t.__name__ == "Symbols" and t.__module__ == "keraunos.capture.symbolic":
+            # A capture's size symbols (the prologue's CHECK_SIZES line): kept only when there
+            # are none, as the checks they print (none).
+            if obj.bindings or list(obj.checks()):
+                raise Unstorable("symbolic sizes")
+            return _NoSymbols, ()
+        if t is types.FunctionType:
+            if _findable(obj):
+                return NotImplemented  # by name; pickle checks that it leads back to obj
+            if not obj.__module__ or not obj.__module__.startswith("keraunos."):
+                raise Unstorable(f"the function {obj.__qualname__} of {obj.__module__}")
+            return _function_by_code, _function_state(obj)
+        if t in _DESCRIPTORS:  # ``torch.Tensor.__add__``, ``torch.Tensor.grad``: by owner and name
+            owner, name = obj.__objclass__, obj.__name__
+            if vars(owner).get(name) is not obj:
+                raise Unstorable(f"the descriptor {owner.__qualname__}.{name}")
+            return getattr, (owner, name)
+        if t is types.MethodWrapperType:
+            return getattr, (obj.__self__, obj.__name__)
+        if t is weakref.ReferenceType:
+            target = obj()
+            if target is not None and id(target) in self.paths:
+                return weakref.ref, (target,)
+            return _dead_reference, ()
+        if t is torch._C._dynamo.guards.GlobalStateGuard:
+            return _global_state_guard, (obj.__getstate__(),)
+        if isinstance(obj, torch.Tensor):
+            raise Unstorable(f"a tensor that is not the module's ({type(obj).__qualname__})")
+        if t in (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format):
+            return NotImplemented
+        if t is type and not _findable(obj) and len(obj.__mro__) > 1 \
+                and obj.__mro__[1].__qualname__ == obj.__qualname__:
+            # capture's recording stand-in of a module class (``module_stack`` names it): the
+            # class it stands in for
+            return _identity, (obj.__mro__[1],)
+        if t is types.BuiltinFunctionType and type(obj.__self__).__module__ == "pybind11_builtins":
+            # torch's C++ functions bound with pybind11 (``torch._C._get_...``): by module and
+            # name, where that leads back to the object
+            module = sys.modules.get(obj.__module__ or "")
+            if module is None or getattr(module, obj.__name__, None) is not obj:
+                raise Unstorable(f"the C++ function {obj.__module__}.{obj.__name__}")
+            return getattr, (module, obj.__name__)
+        if t is torch._ops.OpOverload:  # by name, found again in ``torch.ops``
+            return _op, (obj._schema.name, obj._overloadname)
+        if t is torch._ops.OpOverloadPacket:
+            return _op, (obj._qualified_op_name, None)
+        if isinstance(obj, (type, types.BuiltinFunctionType)):
+            return NotImplemented  # by name
+        if t in _SIMPLE or t in (tuple, list, dict, set, frozenset, slice, range) \
+                or isinstance(obj, enum.Enum):
+            _BY_VALUE.add(t)
+            return NotImplemented
+        members = getattr(t, "__members__", None)  # a C++ enum of torch's (``DispatchKey``)
+        if isinstance(members, dict) and members.get(getattr(obj, "name", None)) is obj:
+            return getattr, (t, obj.name)
+        module = getattr(t, "__module__", "") or ""
+        if module.startswith("keraunos.") or t in (functools.partial, types.MethodType):
+            if t.__name__ != "Symbols":  # every instance of these pickles by value
+                _BY_VALUE.add(t)
+            return NotImplemented
+        raise Unstorable(f"an object of type {module}.{t.__qualname__}")
+
+
+# Types whose every instance pickles by value as pickle does it (keraunos's records, containers,
+# enums), found as the pickler meets them: the common case costs one set lookup.
+_BY_VALUE: set[type] = set()
+
+_DESCRIPTORS = (types.WrapperDescriptorType, types.MethodDescriptorType,
+                types.GetSetDescriptorType, types.MemberDescriptorType,
+                types.ClassMethodDescriptorType)
+
+
+def _keraunos_singletons() -> dict[int, tuple]:
+    """keraunos's module-level objects (glue symbols, path and guard kinds, tags), which code
+    compares by identity (``b.symbol is glue.CHECK_TENSOR``): kept by module and name."""
+    found: dict[int, tuple] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "keraunos" or name.startswith("keraunos.")):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if isinstance(value, (*_SIMPLE, types.ModuleType, type, types.FunctionType)):
+                continue
+            if getattr(type(value), "__module__", "").startswith("keraunos."):
+                found.setdefault(id(value), ("singleton", name, attribute))
+    return found
+
+
+_VALUES = (*_SIMPLE, tuple, frozenset, enum.Enum, torch.dtype, torch.device, torch.layout,
+           torch.memory_format, torch.Tensor, torch.nn.Module, types.FunctionType, type)
+
+
+def _paths_of(module: torch.nn.Module) -> dict[int, tuple]:
+    """The live objects a trace may refer to, by id: the module tree, its parameters and
+    buffers, and the objects its modules hold in attributes (a config object)."""
+    paths: dict[int, tuple] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), ("module", name))
+        for attribute, value in vars(sub).items():
+            # Only objects whose identity is theirs: a value (a tuple, a number, a dtype) may be
+            # the very object a trace holds for another reason (``()`` is one object).
+            if not attribute.startswith("_") and not isinstance(value, _VALUES):
+                paths.setdefault(id(value), ("attribute", name, attribute))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), ("parameter", name))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        paths.setdefault(id(b), ("buffer", name))
+    return paths
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, module: torch.nn.Module):
+        super().__init__(file)
+        self.module = module
+
+    def persistent_load(self, pid):
+        kind, name, *rest = pid
+        if kind == "module":
+            return self.module.get_submodule(name)
+        if kind == "parameter":
+            return self.module.get_parameter(name)
+        if kind == "buffer":
+            return self.module.get_buffer(name)
+        if kind == "attribute":
+            return vars(self.module.get_submodule(name))[rest[0]]
+        if kind == "singleton":
+            return getattr(importlib.import_module(name), rest[0])
+        if kind == "import":
+            return importlib.import_module(name)
+        if kind == "globals":
+            return vars(importlib.import_module(name))
+
+        raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+
+
+class _NoSymbols:
+    """The size symbols of a capture that made none: no checks."""
+
+    bindings: dict = {}
+
+    def checks(self) -> list:
+        return []
+
+
+class _Storage:
+    """A loaded proxy's storage: one object per storage the captured tensors shared, kept alive
+    by the proxies, its ``_cdata`` (what passes compare) its own address, so that no live
+    storage has it."""
+
+    def __init__(self):
+        self._cdata = id(self)
+
+    def __reduce__(self):
+        return _Storage, ()  # a new one on load (pickle's memo shares it between proxies)
+
+
+def _path_of(get, obj):
+    return get(id(obj))
+
+
+def _module_globals() -> dict[int, tuple]:
+    """Every imported module's globals dict (a prologue reads the forward's, ``fn_globals``)."""
+    return {id(vars(m)): ("globals", name) for name, m in list(sys.modules.items())
+            if isinstance(m, types.ModuleType)}
+
+
+@functools.lru_cache(maxsize=None)
+def _slots(t: type) -> tuple:
+    return tuple(s for c in t.__mro__ for s in getattr(c, "__slots__", ()))
+
+
+def _tensor_proxy(state: dict):
+    proxy = TensorProxy.__new__(TensorProxy)
+    for name, value in state.items():
+        setattr(proxy, name, value)
+    proxy.storage = proxy._storage._cdata if proxy._storage is not None else None
+    return proxy
+
+
+def _findable(fn) -> bool:
+    module = sys.modules.get(fn.__module__ or "")
+    if module is None or "<locals>" in fn.__qualname__:
+        return False
+    target = module
+    for part in fn.__qualname__.split("."):
+        target = getattr(target, part, None)
+    return target is fn
+
+
+def _function_state(fn) -> tuple:
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append((True, cell.cell_contents))
+        except ValueError:
+            cells.append((False, None))
+    return (marshal.dumps(fn.__code__), fn.__module__, fn.__name__, fn.__qualname__,
+            fn.__defaults__, fn.__kwdefaults__, tuple(cells))
+
+
+def _function_by_code(code, module, name, qualname, defaults, kwdefaults, cells):
+    closure = tuple(types.CellType(v) if full else types.CellType() for full, v in cells)
+    fn = types.FunctionType(marshal.loads(code), vars(sys.modules[module]), name, defaults,
+                            closure or None)
+    fn.__qualname__, fn.__kwdefaults__ = qualname, kwdefaults
+    return fn
+
+
+def _op(qualified_name: str, overload: str | None):
+    namespace, name = qualified_name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def _op(qualified_name: str, overload: str | None):
+    namespace, name = qualified_name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def _identity(x):
+    return x
+
+
+def _dead_reference():
+    return _DEAD
+
+
+def _nothing():
+    return None
+
+
+_DEAD = _nothing  # a weak reference whose object is gone (called, it gives None)
+
+
+def _global_state_guard(state: str):
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    guard.__setstate__(state)
+    return guard
+
+
+def dumps(value, paths: dict) -> bytes:
+    """``value`` pickled against a module tree's ``paths`` (``_paths_of``); raises
+    ``Unstorable``."""
+    f = io.BytesIO()
+    try:
+        _Pickler(f, paths).dump(value)
+    except Unstorable:
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle's own refusal of an object
+        raise Unstorable(f"{type(e).__name__}: {e}") from None
+    return f.getvalue()
+
+
+def loads(data: bytes, module: torch.nn.Module):
+    return _Unpickler(io.BytesIO(data), module).load()
+
+
+# ------------------------------------------------------------------------------ store access
+def get(key: str) -> bytes | None:
+    return store.default_store().get(NAMESPACE, key)
+
+
+def put(key: str, data: bytes) -> None:
+    store.default_store().put(NAMESPACE, key, data)
+
+
+# ------------------------------------------------------------------------------- keep and load
+_KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_descriptions",
+         "facts", "seen_sizes")
+
+
+_keeping: list[threading.Thread] = []  # threads still pickling a program
+_keeping_lock = threading.Lock()
+
+
+def keep_in_background(key: str, stored: dict, module: torch.nn.Module,
+                       done: Callable[[str], None]) -> None:
+    """``keep`` on a thread of its own (the interpreter waits for it at exit); ``done(note)``
+    when it is through. Where the module tree's objects are is taken now, on the caller's
+    thread: a module changed after this call is not seen."""
+    paths = _paths_of(module)
+
+    def run():
+        done(keep(key, stored, paths))
+        with _keeping_lock:
+            _keeping.remove(threading.current_thread())
+    thread = threading.Thread(target=run, name="keraunos-program-store")
+    with _keeping_lock:
+        _keeping.append(thread)
+    thread.start()
+
+
+def wait_for_keeps(timeout: float | None = None) -> bool:
+    """Wait until the programs being kept in the background are in the store (for tests and
+    benchmarks); False if ``timeout`` seconds passed first."""
+    with _keeping_lock:
+        threads = list(_keeping)
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        if thread.is_alive():
+            return False
+    return True
+
+
+def keep(key: str, stored: dict, paths: dict) -> str:
+    """Keep ``stored`` (the traces and facts ``pipeline.program_to_keep`` collects) under
+    ``key``, pickled against the module tree's ``paths`` (``_paths_of``); says what happened
+    (``compile_stats().program_store``)."""
+    try:
+        data = dumps(stored, paths)
+    except Unstorable as e:
+        return f"not kept: {e}"
+    except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
+        return f"not kept: {type(e).__name__}: {e}"
+    put(key, data)
+    return "kept"
+
+
+def load(key: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """What ``keep`` kept under ``key``, with its readable prologue's tensor checks made from
+    this call's tensors, when that prologue accepts the call; None otherwise (nothing kept, a
+    row that does not load, a check that fails)."""
+    data = get(key)
+    if data is None:
+        return None
+    try:
+        stored = loads(data, module)
+        if type(stored) is not dict or set(stored) != set(_KEYS):
+            return None
+        prologue = stored["prologue"]
+        # Module attributes are checked by identity with the objects compiled for: here
+        # those of this process's module, where they have the stored values.
+        prologue = Trace(prologue.name, list(prologue.params),
+                         [expecting_values_of(b, module) for b in prologue.bound_symbols],
+                         prologue.header, prologue.namespace)
+        accepted = prologue.python_callable()(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a row that does not load is a miss
+        return None
+    if type(accepted) is not tuple:
+        return None
+    ret = prologue.bound_symbols[-1]
+    value_of = {p.name: v for p, v in zip(ret.args[0], accepted[0]) if isinstance(p, Proxy)}
+    lines = [with_example(b, value_of) for b in prologue.bound_symbols]
+    if any(b is None for b in lines):
+        return None
+    stored["prologue"] = Trace(prologue.name, list(prologue.params), lines,
+                               prologue.header + ["Loaded from keraunos's program store"],
+                               prologue.namespace)
+    return stored

@@ -1,0 +1,235 @@
+"""Captured programs kept between processes (keraunos/program_store.py): a second process on the
+same cache directory loads the program instead of capturing it, and computes what eager does;
+anything the program depends on that changed (its code, a global it reads, the module's
+structure, an option, the input's dtype) is a miss, and a stored row that does not load is
+ignored and written again.
+
+Every run is a real process (the store is for restarts); each prints what ``compile_stats``
+says of the program store, whether capture ran, and the results, which the tests compare with
+eager's (in that process) and with the first process's.
+"""
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from keraunos.executors.fusion import compiler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
+
+MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    SCALE = 0.5
+
+
+    def gate(x):
+        return torch.nn.functional.silu(x) * SCALE
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+            self.norm = nn.LayerNorm(width)
+
+        def forward(self, x):
+            return x + gate(self.fc(self.norm(x)))
+
+
+    class Settings:
+        """A plain object the model holds: checked by identity, and its fields by value."""
+
+        def __init__(self, temperature):
+            self.temperature = temperature
+
+
+    class Model(nn.Module):
+        def __init__(self, width=16, layers=2, temperature=1.0):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+            self.head = nn.Linear(width, 4)
+            self.settings = Settings(temperature)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return (self.head(x) / self.settings.temperature).softmax(-1)
+''')
+
+RUN = textwrap.dedent('''
+    import copy, json, os, sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch, keraunos
+    import model_def
+    torch.set_num_threads(1)
+    variant = sys.argv[1]
+    torch.manual_seed(0)
+    model = model_def.Model(layers=3 if variant == "structure" else 2,
+                            temperature=2.0 if variant == "settings" else 1.0)
+    reference = copy.deepcopy(model)
+    if variant == "hook":  # a hook the stored program was not captured with
+        model.blocks[0].register_forward_hook(lambda module, args, out: out * 2)
+        reference = copy.deepcopy(model)
+    options = {"specialize_data": True} if variant == "option" else {}
+    if variant == "fused":
+        options = {"executors": ["inductor", "torch"], "fuse": "wait"}
+    jitted = keraunos.jit(model, **options)
+    dtype = torch.float64 if variant == "dtype" else torch.float32
+    if variant == "dtype":
+        model.double(); reference.double()
+    x = torch.randn(3, 16, dtype=dtype)
+    train = variant == "train"
+    if train:
+        out = jitted(x)
+        out.square().sum().backward()
+        expected = reference(x)
+        expected.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        for g, p in zip(grads, reference.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    else:
+        with torch.no_grad():
+            out = jitted(x)
+            expected = reference(x)
+        grads = []
+    torch.testing.assert_close(out, expected)
+    keraunos.program_store.wait_for_keeps()  # a captured program is pickled in the background
+    stats = keraunos.compile_stats(jitted)
+    with torch.no_grad():  # a second call hits the entry, loaded or captured
+        again = jitted(x) if not train else None
+    resized = []
+    if variant == "resize":  # another batch size: automatic dynamic makes it a symbol
+        y = torch.randn(5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(jitted(y), reference(y))
+        resized = keraunos.last_cache_miss_reasons(jitted)
+    print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
+                      "misses": keraunos.cache_misses(jitted), "resized": resized,
+                      "tier": stats.tier,
+                      "out": out.detach().double().flatten().tolist(),
+                      "grads": [g.double().flatten().tolist() for g in grads]}))
+''')
+
+
+@pytest.fixture
+def program(tmp_path):
+    (tmp_path / "model_def.py").write_text(MODEL)
+    (tmp_path / "run.py").write_text(RUN)
+    return tmp_path
+
+
+def _run(directory, variant="plain") -> dict:
+    env = {**os.environ, "KERAUNOS_CACHE_DIR": str(directory / "store"),
+           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(directory / "run.py"), variant],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _rows(directory) -> list:
+    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
+
+
+def test_a_restart_loads_the_program_and_computes_what_eager_does(program):
+    first = _run(program)
+    assert first["captured"] and first["store"] == "kept", first["store"]
+    assert len(_rows(program)) == 1
+    second = _run(program)
+    assert second["store"] == "loaded" and not second["captured"], second
+    assert second["out"] == first["out"]  # and each equals eager's in its process (run.py)
+    assert second["misses"] == 1
+
+
+def test_training_loads_forward_and_backward(program):
+    first = _run(program, "train")
+    assert first["store"] == "kept", first["store"]
+    second = _run(program, "train")
+    assert second["store"] == "loaded" and not second["captured"], second
+    assert second["out"] == first["out"] and second["grads"] == first["grads"]
+    assert second["grads"]  # gradients equal eager's in both processes (run.py)
+
+
+@pytest.mark.parametrize("change", ["code", "global", "structure", "option", "dtype",
+                                    "settings"])
+def test_what_the_program_depends_on_changing_misses_the_store(program, change):
+    assert _run(program)["store"] == "kept"
+    variant = "plain"
+    if change == "code":  # the same names and structure, another forward
+        (program / "model_def.py").write_text(
+            MODEL.replace("return x + gate(", "return x - gate("))
+    elif change == "global":
+        (program / "model_def.py").write_text(MODEL.replace("SCALE = 0.5", "SCALE = 0.25"))
+    else:
+        variant = change
+    changed = _run(program, variant)
+    assert changed["captured"] and changed["store"] == "kept", changed
+    # A row of its own next to the first one's; a field of an object the model holds is not in
+    # the key: the stored program's prologue rejected the call, and the capture replaced it.
+    assert len(_rows(program)) == (1 if change == "settings" else 2)
+
+
+@pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
+                    reason="Inductor cannot build C++ kernels on this machine")
+def test_a_loaded_program_is_fused(program):
+    """The claims and the fusion run after a load as after a capture (the regions come from
+    the kernel store): the loaded program runs fused and computes what eager does."""
+    first = _run(program, "fused")
+    assert first["store"] == "kept" and first["tier"] == "fused", first
+    second = _run(program, "fused")
+    assert second["store"] == "loaded" and second["tier"] == "fused", second
+    assert second["out"] == first["out"]
+
+
+def test_a_loaded_entry_tells_automatic_dynamic_its_sizes(program):
+    """After a load, as after a capture, a call of another batch size compiles it as a symbol."""
+    first = _run(program, "resize")
+    second = _run(program, "resize")
+    assert second["store"] == "loaded", second["store"]
+    for run in (first, second):
+        assert any("recompiled with it symbolic" in r for r in run["resized"]), run["resized"]
+
+
+def test_a_module_with_hooks_is_neither_kept_nor_loaded(program):
+    """The fast prologue made on a load would check the hooks the module has now: a program
+    captured without a hook must not serve a module that has one."""
+    assert _run(program)["store"] == "kept"
+    hooked = _run(program, "hook")  # its results equal eager's, hook included (run.py)
+    assert hooked["captured"] and "hooks" in hooked["store"], hooked["store"]
+
+
+def _set_value(directory, value: bytes, fix_checksum: bool) -> None:
+    import hashlib
+    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+        if fix_checksum:
+            db.execute("UPDATE entries SET value = ?, size = ?, checksum = ? WHERE namespace = "
+                       "'program'", (value, len(value), hashlib.sha256(value).hexdigest()))
+        else:
+            db.execute("UPDATE entries SET value = ? WHERE namespace = 'program'", (value,))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "checksummed garbage", "random"])
+def test_a_damaged_stored_program_is_ignored_and_written_again(program, damage):
+    first = _run(program)
+    (key, value), = _rows(program)
+    if damage == "truncated":  # the checksum no longer matches: the store drops the row
+        _set_value(program, value[:len(value) // 2], fix_checksum=False)
+    elif damage == "checksummed garbage":  # a row that checksums but does not unpickle
+        _set_value(program, value[:len(value) // 2], fix_checksum=True)
+    else:
+        _set_value(program, os.urandom(len(value)), fix_checksum=True)
+    second = _run(program)
+    assert second["captured"] and second["store"] == "kept", second
+    assert second["out"] == first["out"]
+    (rewritten_key, rewritten), = _rows(program)
+    assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
+    third = _run(program)
+    assert third["store"] == "loaded" and third["out"] == first["out"]
