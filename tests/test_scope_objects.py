@@ -451,3 +451,42 @@ def test_a_module_namespace_that_caches_attributes_compiles_without_falling_back
     jitted = keraunos.jit(through_an_op_namespace, fallback="error")
     assert_close(jitted(x), through_an_op_namespace(x))
     assert keraunos.last_traces(jitted)
+
+
+_COLLECTIONS_SEEN = {}
+
+
+def _count_collections(phase, info):
+    _COLLECTIONS_SEEN[phase] = _COLLECTIONS_SEEN.get(phase, 0) + 1
+
+
+def test_a_garbage_collector_callback_during_capture_is_not_the_programs():
+    """A ``gc.callbacks`` function runs wherever an allocation triggers a collection, capture
+    included: its writes to its own globals are not the program's (no refusal, no guard on
+    them), it still runs, and ``gc.callbacks`` holds the user's own function again afterwards."""
+    import gc
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu() * 2
+
+    m = M()
+    jm = keraunos.jit(m, fallback="error")
+    x = torch.randn(2, 4)
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(_count_collections)
+    try:
+        gc.set_threshold(1, 1, 1)  # a collection on nearly every allocation: several in capture
+        before = sum(_COLLECTIONS_SEEN.values())
+        out = jm(x)
+        again = jm(x)
+        assert sum(_COLLECTIONS_SEEN.values()) > before
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(_count_collections)  # the very function: the wrapper is gone
+    assert torch.equal(out, m(x)) and torch.equal(again, m(x))
+    assert keraunos.cache_misses(jm) == 1

@@ -9,7 +9,9 @@ Other threads calling these meanwhile get the originals.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
+import threading
 
 import torch
 from torch.utils import _pytree as pytree
@@ -226,14 +228,38 @@ class paused_watch:
             self.hook(_on_python_call)
 
 
+# Captures under way, on any thread (nested ones too): the collector's callbacks are wrapped
+# while there is one (``gc.callbacks`` is the process's).
+_captures_under_way = [0]
+_captures_lock = threading.Lock()
+
+
+def _outside_the_program(callback):
+    """A ``gc.callbacks`` function as it runs during a capture: unwatched. The collector calls
+    it wherever an allocation happens to trigger a collection, so it is not a function the
+    program calls: guarding its globals, or taking its writes for the program's, would refuse
+    (or, worse, mis-guard) a program for what the collector did."""
+    @functools.wraps(callback)
+    def run(phase, info):
+        with paused_watch():
+            return callback(phase, info)
+    run.__keraunos_gc_callback__ = callback
+    return run
+
+
 class intercepting_torch:
     """Swap the functions above for their stand-ins for the duration of a capture, and watch
     the Python functions the program calls (``sys.setprofile``, unless a profiler holds it: then
-    ``sys.settrace``, unless a debugger holds that too)."""
+    ``sys.settrace``, unless a debugger holds that too); the garbage collector's callbacks run
+    unwatched meanwhile (``_outside_the_program``)."""
 
     def __enter__(self):
         for owner, name, stand_in, _ in _SWAPS:
             setattr(owner, name, stand_in)
+        with _captures_lock:
+            _captures_under_way[0] += 1
+            gc.callbacks[:] = [cb if hasattr(cb, "__keraunos_gc_callback__")
+                               else _outside_the_program(cb) for cb in gc.callbacks]
         self.hook = None
         if sys.getprofile() is None:
             self.hook = sys.setprofile
@@ -247,3 +273,8 @@ class intercepting_torch:
             self.hook(None)
         for owner, name, _, original in _SWAPS:
             setattr(owner, name, original)
+        with _captures_lock:
+            _captures_under_way[0] -= 1
+            if not _captures_under_way[0]:
+                gc.callbacks[:] = [getattr(cb, "__keraunos_gc_callback__", cb)
+                                   for cb in gc.callbacks]
