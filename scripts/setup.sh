@@ -37,7 +37,7 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "setup.sh: chromium is not installed (needs root and apt-get); the browser tests will skip"
   fi
 fi
-# The native hit path (keraunos/native): compiled here once (about 2-4 s of one core) into
+# The native hit path (keraunos/native): compiled here once (about 10 s of one core) into
 # ~/.cache/keraunos-native, so that the tests and the first jitted call find it built. Without a
 # compiler keraunos uses the Python hit path, so a failure here is reported and nothing more.
 .venv/bin/python -m keraunos.native || echo "setup.sh: keraunos will use the Python hit path"
