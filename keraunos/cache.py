@@ -51,7 +51,7 @@ class CacheEntry:
     written_positions: tuple | None = None
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True
-    # The hit path (jit.hit_path): checks, computation and epilogue in one generated function,
+    # The hit path (hit_path.hit_path): checks, computation and epilogue in one generated function,
     # made once the alias check is chosen; its trace (None where it calls the prologue), and
     # what the prologue's checks took on the compiling call (``compile_stats`` on such a hit).
     hit_fn: Callable = lambda args, kwargs: "no hit path yet"

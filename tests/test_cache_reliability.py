@@ -297,7 +297,7 @@ def test_recompiling_forever_reuses_the_generated_filenames():
             assert_close(jf(x), f(x))
             gc.collect()
             names_seen |= {name for name, _ in keraunos_lines()}
-    # The files an entry generates: its traces' and its hit path's (jit.hit_path).
+    # The files an entry generates: its traces' and its hit path's (hit_path.hit_path).
     per_entry = len(keraunos.last_prologue_traces(jf)) + len(keraunos.last_traces(jf)) + 1
     assert len(names_seen) < 60  # one new set of names per compile would be 60 x several
     assert len(names_seen) <= 4 * per_entry + 10

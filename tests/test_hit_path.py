@@ -1,5 +1,5 @@
 """The hit path: the most recently used entry's checks, computation and epilogue in one generated
-function (``jit.hit_path``). Every behaviour is compared with eager PyTorch."""
+function (``hit_path.hit_path``). Every behaviour is compared with eager PyTorch."""
 import pytest
 import torch
 from torch.testing import assert_close

@@ -154,7 +154,7 @@ def lean_call(entry: CacheEntry, n_args: int, jitted):
     prologue; otherwise the prologue, the alias check where one matters, the computation and
     the epilogue in a row."""
     prologue, computation, epilogue = entry.prologue_fn, entry.computation_fn, entry.epilogue_fn
-    # jit's _alias_check_for makes the same decision: sharing matters only for a program that
+    # hit_path.alias_check_for makes the same decision: sharing matters only for a program that
     # writes an input (or one compiled for inputs that shared memory).
     sharing_matters = entry.alias_positions is not None and (
         entry.alias_pattern is not None or entry.written_positions != ())

@@ -1,0 +1,193 @@
+"""A cache entry's alias check and its hit path: what decides, on every call, whether the
+most recently used entry serves it, and runs it when it does (``jit.call`` calls them; the
+module docstring of ``jit.py`` describes the call path they are the first part of)."""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import CacheEntry
+from .core import glue
+from .core.trace import Trace
+from .passes.fast_prologue import ReturnInputs
+
+
+# ------------------------------------------------------------------------- storage aliases
+_is_alias_of = torch._C._is_alias_of
+
+
+def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
+    """Whether the tensor inputs share memory exactly as they did when ``entry`` was compiled.
+
+    Sharing only matters for an input the program writes to, or when inputs shared memory when
+    it was compiled (a program that only reads computes eager's values whatever its inputs
+    share). Nothing about it is cached across calls: ``p.data = t``, ``set_`` and
+    ``swap_tensors`` change a parameter's memory without any hook. A written input whose
+    storage nothing else refers to shares it with nobody, which is cheap to ask; otherwise every
+    tensor input, parameters and buffers included, is compared."""
+    return entry.alias_check(inputs)
+
+
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def _alone(t: torch.Tensor) -> bool:
+    # Two references: the tensor's and the temporary storage object's.
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
+
+
+def alias_check_for(entry: CacheEntry) -> Callable:
+    """The cheapest check that is exact for this entry, decided once instead of on every call."""
+    positions, written = entry.alias_positions, entry.written_positions
+    if positions is None or (entry.alias_pattern is None and written == ()):
+        return sharing_cannot_matter
+    if len(positions) == 2 and entry.alias_pattern is None:
+        a, b = positions
+        return lambda inputs: not _is_alias_of(inputs[a], inputs[b])
+    if entry.alias_pattern is None and written is not None:
+        # The storage's use count counts tensor objects: one tensor passed in two places is
+        # "alone" by it, so those places are compared by identity too (fuzzer 30:1326): when
+        # the tensors at ``positions`` are distinct objects (one set of their ids, built in C),
+        # no written one is passed twice; otherwise the full comparison decides.
+        tensors_at, written_at = _items_at(positions), _items_at(written)
+        others = {i: tuple(j for j in positions if j != i) for i in written}
+
+        def check(inputs):
+            for t in written_at(inputs):
+                if not _alone(t):
+                    return alias_pattern_of(entry, inputs) is None
+            if len(set(map(id, tensors_at(inputs)))) == len(positions):
+                return True
+            if any(inputs[j] is inputs[i] for i in written for j in others[i]):
+                return alias_pattern_of(entry, inputs) is None
+            return True  # only inputs the program reads are passed twice
+        return check
+    return lambda inputs: alias_pattern_of(entry, inputs) == entry.alias_pattern
+
+
+def sharing_cannot_matter(inputs) -> bool:
+    """The alias check of an entry whose inputs' sharing cannot change what it computes (no
+    input is written, none shared memory when it was compiled): the hit path leaves it out."""
+    return True
+
+
+def _items_at(positions: tuple) -> Callable:
+    """``inputs -> tuple(inputs[i] for i in positions)``, in C."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda inputs: (inputs[i],)
+    return operator.itemgetter(*positions)
+
+
+def alias_pattern_of(entry: CacheEntry, inputs: Sequence):
+    return storage_alias_pattern([inputs[i] for i in entry.alias_positions])
+
+
+_storage_id = torch._C._storage_id  # the StorageImpl: what _is_alias_of compares
+
+
+def storage_alias_pattern(inputs: Sequence) -> tuple | None:
+    """For each tensor, the index of the first one sharing its storage and its offset in it;
+    ``None`` when nothing is shared (the common case, compared cheaply)."""
+    if len(inputs) <= 4:  # a few tensors: compare them pairwise
+        if not any(_is_alias_of(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1:]):
+            return None
+    storages = list(map(_storage_id, inputs))  # one C loop: the hit path of writing modules
+    if len(set(storages)) == len(storages):
+        return None
+    first: dict[int, int] = {}
+    # Views at other offsets are different programs when the inputs are rebuilt from one storage.
+    return tuple((first.setdefault(s, i), inputs[i].storage_offset())
+                 for i, s in enumerate(storages))
+
+
+class ProgramRaised:
+    """What a hit path returns when the program itself raised, after its checks passed: the
+    caller raises ``error`` and never tries the call again (the program may have written to its
+    inputs before it raised, and the prologue may then reject what it accepted)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def reraise(raised: ProgramRaised):
+    """Raise the program's error, holding no reference to it from this frame afterwards (its
+    traceback refers to the frame: a cycle that would keep the call's tensors alive)."""
+    error, raised.error = raised.error, None
+    try:
+        raise error
+    finally:
+        error = None
+
+
+# ------------------------------------------------------------------------------ hit paths
+def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
+    """The entry's hit path and its trace: ``hit(args, kwargs)`` runs the fast prologue's lines,
+    then, instead of returning the inputs, the alias check where sharing matters and the
+    computation and epilogue, returning ``(result,)``. When the epilogue only hands back the one
+    output, the computation's own ``(result,)`` is returned as it is. What the computation or the
+    epilogue raise comes back as a ``ProgramRaised`` (a ``try`` costs nothing until something
+    raises), so that the caller tells the program's errors from a check that could not run. A
+    prologue that is not the fast prologue's (the dynamo fallback's, say) gets a hit path that
+    calls it."""
+    prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
+    ret = prologue.bound_symbols[-1] if prologue is not None else None
+    returned = getattr(ret.fields, "lines", None) if ret is not None else None
+    if not isinstance(returned, ReturnInputs):
+        return _calling_hit_path(entry), None
+    inputs, pro_to_epi = returned.inputs, returned.pro_to_epi
+    alias_check = entry.alias_check
+
+    def run(w):
+        lines = []
+        if alias_check is not sharing_cannot_matter:
+            lines.append(f"if not {w.constant(alias_check, 'alias_check')}(({inputs},)): "
+                         f"return 'the inputs share memory differently'")
+        lines.append("try:")
+        if returns_the_only_output(entry.epilogue_traces[-1]):
+            lines.append(f"  return _entry.computation_fn({inputs})  # (result,): the epilogue "
+                         f"only returns the one output")
+        else:
+            lines.append(f"  return (_entry.epilogue_fn(_entry.computation_fn({inputs}), "
+                         f"{w.value(pro_to_epi)}),)")
+        lines += ["except Exception as _program_error:",
+                  "  return ProgramRaised(_program_error)  # raised by the caller, never retried"]
+        return lines
+    line = glue.PYTHON.bind(label="hit", lines=run, outputs=None, executor="python")
+    trace = Trace("hit", ["args", "kwargs"], prologue.bound_symbols[:-1] + [line],
+                  prologue.header + ["Constructed by Hit Path (hit_path.py): the prologue's checks, "
+                                     "then the computation and the epilogue"],
+                  {**prologue.namespace, "_entry": entry, "ProgramRaised": ProgramRaised})
+    return trace.python_callable(), trace
+
+
+def _calling_hit_path(entry: CacheEntry) -> Callable:
+    """The hit path of an entry whose prologue was not written by the fast prologue: it calls
+    the three functions in a row."""
+    prologue, alias_check = entry.prologue_fn, entry.alias_check
+
+    def hit(args, kwargs):
+        r = prologue(*args, **kwargs)
+        if type(r) is not tuple or not alias_check(r[0]):
+            return r if type(r) is not tuple else "the inputs share memory differently"
+        try:
+            return (entry.epilogue_fn(entry.computation_fn(*r[0]), r[1]),)
+        except Exception as error:  # noqa: BLE001 - the program's own: see hit_path
+            return ProgramRaised(error)
+    return hit
+
+
+def returns_the_only_output(epilogue: Trace) -> bool:
+    """The epilogue is ``t, = outputs; return t``: the computation's outputs are ``(result,)``."""
+    *unpacks, ret = epilogue.bound_symbols
+    if ret.symbol is not glue.RETURN_VALUE or any(b.symbol is not glue.UNPACK_OUTPUTS
+                                                  for b in unpacks):
+        return False
+    outputs = [b.outputs for b in unpacks if b.fields.origin == "outputs"]
+    from_prologue = [b.outputs for b in unpacks if b.fields.origin == "pro_to_epi"]
+    return (len(outputs) == 1 and len(outputs[0]) == 1 and not any(from_prologue)
+            and len(ret.args) == 1 and ret.args[0] is outputs[0][0])
