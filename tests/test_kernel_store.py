@@ -350,3 +350,59 @@ def test_a_stored_module_imports_memory_planning_only_when_it_aligns():
     scope = {}
     exec(rewritten, scope)
     assert [scope["call"](n) for n in (1, 63, 64, 65, 1000)] == [_align(n) for n in (1, 63, 64, 65, 1000)]
+
+
+class _Candidate:
+    """A vector ISA whose test build is recorded: ``bool()`` is the build."""
+
+    def __init__(self, name, builds, log):
+        self.name, self.builds, self.log = name, builds, log
+
+    def __bool__(self):
+        self.log.append(self.name)
+        return self.builds
+
+    def __str__(self):
+        return self.name
+
+
+def test_the_candidate_list_builds_only_what_is_read():
+    """Inductor test-builds every vector ISA the CPU claims (four g++ builds on an AMX machine)
+    and uses the first that works: keraunos's list gives the same answers and builds a candidate
+    only when a reader gets to it."""
+    from keraunos.executors.fusion.isa_probe import CandidateList
+    log = []
+    names = [("amx", False), ("avx512_vnni", True), ("avx512", True), ("avx2", True)]
+    candidates = CandidateList([_Candidate(n, ok, log) for n, ok in names])
+    eager = [c for c in (_Candidate(n, ok, []) for n, ok in names) if c]
+    assert bool(candidates) and str(candidates[0]) == str(eager[0]) == "avx512_vnni"
+    assert log == ["amx", "avx512_vnni"], "more was built than the first valid candidate"
+    assert str(candidates[0]) == "avx512_vnni" and len(log) == 2, "a build was not remembered"
+    assert next(str(c) for c in candidates if str(c) == "avx512") == "avx512"
+    assert log == ["amx", "avx512_vnni", "avx512"]
+    assert [str(c) for c in candidates] == [str(c) for c in eager]
+    assert len(candidates) == len(eager) == 3 and log == [n for n, _ in names]
+    assert [str(c) for c in candidates[-2:]] == ["avx512", "avx2"]
+    nothing = CandidateList([_Candidate("amx", False, log)])
+    assert not nothing and list(nothing) == [] and len(nothing) == 0
+    candidates.forget()
+    assert str(candidates[0]) == "avx512_vnni" and log[-2:] == ["amx", "avx512_vnni"]
+
+
+def test_inductor_picks_the_isa_it_would_pick_without_keraunos():
+    """With keraunos's list installed, ``pick_vec_isa`` answers what Inductor's own list gives,
+    with ``simdlen`` unset and set to each width."""
+    from torch._inductor import config, cpu_vec_isa
+
+    from keraunos.executors.fusion import isa_probe
+    isa_probe.install()
+    own = getattr(cpu_vec_isa.valid_vec_isa_list, "__wrapped__", None)
+    if own is None:
+        pytest.skip("not an x86 machine: Inductor's own list is used")
+    expected = own()
+    assert str(cpu_vec_isa.pick_vec_isa()) == str(expected[0] if expected
+                                                  else cpu_vec_isa.invalid_vec_isa)
+    for width in sorted({isa.bit_width() for isa in expected}):
+        with config.patch({"cpp.simdlen": width}):
+            assert str(cpu_vec_isa.pick_vec_isa()) == str(
+                next(isa for isa in expected if isa.bit_width() == width))

@@ -530,7 +530,7 @@ _probe_lock = threading.Lock()
 
 def _probe_vector_isa() -> None:
     from torch._inductor import cpu_vec_isa
-    isa_probe.remember_loads()  # a later process skips the children that load test libraries
+    isa_probe.install()  # one test build, not four; a later process starts no child to load it
     with _probe_lock:
         try:
             cpu_vec_isa.pick_vec_isa()  # cached: later compiles find it done

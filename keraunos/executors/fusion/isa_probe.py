@@ -12,6 +12,13 @@ kept in keraunos's store (``keraunos/store.py``) under a key made of the library
 its path, the torch version, the Python executable and the kernel's release; a later process
 finds it there and starts no child. A failed load is never kept (it is asked again, as Inductor
 does), and when the store cannot be used the probe runs as Inductor's own.
+
+The probe also builds less (``build_only_what_is_read``). Inductor test-builds every candidate the
+CPU claims (four g++ builds on an AMX machine: 8.5 s of a cold first compile, quiet, one after
+another) and then uses the first that works, unless ``config.cpp.simdlen`` or
+``ATEN_CPU_CAPABILITY`` asks for another. Keraunos gives Inductor the same list of candidates,
+in the same order, whose test builds run only when Inductor reads that far: the usual pick builds
+one (2.7 s), and a pick by width or name builds what it passes on its way, as before.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import hashlib
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -27,6 +35,89 @@ from ... import store
 NAMESPACE = "inductor vector-ISA probe"
 _installed: list[bool] = []
 _lock = threading.Lock()
+
+
+def install() -> None:
+    """What keraunos changes in Inductor's probe, once per process: loads remembered between
+    processes, and test builds only for the candidates Inductor reads."""
+    remember_loads()
+    build_only_what_is_read()
+
+
+def build_only_what_is_read() -> None:
+    """Make ``cpu_vec_isa.valid_vec_isa_list`` return a ``CandidateList`` on x86 (once per
+    process; Inductor's own function elsewhere)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+    with _lock:
+        if getattr(cpu_vec_isa.valid_vec_isa_list, "_keraunos_lazy", False):
+            return
+        if sys.platform not in ("linux", "win32") or platform.machine() not in ("x86_64", "AMD64"):
+            return
+        original = cpu_vec_isa.valid_vec_isa_list
+        claimed = cpu_vec_isa.x86_isa_checker()
+        candidates = CandidateList([isa for isa in cpu_vec_isa.supported_vec_isa_list
+                                    if all(flag in claimed for flag in str(isa).split())])
+
+        def valid_vec_isa_list():
+            return candidates
+        valid_vec_isa_list._keraunos_lazy = True
+        valid_vec_isa_list.__wrapped__ = original
+        valid_vec_isa_list.cache_clear = candidates.forget  # as Inductor's functools.cache has
+        cpu_vec_isa.valid_vec_isa_list = valid_vec_isa_list
+
+
+class CandidateList(Sequence):
+    """The candidates that build and load, in the order given, each test-built (``bool(isa)``)
+    only when a reader gets to it: ``[0]``, ``bool()`` and a loop that stops early build only
+    what they pass; ``len()`` builds them all. Inductor's list, read the way ``pick_vec_isa``
+    reads it."""
+
+    def __init__(self, claimed: list):
+        self._claimed = list(claimed)
+        self._lock = threading.Lock()
+        self.forget()
+
+    def forget(self) -> None:
+        with self._lock:
+            self._asked = 0  # how many of the claimed candidates were test-built
+            self._valid: list = []
+
+    def _valid_up_to(self, count: int | None) -> list:
+        """The valid candidates, built until ``count`` are known (None: all)."""
+        with self._lock:
+            while (count is None or len(self._valid) < count) and self._asked < len(self._claimed):
+                isa = self._claimed[self._asked]
+                if isa:  # Inductor's cached test build
+                    self._valid.append(isa)
+                self._asked += 1
+            return list(self._valid)
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index >= 0:
+            return self._valid_up_to(index + 1)[index]
+        return self._valid_up_to(None)[index]
+
+    def __len__(self) -> int:
+        return len(self._valid_up_to(None))
+
+    def __bool__(self) -> bool:
+        return bool(self._valid_up_to(1))
+
+    def __iter__(self):
+        found = 0
+        while True:
+            valid = self._valid_up_to(found + 1)
+            if len(valid) <= found:
+                return
+            yield valid[found]
+            found += 1
+
+    def __repr__(self) -> str:
+        valid = ", ".join(map(str, self._valid))
+        untested = ", ".join(map(str, self._claimed[self._asked:]))
+        return f"CandidateList(valid=[{valid}], untested=[{untested}])"
 
 
 def remember_loads() -> None:

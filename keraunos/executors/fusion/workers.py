@@ -359,20 +359,6 @@ def _compile(graph_module, metas, layout_choice, config_patches: dict, given: di
                    config_patches=config_patches)
 
 
-def _probe_from_the_narrowest(cpu_vec_isa) -> None:
-    """Test-build the CPU's vector ISAs from the narrowest up. The compiling process probes them
-    from the widest down (``pick_vec_isa``), one g++ build each (seconds, in a cold cache); each
-    build is under a file lock of its own and kept in the cache directory, so the two processes
-    meet in the middle and the probe ends sooner."""
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return
-    flags = cpu_vec_isa.x86_isa_checker()
-    for isa in reversed(cpu_vec_isa.supported_vec_isa_list):
-        if all(flag in flags for flag in str(isa).split()):
-            bool(isa)
-
-
 def serve() -> None:
     """A helper's loop: read a job, compile it, answer (key, whether it compiled), until the
     parent closes the pipe."""
@@ -381,9 +367,8 @@ def serve() -> None:
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor import cpu_vec_isa
     from . import isa_probe
-    isa_probe.remember_loads()
+    isa_probe.install()
     with contextlib.suppress(Exception):  # (a compile meets and reports the same problem)
-        _probe_from_the_narrowest(cpu_vec_isa)
         cpu_vec_isa.pick_vec_isa()  # one thread here: no race for the probe's flags
     _write(sink, (None, True))  # ready
     while True:
