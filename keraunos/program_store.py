@@ -584,6 +584,8 @@ def _shape_env(values, ranges, replacements, divisible, guards, ids, names) -> S
     env.backed_var_to_val.update(values)
     env.var_to_range.update(ranges)
     env.replacements.update(replacements)
+    # SymNode.expr applies the replacements only once their version moved (torch's cache)
+    env._replacements_version_counter += 1
     env.divisible.update(divisible)
     where = SLoc("keraunos's program store", None)
     env.guards.extend(ShapeGuard(expr, where, False) for expr in guards)
