@@ -146,8 +146,8 @@ def _inputs(args: tuple, kwargs: dict, sizes=None) -> tuple:
             raise Unstorable("inputs nested too deeply")
         t = type(v)
         if t is int and sizes is not None and not path.is_root \
-                and sizes.int_is_dynamic(v, path):
-            return ("int", "*")
+                and sizes.int_is_dynamic(v, path) and v not in (0, 1):
+            return ("int", "*")  # (0 and 1 are never symbols: capture specializes them)
         if t in _SIMPLE:
             return (t.__name__, repr(v))
         if isinstance(v, torch.Tensor):
@@ -157,7 +157,7 @@ def _inputs(args: tuple, kwargs: dict, sizes=None) -> tuple:
             described = _tensor(v)
             if sizes is None:
                 return described
-            dynamic = sizes.tensor_dims(v, path)
+            dynamic = [d and n > 1 for d, n in zip(sizes.tensor_dims(v, path), v.shape)]
             if not any(dynamic):
                 return described
             shape = tuple("*" if d else n for d, n in zip(dynamic, v.shape))
@@ -323,6 +323,16 @@ class _Fingerprint:
                                getattr(v, "__qualname__", repr(v))))
         elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             self.parts.append(("op", name, str(v)))
+        elif isinstance(v, torch.nn.Module):
+            # Its parameters and code are not in the key, and a stored program could not find
+            # it again: a module is kept as the jitted root only.
+            raise Unstorable(f"a global or closure value of type {type(v).__qualname__} (a "
+                             f"module read by name)")
+        elif type(v).__module__.startswith("keraunos.") and hasattr(v, "_keraunos"):
+            # A jitted function the program calls: capture inlines its code.
+            if v._keraunos.module is not None:
+                raise Unstorable(f"the jitted module {name} read by name")
+            self.value(v._keraunos.fn, name)
         elif callable(v) and _library(getattr(type(v), "__module__", None)):
             # torch's functions and callable objects (``torch.nn.functional.linear``'s
             # wrappers): their behaviour is torch's version.
