@@ -36,6 +36,7 @@ import threading
 import time
 import types
 import weakref
+from dataclasses import replace
 from typing import Callable
 
 import sympy
@@ -45,9 +46,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from . import store
-from .core.provenance import ITEM, Path, root as path_root
-from .core.proxies import NumberProxy, Proxy, TensorProxy
 from .capture.symbolic import Symbols
+from .core import glue
+from .core.provenance import ITEM, Path, root as path_root
+from .core.proxies import Proxy, TensorProxy
 from .core.symbolic import SizePrinter, SymbolicValue
 from .core.trace import Trace
 from .passes.fast_prologue import expecting_values_of, with_example
@@ -203,11 +205,16 @@ _TORCH_PREFIXES = ("torch", "typing", "builtins", "functools", "math", "collecti
 
 
 def _library(module_name: str | None) -> bool:
-    """Code whose version the key already holds (torch, keraunos, the standard library)."""
+    """Code whose version the key already holds (torch, keraunos, the standard library): named
+    so, and, once imported, from a file of theirs (a program's own ``test.py`` or ``code.py``
+    has a standard library module's name)."""
     if not module_name:
         return False
     top = module_name.split(".")[0]
-    return top in _TORCH_PREFIXES or top in sys.stdlib_module_names
+    if top not in _TORCH_PREFIXES and top not in sys.stdlib_module_names:
+        return False
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    return file is None or _library_file(file)
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,6 +446,10 @@ class _Pickler(pickle.Pickler):
             target = obj()
             if target is not None and id(target) in self.paths:
                 return weakref.ref, (target,)
+            if type(target) in (torch.Tensor, torch.nn.Parameter):
+                # A tensor of the call (a check's example): what a loading call's tensor
+                # must be like to stand in for it (``_with_call_example``).
+                return _TensorKind, (type(target), str(torch._C._dispatch_keys(target)))
             return _dead_reference, ()
         if t is torch._C._dynamo.guards.GlobalStateGuard:
             return _global_state_guard, (obj.__getstate__(),)
@@ -523,7 +534,11 @@ def _paths_of(root) -> dict[int, tuple]:
         for attribute, value in vars(sub).items():
             # Only objects whose identity is theirs: a value (a tuple, a number, a dtype) may be
             # the very object a trace holds for another reason (``()`` is one object).
-            if not attribute.startswith("_") and not isinstance(value, _VALUES):
+            if attribute.startswith("_"):
+                continue
+            if type(value) is torch.Tensor or not isinstance(value, _VALUES):
+                # A tensor kept in a plain attribute (litgpt's ``mask_cache``) is an input at
+                # that path, as a buffer is: the loading module's own tensor there.
                 paths.setdefault(id(value), ("attribute", name, attribute))
     for name, p in module.named_parameters(remove_duplicate=False):
         paths.setdefault(id(p), ("parameter", name))
@@ -630,6 +645,32 @@ class _Storage:
         return _Storage, ()  # a new one on load (pickle's memo shares it between proxies)
 
 
+class _TensorKind:
+    """In a loaded tensor check, in place of the weak reference to the call's tensor it was
+    compiled for (gone with that process): that tensor's class and dispatch keys. Called, it
+    gives None, as a dead reference does."""
+
+    def __init__(self, cls: type, keys: str):
+        self.cls, self.keys = cls, keys
+
+    def __call__(self):
+        return None
+
+
+def _with_call_example(line, value_of: dict):
+    """A loaded tensor check whose compiled-for tensor was the call's: this call's tensor is its
+    example when it is of that tensor's class and dispatch keys (an inference tensor of
+    ``generate()`` is one, which no tensor made here would match); the readable prologue
+    checked the rest."""
+    kind = getattr(getattr(line, "fields", None), "real", None)
+    if line.symbol is not glue.CHECK_TENSOR or type(kind) is not _TensorKind:
+        return line
+    tensor = value_of.get(line.args[0].name)
+    if type(tensor) is not kind.cls or str(torch._C._dispatch_keys(tensor)) != kind.keys:
+        return line
+    return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
+
+
 def _path_of(get, obj):
     return get(id(obj))
 
@@ -680,12 +721,6 @@ def _function_by_code(code, module, name, qualname, defaults, kwdefaults, cells)
                             closure or None)
     fn.__qualname__, fn.__kwdefaults__ = qualname, kwdefaults
     return fn
-
-
-def _op(qualified_name: str, overload: str | None):
-    namespace, name = qualified_name.split("::")
-    packet = getattr(getattr(torch.ops, namespace), name)
-    return packet if overload is None else getattr(packet, overload)
 
 
 def _op(qualified_name: str, overload: str | None):
@@ -820,7 +855,8 @@ def load(key: str, root, args: tuple, kwargs: dict) -> dict | None:
         return None
     ret = prologue.bound_symbols[-1]
     value_of = {p.name: v for p, v in zip(ret.args[0], accepted[0]) if isinstance(p, Proxy)}
-    lines = [with_example(b, value_of) for b in prologue.bound_symbols]
+    lines = [with_example(_with_call_example(b, value_of), value_of)
+             for b in prologue.bound_symbols]
     if any(b is None for b in lines):
         return None
     stored["prologue"] = Trace(prologue.name, list(prologue.params), lines,

@@ -187,12 +187,15 @@ class SymbolicTensorGuards:
 def _example(cls: type, dtype, device, requires_grad: bool, keys: str) -> torch.Tensor:
     """A tensor that the guards compare a call's tensor with as with one of these (the guards
     read only its class, dtype, device, requires_grad and dispatch keys; their sizes are given)."""
-    example = torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)
-    if cls is torch.nn.Parameter:
-        example = torch.nn.Parameter(example, requires_grad=requires_grad)
-    if type(example) is not cls or str(torch._C._dispatch_keys(example)) != keys:
-        raise ValueError(f"no plain example of a {cls.__qualname__} with dispatch keys {keys}")
-    return example
+    for inference in (False, True):  # a tensor made in inference mode has fewer keys
+        with torch.inference_mode(inference):
+            example = torch.empty(0, dtype=dtype, device=device,
+                                  requires_grad=requires_grad and not inference)
+            if cls is torch.nn.Parameter:
+                example = torch.nn.Parameter(example, requires_grad=requires_grad)
+        if type(example) is cls and str(torch._C._dispatch_keys(example)) == keys:
+            return example
+    raise ValueError(f"no plain example of a {cls.__qualname__} with dispatch keys {keys}")
 
 
 def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:
