@@ -39,7 +39,10 @@ def transformer(x, layers):
         h = F.layer_norm(x, (x.shape[-1],), ln)
         q, k, v = (h @ qkv).chunk(3, dim=-1)
         b, t, c = q.shape
-        q, k, v = (z.view(b, t, 4, c // 4).transpose(1, 2) for z in (q, k, v))
+        # (no generator expression: its closure cells would make the program not kept)
+        q = q.view(b, t, 4, c // 4).transpose(1, 2)
+        k = k.view(b, t, 4, c // 4).transpose(1, 2)
+        v = v.view(b, t, 4, c // 4).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + a.transpose(1, 2).reshape(b, t, c) @ proj
         x = x + F.gelu(F.layer_norm(x, (c,)) @ up) @ down

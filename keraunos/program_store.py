@@ -442,6 +442,10 @@ class _Pickler(pickle.Pickler):
             return getattr, (owner, name)
         if t is types.MethodWrapperType:
             return getattr, (obj.__self__, obj.__name__)
+        if t is types.CellType:
+            raise Unstorable("a closure cell of a function the program called (a generator "
+                             "expression, lambda or nested function reading variables of the "
+                             "program): another process has no such cell")
         if t is weakref.ReferenceType:
             target = obj()
             if target is not None and id(target) in self.paths:
