@@ -2,7 +2,9 @@
 code generation. Every stage's trace is kept (``last_traces`` and friends) with its time."""
 from __future__ import annotations
 
+import copy
 import time
+import types
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,6 +20,7 @@ from .cache import CacheEntry, CacheMode
 from . import program_store
 from .capture.program import Program, capture_program
 from .capture.state import _active
+from .capture.symbolic import DynamicRequest
 from .core.proxies import Proxy, TensorProxy
 from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
@@ -114,7 +117,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     if type(kept) is dict:
         # Pickling the 32-layer model's program takes 0.2-0.5 s: not before the first result.
         # The traces are done (passes derive new ones); the module tree's paths are taken now.
-        program_store.keep_in_background(key, kept, state.module,
+        program_store.keep_in_background(key, kept, state.module if state.module is not None
+                                         else state.fn,
                                          lambda note: setattr(entry, "program_store", note))
     return entry
 
@@ -145,46 +149,67 @@ def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
 
 def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
     """The program store's key for this compilation, or None and why it is not kept; what
-    making the key took."""
+    making the key took. With sizes that may be symbolic (``_active.dynamic``), the key holds
+    which are, decided as capture decides them (``_predicted_sizes``)."""
+    _active.predicted_sizes = None
     if not program_store.enabled():
         return None, "off (KERAUNOS_PROGRAM_STORE=0)", 0.0
     o = state.options
     module = state.module
+    dynamic = getattr(_active, "dynamic", None)
     why = None
-    if module is None or state.forward_only or isinstance(module, torch.fx.GraphModule):
-        why = "only the programs of jitted modules are kept"
+    if state.forward_only or isinstance(module, torch.fx.GraphModule):
+        why = "only the programs of jitted modules and functions are kept"
+    elif module is None and type(state.fn) is not types.FunctionType:
+        why = f"a jitted {type(state.fn).__qualname__} is not kept (a function or a module is)"
     elif o.transforms:
         why = "a program with Transforms is not kept"
-    elif o.cache is not CacheMode.CONSTANT_VALUES or o.dynamic or state.seen_sizes:
-        why = "only programs of exact sizes are kept (no symbolic sizes, no earlier entry)"
+    elif o.cache not in (CacheMode.CONSTANT_VALUES, CacheMode.SYMBOLIC_VALUES):
+        why = f"a program of cache={o.cache.value!r} is not kept"
     elif active_ddp_bucket_caps() is not None:
         why = "a program inside DistributedDataParallel is not kept"
-    elif any(hook_state(module)):
+    elif module is not None and any(hook_state(module)):
         # The fast prologue made on a load would check the hooks the module has now, not those
         # the program was captured with.
         why = "a module with hooks (or global module hooks) is not kept"
-    elif getattr(_active, "dynamic", None) is not None and _active.dynamic.generating:
-        why = "a program called by Hugging Face generate() has symbolic sizes"
+    elif dynamic is not None and dynamic.generating:
+        why = "a program called by Hugging Face generate() is not kept"
     if why is not None:
         return None, f"not kept: {why}", 0.0
     options = (tuple(getattr(e, "name", type(e).__qualname__) for e in o.executors),
                o.cache.value, o.specialize_data, o.fallback.value, o.dynamic, o.fuse.value,
                o.min_fused_forward_ops)
     t0 = time.perf_counter()
+    sizes = _predicted_sizes(dynamic)
     try:
-        key = program_store.key_of(module, state.fn, repr(options), args, kwargs)
+        key = program_store.key_of(module if module is not None else state.fn, state.fn,
+                                   repr(options), args, kwargs, sizes)
     except program_store.Unstorable as e:
         return None, f"not kept: {e}", time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
         return None, f"not kept: the key failed ({type(e).__name__}: {e})", 0.0
+    _active.predicted_sizes = sizes
     return key, None, time.perf_counter() - t0
+
+
+def _predicted_sizes(request: DynamicRequest | None) -> DynamicRequest | None:
+    """A scratch copy of this compilation's ``DynamicRequest``, which the key asks, before
+    capture, which sizes and ints of the call capture will make symbolic: capture asks the real
+    one the same questions with the same memory (``seen``), and ``program_to_keep`` checks that
+    it answered alike."""
+    if request is None:
+        return None
+    scratch = copy.copy(request)
+    scratch.changes, scratch.updated, scratch.any_dynamic = [], {}, False
+    return scratch
 
 
 def load_program(state, key: str, args, kwargs) -> Compilation | None:
     """The compilation kept under ``key``, as ``STAGES`` left it, if its readable prologue
     accepts this call (None otherwise: the program is captured)."""
     t0 = time.perf_counter()
-    stored = program_store.load(key, state.module, args, kwargs)
+    root = state.module if state.module is not None else state.fn
+    stored = program_store.load(key, root, args, kwargs)
     if stored is None:
         return None
     program = Program(stored["prologue"], stored["computation"], stored["epilogue"],
@@ -194,16 +219,27 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
                     else [], executors=tuple(state.options.executors), split=stored["split"],
                     loaded=True, facts=stored["facts"])
     c.program_store = "loaded"
-    if getattr(_active, "dynamic", None) is not None:
-        _active.dynamic.updated.update(stored["seen_sizes"])
+    request = getattr(_active, "dynamic", None)
+    if request is not None:
+        # What capture would have told automatic dynamic, and the miss reasons it would give
+        # ("... changed 3 → 5; recompiled with it symbolic"): the key's prediction of them.
+        predicted = getattr(_active, "predicted_sizes", None)
+        request.updated.update(stored["seen_sizes"])
+        if predicted is not None:
+            request.changes.extend(predicted.changes)
+            request.any_dynamic = request.any_dynamic or predicted.any_dynamic
     c.time("load stored program", time.perf_counter() - t0)
     return c
 
 
 def program_to_keep(c: Compilation) -> dict | str:
     """What the program store keeps of ``c`` (as ``STAGES`` left it), or why nothing is."""
-    if getattr(_active, "dynamic", None) is not None and _active.dynamic.any_dynamic:
-        return "not kept: symbolic sizes"
+    request = getattr(_active, "dynamic", None)
+    predicted = getattr(_active, "predicted_sizes", None)
+    if request is not None and predicted is not None and any(
+            request.updated.get(path, value) != value
+            for path, value in predicted.updated.items()):
+        return "not kept: capture made other sizes symbolic than the key foresaw"
     if c.program.keep_alive:
         return "not kept: DTensors"
     split = replace(c.split, place_gradients=None) if c.split is not None else None
@@ -211,8 +247,7 @@ def program_to_keep(c: Compilation) -> dict | str:
             "epilogue": c.epilogues[-1], "backward": c.backward, "split": split,
             "check_descriptions": c.program.check_descriptions, "facts": captured_facts(c),
             # What capture told automatic dynamic (each input's sizes): a load tells it too.
-            "seen_sizes": dict(getattr(_active, "dynamic", None) and _active.dynamic.updated
-                               or {})}
+            "seen_sizes": dict(request.updated if request is not None else {})}
 
 
 def _fuse_mode(c: Compilation) -> FuseMode | None:

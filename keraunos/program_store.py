@@ -36,12 +36,21 @@ import threading
 import time
 import types
 import weakref
+from dataclasses import replace
 from typing import Callable
 
+import sympy
 import torch
+from torch._guards import ShapeGuard, SLoc
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from . import store
+from .capture.symbolic import Symbols
+from .core import glue
+from .core.provenance import ITEM, Path, root as path_root
 from .core.proxies import Proxy, TensorProxy
+from .core.symbolic import SizePrinter, SymbolicValue
 from .core.trace import Trace
 from .passes.fast_prologue import expecting_values_of, with_example
 from .version import __version__
@@ -59,17 +68,32 @@ class Unstorable(Exception):
 
 
 # ------------------------------------------------------------------------------------ the key
-def key_of(module: torch.nn.Module, forward, options_text: str, args: tuple,
-           kwargs: dict) -> str:
-    """The store's key for a capture of ``module`` (called through ``forward``) on this call:
-    keraunos's own source, torch's and Python's versions, the options, the code the program may
-    run (``code_fingerprint``), the module tree (paths, classes, parameters' and buffers'
-    metadata), the call's input metadata and the global state. Raises ``Unstorable``."""
+def key_of(root, forward, options_text: str, args: tuple, kwargs: dict,
+           sizes=None) -> str:
+    """The store's key for a capture of ``root`` on this call: a module (called through
+    ``forward``) or a jitted Python function. It covers keraunos's own source, torch's and
+    Python's versions, the options, the code the program may run (``code_fingerprint``), the
+    module tree (paths, classes, parameters' and buffers' metadata) or the function's name, the
+    call's input metadata and the global state. ``sizes``: the ``DynamicRequest`` that decides
+    which sizes and ints of the call are symbols (a scratch copy, asked here as capture will ask
+    it), whose symbolic sizes are keyed as symbols, not by value. Raises ``Unstorable``."""
+    if isinstance(root, torch.nn.Module):
+        tree, code = _module_tree(root), code_fingerprint(root, forward)
+    else:
+        tree, code = _function_name(root), function_fingerprint(root)
     parts = [FORMAT, _keraunos_source_hash(), __version__, torch.__version__,
              torch.version.git_version, sys.version, platform.machine(), options_text,
-             _global_state(), _module_tree(module), code_fingerprint(module, forward),
-             _inputs(args, kwargs)]
+             _global_state(), tree, code, _inputs(args, kwargs, sizes)]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _function_name(fn) -> tuple:
+    """A jitted function is found again as the function the loading process jits: the key holds
+    its module and qualified name, and ``function_fingerprint`` its code and what it reads."""
+    if type(fn) is not types.FunctionType:
+        raise Unstorable(f"a jitted {type(fn).__qualname__} (only Python functions and modules "
+                         f"are kept)")
+    return ("function", fn.__module__, fn.__qualname__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,26 +137,43 @@ _MUTABLE = (list, dict, set, bytearray)
 _SIMPLE = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis))
 
 
-def _inputs(args: tuple, kwargs: dict) -> tuple:
-    def describe(v, depth=0):
+def _inputs(args: tuple, kwargs: dict, sizes=None) -> tuple:
+    """The call's inputs as the key holds them: their metadata, plain values by value; with
+    ``sizes`` (a ``DynamicRequest``), a size or int it makes a symbol as ``"*"`` (the readable
+    prologue checks the symbols' guards on a load) and the strides of such a tensor left out."""
+    seen: dict[int, str] = {}
+
+    def describe(v, path, depth=0):
         if depth > 8:
             raise Unstorable("inputs nested too deeply")
         t = type(v)
+        if t is int and sizes is not None and not path.is_root \
+                and sizes.int_is_dynamic(v, path) and v not in (0, 1):
+            return ("int", "*")  # (0 and 1 are never symbols: capture specializes them)
         if t in _SIMPLE:
             return (t.__name__, repr(v))
         if isinstance(v, torch.Tensor):
-            if getattr(v, "_keraunos_dynamic", None) or getattr(v, "_dynamo_dynamic_indices",
-                                                                None):
-                raise Unstorable("a tensor marked dynamic")
-            return _tensor(v)
+            if id(v) in seen:  # capture takes it once, and checks the second path's identity
+                return ("the tensor at", seen[id(v)])
+            seen[id(v)] = str(path)
+            described = _tensor(v)
+            if sizes is None:
+                return described
+            dynamic = [d and n > 1 for d, n in zip(sizes.tensor_dims(v, path), v.shape)]
+            if not any(dynamic):
+                return described
+            shape = tuple("*" if d else n for d, n in zip(dynamic, v.shape))
+            return (*described[:2], shape, *described[5:])
         if t in (tuple, list):
-            return (t.__name__, tuple(describe(x, depth + 1) for x in v))
+            return (t.__name__, tuple(describe(x, Path(path, ITEM, i), depth + 1)
+                                      for i, x in enumerate(v)))
         if t is dict and all(type(k) is str for k in v):
-            return ("dict", tuple((k, describe(x, depth + 1)) for k, x in v.items()))
+            return ("dict", tuple((k, describe(x, Path(path, ITEM, k), depth + 1))
+                                  for k, x in v.items()))
         if isinstance(v, (torch.dtype, torch.device)):
             return (t.__name__, str(v))
         raise Unstorable(f"an argument of type {t.__qualname__}")
-    return describe(args), describe(kwargs)
+    return describe(args, path_root("args")), describe(kwargs, path_root("kwargs"))
 
 
 # ------------------------------------------------------------------------------ code fingerprint
@@ -150,17 +191,30 @@ def code_fingerprint(module: torch.nn.Module, forward) -> str:
     return f.digest()
 
 
+def function_fingerprint(fn: types.FunctionType) -> str:
+    """``code_fingerprint`` of a jitted function: its code, defaults and closure values, and
+    what the names its code reads lead to in its globals, recursively."""
+    f = _Fingerprint()
+    f.value(fn, "the jitted function")
+    return f.digest()
+
+
 _TORCH_PREFIXES = ("torch", "typing", "builtins", "functools", "math", "collections", "abc",
                    "enum", "dataclasses", "itertools", "operator", "contextlib", "warnings",
                    "inspect", "types", "numbers", "keraunos")
 
 
 def _library(module_name: str | None) -> bool:
-    """Code whose version the key already holds (torch, keraunos, the standard library)."""
+    """Code whose version the key already holds (torch, keraunos, the standard library): named
+    so, and, once imported, from a file of theirs (a program's own ``test.py`` or ``code.py``
+    has a standard library module's name)."""
     if not module_name:
         return False
     top = module_name.split(".")[0]
-    return top in _TORCH_PREFIXES or top in sys.stdlib_module_names
+    if top not in _TORCH_PREFIXES and top not in sys.stdlib_module_names:
+        return False
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    return file is None or _library_file(file)
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,11 +330,25 @@ class _Fingerprint:
                                getattr(v, "__qualname__", repr(v))))
         elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             self.parts.append(("op", name, str(v)))
+        elif isinstance(v, torch.nn.Module):
+            # Its parameters and code are not in the key, and a stored program could not find
+            # it again: a module is kept as the jitted root only.
+            raise Unstorable(f"a global or closure value of type {type(v).__qualname__} (a "
+                             f"module read by name)")
+        elif type(v).__module__.startswith("keraunos.") and hasattr(v, "_keraunos"):
+            # A jitted function the program calls: capture inlines its code.
+            if v._keraunos.module is not None:
+                raise Unstorable(f"the jitted module {name} read by name")
+            self.value(v._keraunos.fn, name)
         elif callable(v) and _library(getattr(type(v), "__module__", None)):
             # torch's functions and callable objects (``torch.nn.functional.linear``'s
             # wrappers): their behaviour is torch's version.
             self.parts.append(("library callable", name, type(v).__module__,
                                type(v).__qualname__, getattr(v, "__qualname__", None)))
+        elif type(v) in (torch.Tensor, torch.nn.Parameter):
+            # Read by the program as an input at its path (``fn_globals['w']``) on every call,
+            # and checked by the prologue: its metadata here, not its values.
+            self.parts.append(("tensor", name, _tensor(v)))
         elif isinstance(v, (typing_special_forms())):
             self.parts.append(("typing", name, repr(v)))
         else:
@@ -342,12 +410,25 @@ class _Pickler(pickle.Pickler):
             return _tensor_proxy, (state,)
         if t is types.ModuleType:
             return importlib.import_module, (obj.__name__,)
-        if t.__name__ == "Symbols" and t.__module__ == "keraunos.capture.symbolic":
-            # A capture's size symbols (the prologue's CHECK_SIZES line): kept only when there
-            # are none, as the checks they print (none).
-            if obj.bindings or list(obj.checks()):
-                raise Unstorable("symbolic sizes")
-            return _NoSymbols, ()
+        if t is Symbols:
+            # A capture's size symbols (the prologue's CHECK_SIZES line): with none, as the
+            # checks they print (none); otherwise with their ShapeEnv (below).
+            if not obj.bindings and not list(obj.checks()):
+                return _NoSymbols, ()
+            return _symbols, (obj.env, obj.names, obj.bindings, obj._printer.names)
+        if t is ShapeEnv:
+            return _shape_env, _shape_env_facts(obj)
+        if t in _SYMBOLIC:  # a SymInt of a trace: its expression, on the rebuilt ShapeEnv
+            node = obj.node
+            if not isinstance(node.shape_env, ShapeEnv) or node.hint is None:
+                raise Unstorable(f"a {t.__name__} without a hint ({node._expr})")
+            return _symbolic, (t, node.shape_env, node._expr, node.pytype, node.hint)
+        if t is SymbolicValue:  # ``2*s0`` in a trace: its text, its SymInt, its symbols
+            return SymbolicValue, (str.__str__(obj), obj.value, obj.proxies)
+        if t is ValueRanges:
+            return ValueRanges, (obj.lower, obj.upper)
+        if isinstance(obj, sympy.Basic):  # sympy's expressions pickle by value
+            return NotImplemented
         if t is types.FunctionType:
             if _findable(obj):
                 return NotImplemented  # by name; pickle checks that it leads back to obj
@@ -361,10 +442,18 @@ class _Pickler(pickle.Pickler):
             return getattr, (owner, name)
         if t is types.MethodWrapperType:
             return getattr, (obj.__self__, obj.__name__)
+        if t is types.CellType:
+            raise Unstorable("a closure cell of a function the program called (a generator "
+                             "expression, lambda or nested function reading variables of the "
+                             "program): another process has no such cell")
         if t is weakref.ReferenceType:
             target = obj()
             if target is not None and id(target) in self.paths:
                 return weakref.ref, (target,)
+            if type(target) in (torch.Tensor, torch.nn.Parameter):
+                # A tensor of the call (a check's example): what a loading call's tensor
+                # must be like to stand in for it (``_with_call_example``).
+                return _TensorKind, (type(target), str(torch._C._dispatch_keys(target)))
             return _dead_reference, ()
         if t is torch._C._dynamo.guards.GlobalStateGuard:
             return _global_state_guard, (obj.__getstate__(),)
@@ -433,16 +522,27 @@ _VALUES = (*_SIMPLE, tuple, frozenset, enum.Enum, torch.dtype, torch.device, tor
            torch.memory_format, torch.Tensor, torch.nn.Module, types.FunctionType, type)
 
 
-def _paths_of(module: torch.nn.Module) -> dict[int, tuple]:
-    """The live objects a trace may refer to, by id: the module tree, its parameters and
-    buffers, and the objects its modules hold in attributes (a config object)."""
-    paths: dict[int, tuple] = {}
+def _paths_of(root) -> dict[int, tuple]:
+    """The live objects a trace may refer to, by id: a jitted function, its globals, its
+    closure and cells; or the module tree, its parameters and buffers, and the objects its
+    modules hold in attributes (a config object)."""
+    if not isinstance(root, torch.nn.Module):
+        paths = {id(root): ("function", ""), id(root.__globals__): ("function globals", "")}
+        if root.__closure__ is not None:
+            paths[id(root.__closure__)] = ("closure", "")
+            paths.update((id(cell), ("cell", i)) for i, cell in enumerate(root.__closure__))
+        return paths
+    module, paths = root, {}
     for name, sub in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(sub), ("module", name))
         for attribute, value in vars(sub).items():
             # Only objects whose identity is theirs: a value (a tuple, a number, a dtype) may be
             # the very object a trace holds for another reason (``()`` is one object).
-            if not attribute.startswith("_") and not isinstance(value, _VALUES):
+            if attribute.startswith("_"):
+                continue
+            if type(value) is torch.Tensor or not isinstance(value, _VALUES):
+                # A tensor kept in a plain attribute (litgpt's ``mask_cache``) is an input at
+                # that path, as a buffer is: the loading module's own tensor there.
                 paths.setdefault(id(value), ("attribute", name, attribute))
     for name, p in module.named_parameters(remove_duplicate=False):
         paths.setdefault(id(p), ("parameter", name))
@@ -452,12 +552,23 @@ def _paths_of(module: torch.nn.Module) -> dict[int, tuple]:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, module: torch.nn.Module):
+    """Finds what ``_paths_of`` named in the loading process's ``root`` (its module or its
+    jitted function: a cell of the closure by its place)."""
+
+    def __init__(self, file, root):
         super().__init__(file)
-        self.module = module
+        self.module = root
 
     def persistent_load(self, pid):
         kind, name, *rest = pid
+        if kind == "function":
+            return self.module
+        if kind == "function globals":
+            return self.module.__globals__
+        if kind == "closure":
+            return self.module.__closure__
+        if kind == "cell":
+            return self.module.__closure__[name]
         if kind == "module":
             return self.module.get_submodule(name)
         if kind == "parameter":
@@ -485,6 +596,47 @@ class _NoSymbols:
         return []
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _shape_env_facts(env: ShapeEnv) -> tuple:
+    """What a capture's ``ShapeEnv`` knows that its readers ask (the prologue's checks,
+    ``Symbols.checks``; the fusion executor's region compiles): each symbol's capture-time value
+    and range, the replacements, divisibility and guards, the symbols' ids, the traces' names."""
+    return (dict(env.backed_var_to_val), dict(env.var_to_range), dict(env.replacements),
+            set(env.divisible), [g.expr for g in env.guards], set(env.unique_ids),
+            dict(getattr(env, "keraunos_names", {})))
+
+
+def _shape_env(values, ranges, replacements, divisible, guards, ids, names) -> ShapeEnv:
+    env = ShapeEnv()
+    env.backed_var_to_val.update(values)
+    env.var_to_range.update(ranges)
+    env.replacements.update(replacements)
+    # SymNode.expr applies the replacements only once their version moved (torch's cache)
+    env._replacements_version_counter += 1
+    env.divisible.update(divisible)
+    where = SLoc("keraunos's program store", None)
+    env.guards.extend(ShapeGuard(expr, where, False) for expr in guards)
+    env.unique_ids.update(ids)  # a symbol made later gets an id of its own
+    env.keraunos_names = names
+    return env
+
+
+def _symbolic(t: type, env: ShapeEnv, expr, pytype: type, hint):
+    from torch.fx.experimental.sym_node import SymNode
+    return t(SymNode(expr, env, pytype, hint))
+
+
+def _symbols(env: ShapeEnv, names, bindings: dict, printed: dict) -> Symbols:
+    """A capture's ``Symbols`` on its rebuilt ``ShapeEnv``: what the prologue's checks and the
+    traces' printing read (no fake mode: nothing is captured with it again)."""
+    symbols = Symbols.__new__(Symbols)
+    symbols.fake_mode, symbols.env, symbols.names, symbols.bindings = None, env, names, bindings
+    symbols._printer = SizePrinter(printed)
+    return symbols
+
+
 class _Storage:
     """A loaded proxy's storage: one object per storage the captured tensors shared, kept alive
     by the proxies, its ``_cdata`` (what passes compare) its own address, so that no live
@@ -495,6 +647,32 @@ class _Storage:
 
     def __reduce__(self):
         return _Storage, ()  # a new one on load (pickle's memo shares it between proxies)
+
+
+class _TensorKind:
+    """In a loaded tensor check, in place of the weak reference to the call's tensor it was
+    compiled for (gone with that process): that tensor's class and dispatch keys. Called, it
+    gives None, as a dead reference does."""
+
+    def __init__(self, cls: type, keys: str):
+        self.cls, self.keys = cls, keys
+
+    def __call__(self):
+        return None
+
+
+def _with_call_example(line, value_of: dict):
+    """A loaded tensor check whose compiled-for tensor was the call's: this call's tensor is its
+    example when it is of that tensor's class and dispatch keys (an inference tensor of
+    ``generate()`` is one, which no tensor made here would match); the readable prologue
+    checked the rest."""
+    kind = getattr(getattr(line, "fields", None), "real", None)
+    if line.symbol is not glue.CHECK_TENSOR or type(kind) is not _TensorKind:
+        return line
+    tensor = value_of.get(line.args[0].name)
+    if type(tensor) is not kind.cls or str(torch._C._dispatch_keys(tensor)) != kind.keys:
+        return line
+    return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
 
 
 def _path_of(get, obj):
@@ -555,12 +733,6 @@ def _op(qualified_name: str, overload: str | None):
     return packet if overload is None else getattr(packet, overload)
 
 
-def _op(qualified_name: str, overload: str | None):
-    namespace, name = qualified_name.split("::")
-    packet = getattr(getattr(torch.ops, namespace), name)
-    return packet if overload is None else getattr(packet, overload)
-
-
 def _identity(x):
     return x
 
@@ -595,8 +767,8 @@ def dumps(value, paths: dict) -> bytes:
     return f.getvalue()
 
 
-def loads(data: bytes, module: torch.nn.Module):
-    return _Unpickler(io.BytesIO(data), module).load()
+def loads(data: bytes, root):
+    return _Unpickler(io.BytesIO(data), root).load()
 
 
 # ------------------------------------------------------------------------------ store access
@@ -617,12 +789,12 @@ _keeping: list[threading.Thread] = []  # threads still pickling a program
 _keeping_lock = threading.Lock()
 
 
-def keep_in_background(key: str, stored: dict, module: torch.nn.Module,
-                       done: Callable[[str], None]) -> None:
+def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None]) -> None:
     """``keep`` on a thread of its own (the interpreter waits for it at exit); ``done(note)``
-    when it is through. Where the module tree's objects are is taken now, on the caller's
-    thread: a module changed after this call is not seen."""
-    paths = _paths_of(module)
+    when it is through. Where the objects of ``root`` (the module tree, or the jitted function's
+    globals and closure) are is taken now, on the caller's thread: a module changed after this
+    call is not seen."""
+    paths = _paths_of(root)
 
     def run():
         done(keep(key, stored, paths))
@@ -661,23 +833,25 @@ def keep(key: str, stored: dict, paths: dict) -> str:
     return "kept"
 
 
-def load(key: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict | None:
-    """What ``keep`` kept under ``key``, with its readable prologue's tensor checks made from
-    this call's tensors, when that prologue accepts the call; None otherwise (nothing kept, a
-    row that does not load, a check that fails)."""
+def load(key: str, root, args: tuple, kwargs: dict) -> dict | None:
+    """What ``keep`` kept under ``key`` for ``root`` (the module, or the jitted function), with
+    its readable prologue's tensor checks made from this call's tensors, when that prologue
+    accepts the call; None otherwise (nothing kept, a row that does not load, a check that
+    fails)."""
     data = get(key)
     if data is None:
         return None
     try:
-        stored = loads(data, module)
+        stored = loads(data, root)
         if type(stored) is not dict or set(stored) != set(_KEYS):
             return None
         prologue = stored["prologue"]
-        # Module attributes are checked by identity with the objects compiled for: here
-        # those of this process's module, where they have the stored values.
-        prologue = Trace(prologue.name, list(prologue.params),
-                         [expecting_values_of(b, module) for b in prologue.bound_symbols],
-                         prologue.header, prologue.namespace)
+        if isinstance(root, torch.nn.Module):
+            # Module attributes are checked by identity with the objects compiled for: here
+            # those of this process's module, where they have the stored values.
+            prologue = Trace(prologue.name, list(prologue.params),
+                             [expecting_values_of(b, root) for b in prologue.bound_symbols],
+                             prologue.header, prologue.namespace)
         accepted = prologue.python_callable()(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a row that does not load is a miss
         return None
@@ -685,7 +859,8 @@ def load(key: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict |
         return None
     ret = prologue.bound_symbols[-1]
     value_of = {p.name: v for p, v in zip(ret.args[0], accepted[0]) if isinstance(p, Proxy)}
-    lines = [with_example(b, value_of) for b in prologue.bound_symbols]
+    lines = [with_example(_with_call_example(b, value_of), value_of)
+             for b in prologue.bound_symbols]
     if any(b is None for b in lines):
         return None
     stored["prologue"] = Trace(prologue.name, list(prologue.params), lines,

@@ -145,19 +145,57 @@ def symbolic_tensor_guards(b: _Builder, entries) -> None:
     """One C++ call (dynamo's ``TensorGuards``) checking each tensor with symbolic sizes for its
     type, rank, dtype, device, requires_grad, dispatch keys, and the sizes and strides compiled
     as numbers; what is symbolic is checked against the symbols after they are bound."""
-    from torch._C._dynamo.guards import TensorGuards
-
     def plain(values):
-        return [None if isinstance(v, torch.SymInt) else v for v in values]
-    guards = TensorGuards(*(e.real for e in entries),
-                          dynamic_dims_sizes=[plain(e.fake.shape) for e in entries],
-                          dynamic_dims_strides=[plain(e.fake.stride()) for e in entries])
+        return tuple(None if isinstance(v, torch.SymInt) else v for v in values)
+    guards = SymbolicTensorGuards.of([e.real for e in entries],
+                                     tuple(plain(e.fake.shape) for e in entries),
+                                     tuple(plain(e.fake.stride()) for e in entries))
     names = tuple(e.proxy.name for e in entries)
     described = "; ".join(f"{e.path}: {e.real.dim()} dimensions, {e.real.dtype}, "
                           f"{e.real.device}, requires_grad {e.real.requires_grad}" for e in entries)
     b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)",
             lambda w: f"not {w.constant(guards, 'tensor_guards')}.check({', '.join(names)})",
             False, uses=tuple(e.proxy for e in entries))
+
+
+class SymbolicTensorGuards:
+    """dynamo's ``TensorGuards`` over the tensors with symbolic sizes (``check``, its C
+    method), with what it was made of, so that a program loaded by another process
+    (``program_store.py``) makes it again: each tensor's class, dtype, device, requires_grad
+    and dispatch keys, and the sizes and strides compiled as numbers (None where symbolic)."""
+
+    __slots__ = ("check", "tensors", "sizes", "strides")
+
+    @classmethod
+    def of(cls, reals: list, sizes: tuple, strides: tuple) -> "SymbolicTensorGuards":
+        tensors = tuple((type(t), t.dtype, t.device, t.requires_grad,
+                         str(torch._C._dispatch_keys(t))) for t in reals)
+        return cls(tensors, sizes, strides, reals)
+
+    def __init__(self, tensors: tuple, sizes: tuple, strides: tuple, reals=None):
+        from torch._C._dynamo.guards import TensorGuards
+        if reals is None:  # made again: a plain tensor of each kind, with its dispatch keys
+            reals = [_example(*t) for t in tensors]
+        self.tensors, self.sizes, self.strides = tensors, sizes, strides
+        self.check = TensorGuards(*reals, dynamic_dims_sizes=[list(s) for s in sizes],
+                                  dynamic_dims_strides=[list(s) for s in strides]).check
+
+    def __reduce__(self):
+        return SymbolicTensorGuards, (self.tensors, self.sizes, self.strides)
+
+
+def _example(cls: type, dtype, device, requires_grad: bool, keys: str) -> torch.Tensor:
+    """A tensor that the guards compare a call's tensor with as with one of these (the guards
+    read only its class, dtype, device, requires_grad and dispatch keys; their sizes are given)."""
+    for inference in (False, True):  # a tensor made in inference mode has fewer keys
+        with torch.inference_mode(inference):
+            example = torch.empty(0, dtype=dtype, device=device,
+                                  requires_grad=requires_grad and not inference)
+            if cls is torch.nn.Parameter:
+                example = torch.nn.Parameter(example, requires_grad=requires_grad)
+        if type(example) is cls and str(torch._C._dispatch_keys(example)) == keys:
+            return example
+    raise ValueError(f"no plain example of a {cls.__qualname__} with dispatch keys {keys}")
 
 
 def check_symbolic_tensor(b: _Builder, ctx, entry) -> None:

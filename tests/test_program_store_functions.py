@@ -1,0 +1,248 @@
+"""Jitted functions and symbolic-size entries kept between processes (keraunos/program_store.py):
+a second process on the same cache directory loads the program instead of capturing it and
+computes what eager does (results, in-place effects, gradients); a change of the function's
+code, a global it reads, a default or a closure value is a miss; a symbolic entry loaded serves
+sizes no process compiled for, and its prologue still rejects what it cannot serve.
+
+Every run is a real process; ``run.py`` compares each call with eager in its own process and
+prints what ``compile_stats`` says of the program store, whether capture ran, the misses, the
+readable prologue and the results (see tests/test_program_store.py for modules).
+"""
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from keraunos.executors.fusion import compiler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
+
+PROGRAM = textwrap.dedent('''
+    import torch
+
+    SCALE = 0.5
+
+
+    def helper(t):
+        return t.sin() + 1
+
+
+    def step(x, w, buf, scale=0.5):
+        buf.mul_(0.9).add_(x.mean(0))  # an in-place effect on an input
+        return torch.tanh(x @ w) * scale * SCALE + helper(buf)
+
+
+    def make(k):
+        def scaled(x):
+            return x * k + SCALE
+        return scaled
+
+
+    def parity(x):
+        # a decision on a size: the symbolic program guards it
+        if x.shape[0] % 2 == 0:
+            return x.cos()
+        return x.sin()
+''')
+
+RUN = textwrap.dedent('''
+    import json, os, sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch, keraunos
+    import program_def
+    torch.set_num_threads(1)
+    variant, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    options = {"dynamic": True} if "dynamic" in variant else {}
+    tolerance = {}
+    if variant.endswith("fused"):  # Inductor's kernels: float32 rounding of their own
+        options.update(executors=["inductor", "torch"], fuse="wait")
+        tolerance = {"rtol": 1e-4, "atol": 1e-4}
+    results, grads, stores, captured, tiers = [], [], [], [], []
+
+    def compare(jitted, eager, make_args, n, train):
+        args, reference = make_args(n), make_args(n)
+        out = jitted(*args)
+        expected = eager(*reference)
+        torch.testing.assert_close(out, expected, **tolerance)
+        for a, r in zip(args, reference):  # in-place effects on the inputs
+            torch.testing.assert_close(a, r, **tolerance)
+        if train:
+            out.square().sum().backward()
+            expected.square().sum().backward()
+            torch.testing.assert_close(args[1].grad, reference[1].grad, **tolerance)
+            grads.append(args[1].grad.double().flatten().tolist())
+        results.append(out.detach().double().flatten().tolist())
+        keraunos.program_store.wait_for_keeps()  # a captured program is pickled in the background
+        stats = keraunos.compile_stats(jitted)
+        stores.append(stats.program_store)
+        tiers.append(stats.tier)
+        captured.append("capture" in stats.stages and stats.last_call_compiled)
+
+    def step_args(n):
+        torch.manual_seed(n)
+        return (torch.randn(n, 8), torch.randn(8, 8, requires_grad=True), torch.randn(8))
+
+    if variant.startswith("step"):
+        fn, make_args = program_def.step, step_args
+    elif variant.startswith("closure"):
+        fn = program_def.make(float(os.environ.get("CLOSURE_K", "2.0")))
+        make_args = lambda n: (torch.randn(n, 8, generator=torch.Generator().manual_seed(n)),)
+    elif variant.startswith("parity"):
+        fn = program_def.parity
+        make_args = lambda n: (torch.randn(n, 4, generator=torch.Generator().manual_seed(n)),)
+    elif variant == "module closure":  # a closure holding a module: not kept
+        linear = torch.nn.Linear(8, 8)
+        fn = lambda x: linear(x).relu()
+        make_args = lambda n: (torch.randn(n, 8, generator=torch.Generator().manual_seed(n)),)
+    jitted = keraunos.jit(fn, **options)
+    for n in sizes:
+        compare(jitted, fn, make_args, n, train=variant.startswith("step"))
+    print(json.dumps({"stores": stores, "captured": captured, "results": results,
+                      "grads": grads, "misses": keraunos.cache_misses(jitted), "tiers": tiers,
+                      "reasons": keraunos.last_cache_miss_reasons(jitted),
+                      "prologue": str(keraunos.last_prologue_traces(jitted)[0])}))
+''')
+
+
+@pytest.fixture
+def program(tmp_path):
+    (tmp_path / "program_def.py").write_text(PROGRAM)
+    (tmp_path / "run.py").write_text(RUN)
+    return tmp_path
+
+
+def _run(directory, variant: str, sizes=(5,), env=None) -> dict:
+    env = {**os.environ, **(env or {}), "KERAUNOS_CACHE_DIR": str(directory / "store"),
+           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(directory / "run.py"), variant,
+                           ",".join(map(str, sizes))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _rows(directory) -> list:
+    path = directory / "store" / "store.sqlite3"
+    if not path.exists():
+        return []
+    with sqlite3.connect(path) as db:
+        if not db.execute("SELECT name FROM sqlite_master WHERE name = 'entries'").fetchall():
+            return []  # nothing was ever written
+        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
+
+
+def _without_header(prologue: str) -> list[str]:
+    return [line for line in prologue.splitlines() if not line.startswith("#")]
+
+
+def test_a_restart_loads_a_jitted_function_with_its_effects_and_gradients(program):
+    first = _run(program, "step")
+    assert first["stores"] == ["kept"] and first["captured"] == [True], first
+    second = _run(program, "step")
+    assert second["stores"] == ["loaded"] and second["captured"] == [False], second
+    # each process compared results, the buffer's in-place update and w's gradient with eager
+    assert second["results"] == first["results"] and second["grads"] == first["grads"]
+    assert second["misses"] == 1
+
+
+def test_a_restart_loads_a_closure_with_the_same_cell_values(program):
+    assert _run(program, "closure")["stores"] == ["kept"]
+    second = _run(program, "closure")
+    assert second["stores"] == ["loaded"] and second["captured"] == [False], second
+
+
+@pytest.mark.parametrize("change", ["code", "helper code", "global", "default", "closure value"])
+def test_what_a_function_depends_on_changing_misses_the_store(program, change):
+    variant = "closure" if change == "closure value" else "step"
+    first = _run(program, variant)
+    assert first["stores"] == ["kept"], first
+    env = None
+    if change == "code":
+        (program / "program_def.py").write_text(PROGRAM.replace("torch.tanh(", "torch.sigmoid("))
+    elif change == "helper code":
+        (program / "program_def.py").write_text(PROGRAM.replace("t.sin() + 1", "t.sin() + 2"))
+    elif change == "global":
+        (program / "program_def.py").write_text(PROGRAM.replace("SCALE = 0.5", "SCALE = 0.25"))
+    elif change == "default":
+        (program / "program_def.py").write_text(PROGRAM.replace("scale=0.5", "scale=0.75"))
+    else:
+        env = {"CLOSURE_K": "3.0"}
+    changed = _run(program, variant, env=env)
+    assert changed["stores"] == ["kept"] and changed["captured"] == [True], changed
+    assert changed["results"] != first["results"]  # and each equals eager's in its process
+    assert len(_rows(program)) == 2  # a row of its own: the key changed
+
+
+def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(program):
+    first = _run(program, "step dynamic", sizes=(5,))
+    assert first["stores"] == ["kept"], first
+    second = _run(program, "step dynamic", sizes=(9, 13))
+    assert second["stores"] == ["loaded", "loaded"] and second["captured"] == [False, False]
+    assert second["misses"] == 1  # 13 served by the loaded entry, as 9 was
+    # The prologue's checks (the ShapeEnv's guards, the symbolic tensor checks) are the same
+    # program in both processes.
+    assert _without_header(second["prologue"]) == _without_header(first["prologue"])
+    assert "s0 = x.shape[0]" in second["prologue"]
+
+
+@pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
+                    reason="Inductor cannot build C++ kernels on this machine")
+def test_a_loaded_symbolic_entry_is_fused_on_its_rebuilt_shape_env(program):
+    """The fusion executor compiles a loaded symbolic program's regions on the ShapeEnv the load
+    rebuilt, as on the capture's: fused, and equal to eager (forward and gradient)."""
+    first = _run(program, "step dynamic fused", sizes=(5,))
+    assert first["stores"] == ["kept"] and first["tiers"] == ["fused"], first
+    second = _run(program, "step dynamic fused", sizes=(9, 13))
+    assert second["stores"] == ["loaded", "loaded"] and second["tiers"] == ["fused", "fused"]
+    assert second["misses"] == 1
+
+
+def test_automatic_dynamic_loads_the_symbolic_entry_of_a_changed_size(program):
+    """The second size of a restart makes the dimension symbolic, as in the process that kept
+    it: the symbolic entry is loaded and serves a third size, with the same miss reason."""
+    first = _run(program, "step", sizes=(5, 7))
+    assert first["stores"] == ["kept", "kept"] and first["captured"] == [True, True], first
+    second = _run(program, "step", sizes=(5, 11, 17))
+    assert second["stores"] == ["loaded"] * 3 and second["captured"] == [False] * 3, second
+    assert second["misses"] == 2
+    for run in (first, second):
+        assert any("recompiled with it symbolic" in r for r in run["reasons"]), run["reasons"]
+
+
+def test_a_loaded_symbolic_prologue_rejects_what_its_program_cannot_serve(program):
+    """Captured for an even size, the program guards ``s0 % 2 == 0``: loaded, it serves another
+    even size, and an odd one (and the size 1, never symbolic) is captured anew."""
+    assert _run(program, "parity dynamic", sizes=(4,))["stores"] == ["kept"]
+    second = _run(program, "parity dynamic", sizes=(6, 7, 1))
+    assert second["stores"][0] == "loaded" and second["captured"] == [False, True, True], second
+    assert second["misses"] == 3  # each compared with eager: cos for 6, sin for 7 and 1
+
+
+def test_a_function_closing_over_a_module_is_not_kept_and_says_why(program):
+    run = _run(program, "module closure")
+    assert run["stores"][0].startswith("not kept: a global or closure value of type Linear"), run
+    assert not _rows(program)
+
+
+def _set_value(directory, value: bytes) -> None:
+    import hashlib
+    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+        db.execute("UPDATE entries SET value = ?, size = ?, checksum = ? WHERE namespace = "
+                   "'program'", (value, len(value), hashlib.sha256(value).hexdigest()))
+
+
+@pytest.mark.parametrize("variant", ["step", "step dynamic"])
+def test_a_damaged_stored_function_program_is_ignored_and_written_again(program, variant):
+    first = _run(program, variant)
+    (key, value), = _rows(program)
+    _set_value(program, os.urandom(len(value)))
+    second = _run(program, variant)
+    assert second["stores"] == ["kept"] and second["captured"] == [True], second
+    assert second["results"] == first["results"]
+    third = _run(program, variant)
+    assert third["stores"] == ["loaded"] and third["results"] == first["results"]
