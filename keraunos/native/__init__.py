@@ -1,37 +1,50 @@
-"""The native hit path: a jitted function's hit in one C call (``hit_path.cpp``), for the entries
-whose prologue it can express whole; every other entry keeps the Python hit path (``jit.py``).
+"""The native hit path: a jitted function's or module's hit in one C call (``hit_path.cpp``), for
+the entries whose prologue it can express whole; every other entry keeps the Python hit path
+(``jit.py``).
 
-What it serves: an entry of a function (not a module) whose fast prologue is exactly
+What it serves: an entry whose fast prologue is made of these lines only
 
     if len(args) != N: ...            # N positional arguments, every one a tensor
     if kwargs: ...                    # no keywords
     if not _global_state.check(): ... # dynamo's GlobalStateGuard
     if _get_autocast_dtype(dev) is not ...; if _get_float32_matmul_precision() != ...
+    if _is_inference_mode_enabled() is not ...
     x = args[0]; ...                  # each argument once, in order
-    if not _tensor_guards.check(x, ...): ...   # TensorGuards (fewer than guard_trees.TREE_FROM)
-    return (x, ...), ()               # the computation takes the arguments as they came
+    if not _tensor_guards.check(x): ...; s0 = x.shape[0]; if not (2 <= s0): ...
+                                      # symbolic sizes: read from the arguments' sizes or
+                                      # strides, their guards
+    _s = _structure[0]; if _s[0] is not _tree_token[0]: ...   # a module's kept walk
+    if _attribute_dicts[0]['training'] is not True: ...       # module attributes, by identity
+    if not _tensor_guards.check(x, ...): ...   # every tensor's metadata in one C++ call
+    return (x, *_s[1], s0), ()        # arguments, the module's static tensors, size symbols
 
-with static sizes (no size symbols, no guards on them), no alias check (``jit.py`` decides, with
-the epilogue: it must hand back the computation's one output as it is). Anything else in the
-prologue (module attributes, Python values, aliasing, symbolic sizes, dataclass or container
-arguments) leaves the entry on the Python hit path: ``why_not(entry)`` says which line.
+with no alias check and an epilogue that hands back the computation's one output as it is
+(``jit.py`` decides those). Anything else in the prologue (other module or Python values,
+aliasing, data-dependent sizes, dataclass or container arguments) leaves the entry on the Python
+hit path: ``why_not(entry)`` says which line.
 
-Why it accepts exactly the calls the Python hit path accepts: it calls the prologue's own
-``GlobalStateGuard`` and ``TensorGuards`` objects through their C functions, with the same
-arguments (the call's positional tuple is the tensors' tuple), and reads the settings the
-prologue compares in Python with the C++ getters behind the prologue's calls
-(``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``). Any
-``Ambient`` it does not know keeps the entry in Python (``SUPPORTED_AMBIENT``; a test fails when
-``AMBIENT_STATE`` grows). The two guards cost more than the rest of the call, so the first call
-they accept records what they depend on (``Armed`` in ``hit_path.cpp``: the global settings
-``GlobalStateGuard`` serializes, ``GLOBAL_STATE_FIELDS``, and each tensor's type, dispatch keys,
-dtype, device, requires_grad, sizes and strides), and a call with the very same values skips
-them; any other call is decided by the guards again. What it rejects, or a call with keywords,
-goes to the Python ``__call__``, which runs the Python hit path and explains a miss as before.
+Why it accepts exactly the calls the Python hit path accepts: every line above but the
+attribute checks, the settings and the module walk's token is a function of values the first
+accepted call records (``Armed`` in ``hit_path.cpp``: the global settings ``GlobalStateGuard``
+serializes, ``GLOBAL_STATE_FIELDS``; each tensor's type, dispatch keys, dtype, device,
+requires_grad, sizes and strides, the arguments' and the module's parameters' and buffers'), so
+a later call with the very same values is accepted without them. The rest is read on every
+call: the settings from the C++ getters behind the prologue's calls
+(``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``,
+``c10::InferenceMode::is_enabled()``; any ``Ambient`` it does not know keeps the entry in Python,
+``SUPPORTED_AMBIENT``, and a test fails when ``AMBIENT_STATE`` grows), the walk's token and
+attributes from the prologue's own ``_structure`` and ``_tree_token`` lists (a changed tree: the
+Python path walks it again). A call whose values differ is decided by the checks themselves: for
+a function's static entry the prologue's own ``GlobalStateGuard`` and ``TensorGuards`` objects,
+called through their C functions with the same arguments; for the others the prologue itself,
+called from C, whose inputs the computation then takes (and when the inputs built from the
+recorded sources are exactly those the prologue returned, the call's values are recorded in
+place of the old). What it rejects, or a call with keywords, goes to the Python ``__call__``,
+which runs the Python hit path and explains a miss as before.
 
 The build: ``hit_path.cpp`` is compiled once per source, torch and Python version into
 ``cache_directory()`` (a temporary name renamed into place, so never half-written), on the
-first ``keraunos.jit`` in the background (about 3 s of one core); until it loads, and forever
+first ``keraunos.jit`` in the background (about 10 s of one core); until it loads, and forever
 where it cannot be built (no compiler, a failed build: one debug log line), calls take the
 Python path (a failed compile is not tried again for a day: ``recent_failure``). ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
 (``python -m keraunos.native``).

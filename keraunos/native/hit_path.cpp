@@ -3,19 +3,21 @@
 // it serves and why it accepts exactly the calls their Python hit path accepts.
 //
 // Two types:
-//   Hit    what one entry's prologue checks: the argument count (no keywords), dynamo's
-//          GlobalStateGuard and TensorGuards objects of the prologue itself (their own C
-//          functions are called, so they compare exactly what the prologue's calls compare), and
-//          the ambient settings the prologue compares in Python (autocast dtypes, float32 matmul
-//          precision), which are read here from the same C++ getters torch's bindings read.
-//          Those two guards cost 2.7k instructions a call (GlobalStateGuard asks every device
-//          type whether autocast is on, TensorGuards builds a set to find duplicates), so the
-//          first call they accept also records the values they depend on (``Armed``); a later
-//          call whose values are all the same is accepted without them, and any other call is
-//          decided by the guards themselves again.
-//   Front  a jitted function's ``__call__``: a method descriptor (so ``jitted(x)`` reaches it
-//          with no Python frame) that runs the front entry's Hit, and otherwise calls the
-//          Python ``__call__`` it was given, which explains misses and compiles.
+//   Hit    what one entry's prologue checks: the argument count (no keywords), the ambient
+//          settings the prologue compares in Python (autocast dtypes, float32 matmul precision,
+//          inference mode), read here from the same C++ getters torch's bindings read, a
+//          module's kept walk (its token, its static tensors, the attributes checked by
+//          identity), and everything else by recorded values: the first call the checks accept
+//          also records the values they depend on (``Armed``), and a later call whose values
+//          are all the same is accepted without them. Any other call is decided by the checks
+//          themselves: a function's static entry calls dynamo's GlobalStateGuard and
+//          TensorGuards objects of its prologue (their own C functions, so they compare exactly
+//          what the prologue's calls compare); other entries call the prologue.
+//          The computation's inputs are the arguments, the module's static tensors and size
+//          symbols read from the arguments (``Source``).
+//   Front  a jitted function's or module's ``__call__``: a method descriptor (so ``jitted(x)``
+//          reaches it with no Python frame) that runs the front entry's Hit, and otherwise calls
+//          the Python ``__call__`` it was given, which explains misses and compiles.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -458,26 +460,38 @@ struct Inputs {
   PyObject* const* items = nullptr;
   Py_ssize_t n = 0;
   PyObject* tuple = nullptr;  // the prologue's inputs, held
-  std::vector<PyObject*> built;
+  // Built inputs: in ``inline_items`` when they fit (no allocation on the hit), else ``heap``.
+  static constexpr Py_ssize_t INLINE = 16;
+  PyObject* inline_items[INLINE];
+  std::vector<PyObject*> heap;
+  Py_ssize_t built = 0;  // new references held in the first ``built`` of them
   Inputs() = default;
   Inputs(const Inputs&) = delete;
   ~Inputs() {
-    for (PyObject* o : built) Py_DECREF(o);
+    PyObject** own = heap.empty() ? inline_items : heap.data();
+    for (Py_ssize_t i = 0; i < built; i++) Py_DECREF(own[i]);
     Py_XDECREF(tuple);
   }
 
   // From the sources; false (nothing set) where one cannot be read.
   bool build(const std::vector<Source>& sources, PyObject* const* args, PyObject* statics) {
-    built.reserve(sources.size() + (statics ? PyTuple_GET_SIZE(statics) : 0));
+    Py_ssize_t nstatics = statics ? PyTuple_GET_SIZE(statics) : 0;
+    Py_ssize_t total = 0;
+    for (const Source& s : sources) total += s.kind == Source::STATICS ? nstatics : 1;
+    PyObject** own = inline_items;
+    if (total > INLINE) {
+      heap.resize(total);
+      own = heap.data();
+    }
     for (const Source& s : sources) {
       if (s.kind == Source::ARG) {
         Py_INCREF(args[s.index]);
-        built.push_back(args[s.index]);
+        own[built++] = args[s.index];
       } else if (s.kind == Source::STATICS) {
         if (statics == nullptr) return false;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(statics); i++) {
+        for (Py_ssize_t i = 0; i < nstatics; i++) {
           Py_INCREF(PyTuple_GET_ITEM(statics, i));
-          built.push_back(PyTuple_GET_ITEM(statics, i));
+          own[built++] = PyTuple_GET_ITEM(statics, i);
         }
       } else {
         const auto* impl = THPVariable_Unpack(args[s.index]).unsafeGetTensorImpl();
@@ -488,11 +502,11 @@ struct Inputs {
           PyErr_Clear();
           return false;
         }
-        built.push_back(value);
+        own[built++] = value;
       }
     }
-    items = built.data();
-    n = (Py_ssize_t)built.size();
+    items = own;
+    n = built;
     return true;
   }
 
