@@ -129,6 +129,10 @@ class JittedModule(torch.nn.Module):
       does. Outside such a call the original module stays as it was: calling it runs eagerly.
     - As a submodule of another module, its state dict has the original's keys (no
       ``_orig_mod.``), and loads from them.
+
+    Once the native hit path is loaded (``keraunos/native``), and while no call hooks or
+    distributed wrapper take part, the instance's class becomes a subclass of its own, with the
+    same names, whose ``__call__`` is a ``native.Front`` (``_go_native_module``).
     """
 
     def __new__(cls, module: torch.nn.Module, options: JitOptions):

@@ -306,13 +306,15 @@ def test_entries_the_native_path_cannot_express_keep_the_python_hit_path():
         jitted(*args)
         assert state_of(jitted).native_front.hit is None, name
         assert_close(jitted(*args), fn(*args))
-    dropout = torch.nn.Dropout(0.5).eval()
-    module = keraunos.jit(dropout)
-    module(x)  # reads ``training`` through a module attribute check the walk does not keep
-    entry = state_of(module).entries[0]
-    if native.why_not(entry) is not None:
-        assert _hit(module) is None
-    assert_close(module(x), dropout(x))
+    buffers = torch.nn.BatchNorm1d(3)  # writes its running statistics: the epilogue's work
+    module = keraunos.jit(buffers)
+    batch = torch.randn(4, 3)
+    module(batch)
+    assert _hit(module) is None
+    reference = torch.nn.BatchNorm1d(3)
+    reference(batch)
+    assert_close(module(batch), reference(batch))
+    assert_close(buffers.running_mean, reference.running_mean)
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -542,3 +544,36 @@ def test_native_can_be_turned_off(monkeypatch):
     jitted = _jit()
     assert state_of(jitted).native_front is None and loader.failed == "KERAUNOS_NATIVE=0"
     assert os.environ["KERAUNOS_NATIVE"] == "0"
+
+
+def test_module_attribute_checked_on_every_native_call():
+    """Dropout reads ``training``: checked by identity in the module's ``__dict__`` in C, so
+    ``eval()`` is a miss at once; in train mode its random mask follows ``manual_seed``."""
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    jitted = keraunos.jit(eager)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        jitted(x)
+        hit = _hit(jitted)
+        assert hit is not None, native.why_not(state_of(jitted).entries[0])
+        python_calls = _counted_python_hit_path(jitted)
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            expected = eager(x)
+            torch.manual_seed(seed)
+            assert_close(jitted(x), expected)
+        assert python_calls == [] and hit.armed
+        jitted.eval()
+        assert hit.accepts(x) is False
+        assert_close(jitted(x), eager(x))
+        assert keraunos.cache_misses(jitted) == 2
+        assert any("training" in r for r in state_of(jitted).last_miss_reasons)
+
+
+def test_a_hook_on_the_jitted_module_runs_after_it_went_native():
+    jitted, (x,), eager = _program("module")
+    assert _hit(jitted) is not None
+    seen = []
+    jitted.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert_close(jitted(x), eager(x))
+    assert seen == [eager(x).shape]  # nn.Module.__call__ runs it around the compiled program
