@@ -21,7 +21,7 @@ import torch
 
 from ..core import glue
 from ..core.proxies import NameGenerator, Proxy, TensorProxy
-from ..core.symbols import PLAIN_TENSORS, BoundSymbol, Code, TorchSymbol
+from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -224,8 +224,6 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     # (The return line holds ``returns.flat`` itself: tensors the replayed calls log join it.)
     body.append(glue.RETURN.bind(returns.flat))
     computation = Trace("computation", params, body, ["Constructed by capture"])
-    if all(type(e.real) in (torch.Tensor, torch.nn.Parameter) for e in ctx.inputs):
-        computation.namespace[PLAIN_TENSORS] = True  # arithmetic prints as operators
     epilogue = build_epilogue(ctx, out_template, returns.flat, groups, writes, container_writes,
                               _replays(ctx, returns))
     prologue, descriptions = build_prologue(ctx, params, groups, epilogue.info_pro_to_epi,

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from . import tree
 from .code import Code
-from .proxies import Proxy, TensorProxy
+from .proxies import Proxy
 from .tags import Tag
 
 
@@ -51,17 +51,6 @@ _BINARY = {
     "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
 }
 _UNARY = {"neg": "-", "pos": "+", "invert": "~"}
-# Methods a trace prints as the operator whose slot calls the same C function
-# (``TensorBase.__mul__`` is ``TensorBase.mul`` behind a TypeError-to-NotImplemented wrapper; a
-# torch function mode sees ``Tensor.mul`` either way): ``x * 2``, cheaper to call than
-# ``x.mul(2)``. Only with a Python number on the right (no reflected method of a tensor
-# subclass can step in) and where every tensor the program takes in is a plain tensor or a
-# parameter (``PLAIN_TENSORS``): a subclass may override ``mul`` and ``__mul__`` differently.
-_METHOD_OPERATORS = {"mul": "*", "add": "+", "sub": "-", "div": "/"}
-# The namespace key a trace carries when every tensor input of the captured program was a
-# ``torch.Tensor`` or ``torch.nn.Parameter`` (``capture/program.py`` sets it); the tensor checks
-# of the prologue hold every later call to those types.
-PLAIN_TENSORS = "_keraunos_plain_tensors"
 
 
 class TorchSymbol(Symbol):
@@ -90,11 +79,6 @@ class TorchSymbol(Symbol):
         if self.style == "opaque":  # a callable with no public torch name: called from the namespace
             return f"{w.constant(self.fn, self.name)}({w.call_arguments(args, kwargs)})"
         if self.style == "method":
-            op = _METHOD_OPERATORS.get(self.name)
-            if op is not None and not kwargs and len(args) == 2 \
-                    and type(args[1]) in (int, float) and w.namespace.get(PLAIN_TENSORS) is True \
-                    and isinstance(args[0], TensorProxy):
-                return f"{w.value(args[0])} {op} {w.value(args[1])}"
             return f"{w.value(args[0])}.{self.name}({w.call_arguments(args[1:], kwargs)})"
         if self.style == "getter":
             return f"{w.value(args[0])}.{self.name}"
