@@ -332,14 +332,16 @@ def _go_native_module(jitted: JittedModule) -> None:
     """``_go_native`` for a module: its class (``_jitted_class``'s, with no call hooks, no
     distributed wrapper's) becomes one of its own, with the same names, whose ``__call__`` is a
     ``native.Front`` falling back to the class's ``__call__``. A class switched since (call
-    hooks, ``fully_shard``) keeps the Python call."""
+    hooks, ``fully_shard``), or a wrapper whose calls go another way (``_jit_ddp``'s, through
+    DDP's forward: its ``_call`` is not ``jit.call``), keeps the Python call."""
     state = jitted._keraunos
     with state.lock:
         base = type(jitted)
         if base.__bases__ != (JittedModule,) or base.__dict__.get("__call__") is None \
                 or base.__dict__["__call__"] is not base.__dict__.get("forward") \
-                or _composable_state_on(jitted):
-            return  # hooks run, a distributed wrapper, or already native
+                or jitted.__dict__.get("_call") is not call or _composable_state_on(jitted):
+            return  # hooks run, a distributed wrapper (DDP's calls through its forward), or
+            # already native
         fallback = base.__dict__["__call__"]
         front = native.module().Front(fallback, state.hit_count)
         namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__,

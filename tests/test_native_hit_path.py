@@ -526,6 +526,16 @@ def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path,
     monkeypatch.setattr(native, "build", slow_build)
     jitted = _jit()
     assert state_of(jitted).native_front is None  # building: the Python path serves calls
+    module, (m_x,), eager = _program("module")
+    # A wrapper whose calls go another way (keraunos.jit of a DDP model routes each call
+    # through DDP's forward): it must keep its Python call once the module loads.
+    routed = keraunos.jit(torch.nn.Linear(3, 3))
+    routed_calls = []
+
+    def through_wrapper(state, args, kwargs):
+        routed_calls.append(1)
+        return keraunos.jitted.call(state, args, kwargs)
+    object.__setattr__(routed, "_call", through_wrapper)
     x = torch.randn(4)
     assert_close(jitted(x), _f(x))
     gate.set()
@@ -535,6 +545,12 @@ def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path,
     python_calls = _counted_python_hit_path(jitted)
     assert_close(jitted(x), _f(x))
     assert python_calls == []
+    assert _hit(module) is not None  # a module jitted before the build, native after it
+    assert_close(module(m_x), eager(m_x))
+    assert state_of(routed).native_front is None
+    for _ in range(2):
+        assert_close(routed(m_x), routed._orig_mod(m_x))
+    assert len(routed_calls) == 2
 
 
 def test_native_can_be_turned_off(monkeypatch):
