@@ -263,9 +263,14 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
     }
     checks->emplace_back(index, key, expected);
   }
+  // Held from here on (freed with the Hit), with the tuple their pointers borrow from.
+  Py_XINCREF(attributes);
+  Py_XSETREF(self->attributes, attributes);
+  delete self->attribute_checks;
+  self->attribute_checks = checks;
+  self->inference_mode = inference_mode;
   if (!checks->empty() && structure == Py_None) {
     PyErr_SetString(PyExc_TypeError, "Hit: attribute checks need the module walk");
-    delete checks;
     return -1;
   }
   if ((global_guard == Py_None) != (tensor_guards == Py_None) ||
@@ -278,11 +283,6 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
                     "and tree_token both lists or neither, sources a tuple or None");
     return -1;
   }
-  Py_XINCREF(attributes);
-  Py_XSETREF(self->attributes, attributes);
-  delete self->attribute_checks;
-  self->attribute_checks = checks;
-  self->inference_mode = inference_mode;
   PyCFunction global_check = nullptr;
   PyCFunctionWithKeywords tensor_check = nullptr;
   if (global_guard != Py_None) {
@@ -543,7 +543,7 @@ bool Hit_statics(Hit* self, PyObject** statics) {
     return false;
   }
   *statics = PyTuple_GET_ITEM(walk, 1);
-  if (self->attribute_checks->empty()) return true;
+  if (self->attribute_checks == nullptr || self->attribute_checks->empty()) return true;
   // The attributes, as the prologue's ``_attribute_dicts[i][key] is not expected`` reads them.
   PyObject* dicts = PyTuple_GET_SIZE(walk) > 2 ? PyTuple_GET_ITEM(walk, 2) : nullptr;
   if (dicts == nullptr || !PyTuple_CheckExact(dicts)) return false;
