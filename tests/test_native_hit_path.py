@@ -593,3 +593,17 @@ def test_a_hook_on_the_jitted_module_runs_after_it_went_native():
     jitted.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     assert_close(jitted(x), eager(x))
     assert seen == [eager(x).shape]  # nn.Module.__call__ runs it around the compiled program
+
+
+def test_symbolic_module_entry_is_served_natively_for_each_size():
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh())
+    jitted = keraunos.jit(eager, dynamic=True)
+    jitted(torch.randn(4, 3))
+    hit = _hit(jitted)
+    assert hit is not None, native.why_not(state_of(jitted).entries[0])
+    python_calls = _counted_python_hit_path(jitted)
+    for n in (2, 7, 7, 3, 2):
+        x = torch.randn(n, 3)
+        assert_close(jitted(x), eager(x))
+    assert python_calls == [] and hit.armed
+    assert keraunos.cache_misses(jitted) == 1

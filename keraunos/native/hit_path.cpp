@@ -566,7 +566,17 @@ void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* stati
              const GlobalValues& global, PyObject* prologue_inputs) {
   if (!Armed::armable(global)) return;
   Py_ssize_t nstatics = statics ? PyTuple_GET_SIZE(statics) : 0;
-  auto armed = new Armed{global, std::vector<TensorMeta>(nargs + nstatics), (size_t)nargs};
+  // The old record's vectors are reused where they fit (a symbolic entry called with other
+  // sizes records each accepted call: no allocation per tensor); detached while filled.
+  Armed* armed = self->armed;
+  self->armed = nullptr;
+  if (armed != nullptr && armed->tensors.size() == (size_t)(nargs + nstatics)) {
+    armed->global = global;
+    armed->nargs = (size_t)nargs;
+  } else {
+    delete armed;
+    armed = new Armed{global, std::vector<TensorMeta>(nargs + nstatics), (size_t)nargs};
+  }
   for (Py_ssize_t i = 0; i < nargs + nstatics; i++) {
     PyObject* item = i < nargs ? args[i] : PyTuple_GET_ITEM(statics, i - nargs);
     if (!Armed::read(item, armed->tensors[i])) {
@@ -583,7 +593,6 @@ void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* stati
       return;
     }
   }
-  delete self->armed;
   self->armed = armed;
 }
 
