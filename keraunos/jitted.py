@@ -347,6 +347,7 @@ def _go_native_module(jitted: JittedModule) -> None:
         namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__,
                      "__doc__": base.__doc__}
         if CHECK_RESULTS:
+            @functools.wraps(fallback)  # its signature: the original forward's
             def __call__(self, *args, **kwargs):
                 return checked_result(self._keraunos, front(self, *args, **kwargs))
             namespace["__call__"] = __call__

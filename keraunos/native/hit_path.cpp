@@ -797,9 +797,18 @@ int Front_set_hit(Front* self, PyObject* value, void*) {
   return 0;
 }
 
+// ``front.__wrapped__``: the Python ``__call__`` it falls back to, whose signature
+// ``inspect.signature`` then reports (a jitted module's is its original ``forward``'s).
+PyObject* Front_get_wrapped(Front* self, void*) {
+  Py_INCREF(self->fallback);
+  return self->fallback;
+}
+
 PyGetSetDef Front_getset[] = {
     {"hit", (getter)Front_get_hit, (setter)Front_set_hit,
      "The front entry's Hit, or None: every call then goes to the Python __call__.", nullptr},
+    {"__wrapped__", (getter)Front_get_wrapped, nullptr,
+     "The Python __call__ it falls back to.", nullptr},
     {nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_keraunos_hit_path",
