@@ -12,7 +12,9 @@ for exactly ``--calls`` calls and dumps the counts (``-d``). C++ kernels, the Py
 and the framework around them are all counted, so what a row says is the whole cost of a warm call.
 
 Cases: ``tiny``, ``mlp``, ``mlp-grad`` (the per-call overhead cases: ``(x * 2 + 1).relu()`` on a
-(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``decode`` (``overhead.py``'s
+(4,) tensor; an 8-16-8 MLP under ``no_grad`` and in grad mode), ``symbolic``
+(``gelu(x @ y + 1).sum(-1)``, x 4x8: systems ``jit``, a static entry, and ``jit-dynamic``, a
+symbolic one made by a second shape; ``eager``), ``decode`` (``overhead.py``'s
 decode step, fixed shapes; systems eager, jit, backend, inductor, dynamo), ``litgpt-decode`` (a decode step of litgpt's KV-cache GPT under ``inference_mode``, the
 cache position moving each call), ``MODEL:infer`` and ``MODEL:train`` for a zoo model
 (``keraunos.testing.zoo``: eval and no_grad with the padding mask; a train-mode AdamW step).
@@ -143,7 +145,7 @@ def _decode_step(label: str):
     return step
 
 
-SMALL_CASES = ("tiny", "mlp", "mlp-grad")
+SMALL_CASES = ("tiny", "mlp", "mlp-grad", "symbolic")
 
 
 def _small_step(case: str, label: str):
@@ -155,6 +157,18 @@ def _small_step(case: str, label: str):
     import keraunos.dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
+    if case == "symbolic":
+        # A static entry (jit) against a symbolic one (jit-dynamic: a second shape made the
+        # first dimension of x a symbol), the same call.
+        def target(x, y):
+            return torch.nn.functional.gelu(x @ y + 1).sum(-1)
+        x, y = torch.randn(4, 8), torch.randn(8, 8)
+        run = keraunos.jit(target, fuse="off") if label in ("jit", "jit-dynamic") else target
+        if label == "jit-dynamic":
+            run(x, y)
+            run(torch.randn(5, 8), y)
+            assert keraunos.cache_misses(run) == 2
+        return lambda: run(x, y)
     if case == "tiny":
         def target(x):
             return (x * 2 + 1).relu()

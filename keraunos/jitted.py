@@ -129,6 +129,10 @@ class JittedModule(torch.nn.Module):
       does. Outside such a call the original module stays as it was: calling it runs eagerly.
     - As a submodule of another module, its state dict has the original's keys (no
       ``_orig_mod.``), and loads from them.
+
+    Once the native hit path is loaded (``keraunos/native``), and while no call hooks or
+    distributed wrapper take part, the instance's class becomes a subclass of its own, with the
+    same names, whose ``__call__`` is a ``native.Front`` (``_go_native_module``).
     """
 
     def __new__(cls, module: torch.nn.Module, options: JitOptions):
@@ -143,6 +147,8 @@ class JittedModule(torch.nn.Module):
         object.__setattr__(self, "_keraunos", state)
         object.__setattr__(self, "_call", call_profiled if options.profile else call)
         self.register_load_state_dict_pre_hook(_keys_of_the_original)
+        if not options.profile:
+            native.LOADER.when_loaded(self, _go_native_module)
 
     def __call__(self, *args, **kwargs):
         return self._call(self._keraunos, args, kwargs)
@@ -306,17 +312,50 @@ _hooked_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictio
 
 def _run_call_hooks(jitted: JittedModule) -> None:
     """Switches ``jitted`` to its class's variant whose ``__call__`` runs ``nn.Module``'s call
-    hooks (once; a class that already does, e.g. ``FSDP<...>`` built on it, stays)."""
-    cls = type(jitted)
-    if cls.__call__ is torch.nn.Module.__call__:
-        return
-    hooked = _hooked_classes.get(cls)
-    if hooked is None:
-        hooked = type(cls.__name__, (cls,), {
-            "__call__": torch.nn.Module.__call__, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-        _hooked_classes[cls] = hooked
-    object.__setattr__(jitted, "__class__", hooked)
+    hooks (once; a class that already does, e.g. ``FSDP<...>`` built on it, stays). Under the
+    state's lock: the native build's thread may be switching the class too
+    (``_go_native_module``), and the hooks must win."""
+    with jitted._keraunos.lock:
+        cls = type(jitted)
+        if cls.__call__ is torch.nn.Module.__call__:
+            return
+        hooked = _hooked_classes.get(cls)
+        if hooked is None:
+            hooked = type(cls.__name__, (cls,), {
+                "__call__": torch.nn.Module.__call__, "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            _hooked_classes[cls] = hooked
+        object.__setattr__(jitted, "__class__", hooked)
+
+
+def _go_native_module(jitted: JittedModule) -> None:
+    """``_go_native`` for a module: its class (``_jitted_class``'s, with no call hooks, no
+    distributed wrapper's) becomes one of its own, with the same names, whose ``__call__`` is a
+    ``native.Front`` falling back to the class's ``__call__``. A class switched since (call
+    hooks, ``fully_shard``), or a wrapper whose calls go another way (``_jit_ddp``'s, through
+    DDP's forward: its ``_call`` is not ``jit.call``), keeps the Python call."""
+    state = jitted._keraunos
+    with state.lock:
+        base = type(jitted)
+        if base.__bases__ != (JittedModule,) or base.__dict__.get("__call__") is None \
+                or base.__dict__["__call__"] is not base.__dict__.get("forward") \
+                or jitted.__dict__.get("_call") is not call or _composable_state_on(jitted):
+            return  # hooks run, a distributed wrapper (DDP's calls through its forward), or
+            # already native
+        fallback = base.__dict__["__call__"]
+        front = native.module().Front(fallback, state.hit_count)
+        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                     "__doc__": base.__doc__}
+        if CHECK_RESULTS:
+            @functools.wraps(fallback)  # its signature: the original forward's
+            def __call__(self, *args, **kwargs):
+                return checked_result(self._keraunos, front(self, *args, **kwargs))
+            namespace["__call__"] = __call__
+        else:
+            namespace["__call__"] = front
+        object.__setattr__(jitted, "__class__", type(base.__name__, (base,), namespace))
+        state.native_front = front
+    _sync_native(state)
 
 
 def _composable_state_on(module: torch.nn.Module) -> bool:

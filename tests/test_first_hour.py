@@ -145,7 +145,10 @@ def test_jitted_module_presents_the_original_forward_signature():
     assert list(inspect.signature(type(jmodel).forward).parameters) == ["self", "x", "scale"]
     assert type(jmodel).__name__ == "Net" and isinstance(jmodel, keraunos.JittedModule)
     assert type(jmodel).__qualname__ == "JittedModule[Net]"
-    assert type(keraunos.jit(Net())) is type(jmodel)  # one class per original class
+    # One class per original class, which each instance's native class (its own __call__,
+    # the native hit path's Front) derives from.
+    shared = [c for c in type(jmodel).__mro__ if c.__bases__ == (keraunos.JittedModule,)]
+    assert len(shared) == 1 and isinstance(keraunos.jit(Net()), shared[0])
     x = torch.randn(2, 4)
     torch.testing.assert_close(jmodel.forward(x, scale=2.0), model(x, scale=2.0))
 

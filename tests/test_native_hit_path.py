@@ -156,20 +156,49 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(setting):
-    def f(x, w):
-        return (x @ w + 1).relu()
+class _Affine(torch.nn.Module):
+    """``(x @ w + 1).relu()`` with ``w`` a parameter: a module entry (its kept module walk)."""
 
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w.clone(), requires_grad=False)
+        self.act = torch.nn.ReLU()  # its ``inplace`` is checked by identity on every call
+
+    def forward(self, x):
+        return self.act(x @ self.w + 1)
+
+
+def _program(kind: str):
+    """``(jitted, args, eager)`` of one kind of entry the native path serves: a function's static
+    entry, a module's, a function's symbolic entry (every size a symbol)."""
     x, w = torch.randn(2, 3), torch.randn(3, 3)
-    jitted = _jit(f, x, w)
+    if kind == "module":
+        eager = _Affine(w)
+        jitted = keraunos.jit(eager)
+        args = (x,)
+    else:
+        def eager(x, w):
+            return (x @ w + 1).relu()
+        jitted = keraunos.jit(eager, dynamic=kind == "symbolic")
+        args = (x, w)
+    jitted(*args)
+    return jitted, args, eager
+
+
+KINDS = ["function", "module", "symbolic"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(setting, kind):
+    jitted, args, f = _program(kind)
     hit = _hit(jitted)
-    assert hit is not None
-    assert hit.accepts(x, w) is True and hit.armed  # the recorded values must not let it pass
+    assert hit is not None, native.why_not(state_of(jitted).entries[0])
+    assert hit.accepts(*args) is True and hit.armed  # the recorded values must not let it pass
     with SETTINGS[setting]():
-        assert hit.accepts(x, w) is False
-        assert _python_accepts(jitted, x, w) is False
-        assert_close(jitted(x, w), f(x, w))
+        assert hit.accepts(*args) is False
+        assert _python_accepts(jitted, *args) is False
+        assert_close(jitted(*args), f(*args))
         assert keraunos.cache_misses(jitted) == 2
         reasons = " ".join(state_of(jitted).last_miss_reasons)
         if setting.endswith("per backend"):  # torch's getter raises: the prologue cannot run
@@ -178,12 +207,15 @@ def test_each_setting_change_falls_back_to_the_python_path_and_recompiles(settin
             assert f"{setting} is " in reasons and reasons.startswith("check failed"), reasons
         # The new entry is served natively in the new setting, and again gives eager's values.
         python_calls = _counted_python_hit_path(jitted)
-        assert_close(jitted(x, w), f(x, w))
+        assert_close(jitted(*args), f(*args))
         new_hit = _hit(jitted)
         if new_hit is not None:
             assert python_calls == []
-    assert hit.accepts(x, w) is True  # back as compiled
-    assert_close(jitted(x, w), f(x, w))
+    # Back as compiled (a module's first call after compiling walks its tree again in Python:
+    # capture registered modules, which changes the module-structure token).
+    assert_close(jitted(*args), f(*args))
+    assert hit.accepts(*args) is True
+    assert_close(jitted(*args), f(*args))
     assert keraunos.cache_misses(jitted) == 2  # the first entry again, no compilation
 
 
@@ -274,19 +306,83 @@ def test_entries_the_native_path_cannot_express_keep_the_python_hit_path():
         jitted(*args)
         assert state_of(jitted).native_front.hit is None, name
         assert_close(jitted(*args), fn(*args))
-    module = keraunos.jit(torch.nn.Linear(3, 2))
-    module(x)
-    assert native.why_not(state_of(module).entries[0]) is not None
+    buffers = torch.nn.BatchNorm1d(3)  # writes its running statistics: the epilogue's work
+    module = keraunos.jit(buffers)
+    batch = torch.randn(4, 3)
+    module(batch)
+    assert _hit(module) is None
+    reference = torch.nn.BatchNorm1d(3)
+    reference(batch)
+    assert_close(module(batch), reference(batch))
+    assert_close(buffers.running_mean, reference.running_mean)
 
 
-def test_symbolic_entry_keeps_the_python_hit_path():
-    jitted = keraunos.jit(_f, cache="symbolic values")
-    jitted(torch.randn(4))
-    assert state_of(jitted).native_front.hit is None
-    assert native.why_not(state_of(jitted).entries[0]) is not None
-    for n in (5, 6):
-        x = torch.randn(n)
-        assert_close(jitted(x), _f(x))
+@pytest.mark.parametrize("grad", [False, True])
+def test_module_entry_is_served_natively_with_eager_results(grad):
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    jitted = keraunos.jit(eager)
+    x = torch.randn(2, 8)
+    with torch.set_grad_enabled(grad):
+        jitted(x)
+        hit = _hit(jitted)
+        assert hit is not None, native.why_not(state_of(jitted).entries[0])
+        python_calls = _counted_python_hit_path(jitted)
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            assert_close(jitted(x), eager(x))
+        assert python_calls == [] and hit.armed  # served in C
+        assert type(jitted).__qualname__ == "JittedModule[Sequential]"
+        assert isinstance(jitted, keraunos.jitted.JittedModule)
+    assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
+    if grad:
+        copy = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 8))
+        copy.load_state_dict(eager.state_dict())
+        jitted(x).sum().backward()
+        copy(x).sum().backward()
+        assert_close(eager[0].weight.grad, copy[0].weight.grad)
+
+
+MODULE_CHANGES = {
+    "a parameter's data of another shape": lambda m: setattr(
+        m.w, "data", torch.randn(3, 5)),
+    "a parameter replaced": lambda m: setattr(m, "w", torch.nn.Parameter(
+        torch.randn(3, 4), requires_grad=False)),
+    "a submodule added": lambda m: setattr(m, "extra", torch.nn.Linear(2, 2)),
+    "an attribute the program reads": lambda m: setattr(m.act, "inplace", True),
+    "requires_grad of a parameter": lambda m: m.w.requires_grad_(),
+    "a forward hook on a submodule": lambda m: m.act.register_forward_hook(
+        lambda mod, i, o: o * 2),
+}
+
+
+@pytest.mark.parametrize("change", list(MODULE_CHANGES))
+def test_each_module_change_falls_back_to_the_python_path(change):
+    jitted, (x,), eager = _program("module")
+    hit = _hit(jitted)
+    assert hit is not None and hit.accepts(x) is True and hit.armed
+    MODULE_CHANGES[change](eager)
+    assert hit.accepts(x) is False
+    assert_close(jitted(x), eager(x))
+    assert keraunos.cache_misses(jitted) == 2
+    assert state_of(jitted).last_miss_reasons
+
+
+def test_symbolic_entry_is_served_natively_for_each_size():
+    jitted, (x, w), f = _program("symbolic")
+    hit = _hit(jitted)
+    assert hit is not None, native.why_not(state_of(jitted).entries[0])
+    python_calls = _counted_python_hit_path(jitted)
+    for n in (5, 6, 2, 5, 5):
+        x = torch.randn(n, 3)
+        assert_close(jitted(x, w), f(x, w))
+    assert python_calls == [] and hit.armed  # each size decided in C (or by its prologue)
+    assert keraunos.cache_misses(jitted) == 1
+    one = torch.randn(1, 3)  # outside the symbol's range (sizes 0 and 1 are specialized)
+    assert hit.accepts(one, w) is False and _python_accepts(jitted, one, w) is False
+    assert_close(jitted(one, w), f(one, w))
+    assert keraunos.cache_misses(jitted) == 2
+    assert any("s0" in r or "shape" in r for r in state_of(jitted).last_miss_reasons)
 
 
 def test_threads_each_with_their_grad_mode_and_thread_count():
@@ -430,6 +526,16 @@ def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path,
     monkeypatch.setattr(native, "build", slow_build)
     jitted = _jit()
     assert state_of(jitted).native_front is None  # building: the Python path serves calls
+    module, (m_x,), eager = _program("module")
+    # A wrapper whose calls go another way (keraunos.jit of a DDP model routes each call
+    # through DDP's forward): it must keep its Python call once the module loads.
+    routed = keraunos.jit(torch.nn.Linear(3, 3))
+    routed_calls = []
+
+    def through_wrapper(state, args, kwargs):
+        routed_calls.append(1)
+        return keraunos.jitted.call(state, args, kwargs)
+    object.__setattr__(routed, "_call", through_wrapper)
     x = torch.randn(4)
     assert_close(jitted(x), _f(x))
     gate.set()
@@ -439,6 +545,12 @@ def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path,
     python_calls = _counted_python_hit_path(jitted)
     assert_close(jitted(x), _f(x))
     assert python_calls == []
+    assert _hit(module) is not None  # a module jitted before the build, native after it
+    assert_close(module(m_x), eager(m_x))
+    assert state_of(routed).native_front is None
+    for _ in range(2):
+        assert_close(routed(m_x), routed._orig_mod(m_x))
+    assert len(routed_calls) == 2
 
 
 def test_native_can_be_turned_off(monkeypatch):
@@ -448,3 +560,50 @@ def test_native_can_be_turned_off(monkeypatch):
     jitted = _jit()
     assert state_of(jitted).native_front is None and loader.failed == "KERAUNOS_NATIVE=0"
     assert os.environ["KERAUNOS_NATIVE"] == "0"
+
+
+def test_module_attribute_checked_on_every_native_call():
+    """Dropout reads ``training``: checked by identity in the module's ``__dict__`` in C, so
+    ``eval()`` is a miss at once; in train mode its random mask follows ``manual_seed``."""
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    jitted = keraunos.jit(eager)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        jitted(x)
+        hit = _hit(jitted)
+        assert hit is not None, native.why_not(state_of(jitted).entries[0])
+        python_calls = _counted_python_hit_path(jitted)
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            expected = eager(x)
+            torch.manual_seed(seed)
+            assert_close(jitted(x), expected)
+        assert python_calls == [] and hit.armed
+        jitted.eval()
+        assert hit.accepts(x) is False
+        assert_close(jitted(x), eager(x))
+        assert keraunos.cache_misses(jitted) == 2
+        assert any("training" in r for r in state_of(jitted).last_miss_reasons)
+
+
+def test_a_hook_on_the_jitted_module_runs_after_it_went_native():
+    jitted, (x,), eager = _program("module")
+    assert _hit(jitted) is not None
+    seen = []
+    jitted.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert_close(jitted(x), eager(x))
+    assert seen == [eager(x).shape]  # nn.Module.__call__ runs it around the compiled program
+
+
+def test_symbolic_module_entry_is_served_natively_for_each_size():
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh())
+    jitted = keraunos.jit(eager, dynamic=True)
+    jitted(torch.randn(4, 3))
+    hit = _hit(jitted)
+    assert hit is not None, native.why_not(state_of(jitted).entries[0])
+    python_calls = _counted_python_hit_path(jitted)
+    for n in (2, 7, 7, 3, 2):
+        x = torch.randn(n, 3)
+        assert_close(jitted(x), eager(x))
+    assert python_calls == [] and hit.armed
+    assert keraunos.cache_misses(jitted) == 1

@@ -86,12 +86,14 @@ class _Builder:
         return len(self.descriptions) - 1
 
     def check(self, description: str, condition, from_module: bool, guard: Guard | None = None,
-              subject: Path | None = None, uses: tuple = ()) -> None:
-        """A check line; ``uses``: the variables (proxies) its condition reads."""
+              subject: Path | None = None, uses: tuple = (), tensor_guards=None) -> None:
+        """A check line; ``uses``: the variables (proxies) its condition reads;
+        ``tensor_guards``: the ``TensorGuards`` it calls on them, if that is all it does."""
         index = self.number(description)
         tags = {MODULE_CHECK} if from_module else set()
         self.bsyms.append(glue.CHECK.bind(*uses, tags=tags, condition=condition, index=index,
-                                          description=description, guard=guard, subject=subject))
+                                          description=description, guard=guard, subject=subject,
+                                          tensor_guards=tensor_guards))
 
     def guard(self, g: Guard) -> None:
         """The lines that check ``g``: its kind writes them (``capture/guards.py``)."""
@@ -155,7 +157,7 @@ def symbolic_tensor_guards(b: _Builder, entries) -> None:
                           f"{e.real.device}, requires_grad {e.real.requires_grad}" for e in entries)
     b.check(f"{described} (and dispatch keys, and the sizes compiled as numbers)",
             lambda w: f"not {w.constant(guards, 'tensor_guards')}.check({', '.join(names)})",
-            False, uses=tuple(e.proxy for e in entries))
+            False, uses=tuple(e.proxy for e in entries), tensor_guards=guards)
 
 
 class SymbolicTensorGuards:

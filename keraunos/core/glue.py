@@ -140,6 +140,7 @@ class Check:
     description: str
     guard: Any = None                       # the capture.guards.Guard it checks, if one
     subject: Any = None                     # the Path of the value it is about, if one
+    tensor_guards: Any = None               # the TensorGuards its condition calls, if one
 
 
 def _check(bsym, w):

@@ -1,37 +1,50 @@
-"""The native hit path: a jitted function's hit in one C call (``hit_path.cpp``), for the entries
-whose prologue it can express whole; every other entry keeps the Python hit path (``jit.py``).
+"""The native hit path: a jitted function's or module's hit in one C call (``hit_path.cpp``), for
+the entries whose prologue it can express whole; every other entry keeps the Python hit path
+(``jit.py``).
 
-What it serves: an entry of a function (not a module) whose fast prologue is exactly
+What it serves: an entry whose fast prologue is made of these lines only
 
     if len(args) != N: ...            # N positional arguments, every one a tensor
     if kwargs: ...                    # no keywords
     if not _global_state.check(): ... # dynamo's GlobalStateGuard
     if _get_autocast_dtype(dev) is not ...; if _get_float32_matmul_precision() != ...
+    if _is_inference_mode_enabled() is not ...
     x = args[0]; ...                  # each argument once, in order
-    if not _tensor_guards.check(x, ...): ...   # TensorGuards (fewer than guard_trees.TREE_FROM)
-    return (x, ...), ()               # the computation takes the arguments as they came
+    if not _tensor_guards.check(x): ...; s0 = x.shape[0]; if not (2 <= s0): ...
+                                      # symbolic sizes: read from the arguments' sizes or
+                                      # strides, their guards
+    _s = _structure[0]; if _s[0] is not _tree_token[0]: ...   # a module's kept walk
+    if _attribute_dicts[0]['training'] is not True: ...       # module attributes, by identity
+    if not _tensor_guards.check(x, ...): ...   # every tensor's metadata in one C++ call
+    return (x, *_s[1], s0), ()        # arguments, the module's static tensors, size symbols
 
-with static sizes (no size symbols, no guards on them), no alias check (``jit.py`` decides, with
-the epilogue: it must hand back the computation's one output as it is). Anything else in the
-prologue (module attributes, Python values, aliasing, symbolic sizes, dataclass or container
-arguments) leaves the entry on the Python hit path: ``why_not(entry)`` says which line.
+with no alias check and an epilogue that hands back the computation's one output as it is
+(``jit.py`` decides those). Anything else in the prologue (other module or Python values,
+aliasing, data-dependent sizes, dataclass or container arguments) leaves the entry on the Python
+hit path: ``why_not(entry)`` says which line.
 
-Why it accepts exactly the calls the Python hit path accepts: it calls the prologue's own
-``GlobalStateGuard`` and ``TensorGuards`` objects through their C functions, with the same
-arguments (the call's positional tuple is the tensors' tuple), and reads the settings the
-prologue compares in Python with the C++ getters behind the prologue's calls
-(``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``). Any
-``Ambient`` it does not know keeps the entry in Python (``SUPPORTED_AMBIENT``; a test fails when
-``AMBIENT_STATE`` grows). The two guards cost more than the rest of the call, so the first call
-they accept records what they depend on (``Armed`` in ``hit_path.cpp``: the global settings
-``GlobalStateGuard`` serializes, ``GLOBAL_STATE_FIELDS``, and each tensor's type, dispatch keys,
-dtype, device, requires_grad, sizes and strides), and a call with the very same values skips
-them; any other call is decided by the guards again. What it rejects, or a call with keywords,
-goes to the Python ``__call__``, which runs the Python hit path and explains a miss as before.
+Why it accepts exactly the calls the Python hit path accepts: every line above but the
+attribute checks, the settings and the module walk's token is a function of values the first
+accepted call records (``Armed`` in ``hit_path.cpp``: the global settings ``GlobalStateGuard``
+serializes, ``GLOBAL_STATE_FIELDS``; each tensor's type, dispatch keys, dtype, device,
+requires_grad, sizes and strides, the arguments' and the module's parameters' and buffers'), so
+a later call with the very same values is accepted without them. The rest is read on every
+call: the settings from the C++ getters behind the prologue's calls
+(``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``,
+``c10::InferenceMode::is_enabled()``; any ``Ambient`` it does not know keeps the entry in Python,
+``SUPPORTED_AMBIENT``, and a test fails when ``AMBIENT_STATE`` grows), the walk's token and
+attributes from the prologue's own ``_structure`` and ``_tree_token`` lists (a changed tree: the
+Python path walks it again). A call whose values differ is decided by the checks themselves: for
+a function's static entry the prologue's own ``GlobalStateGuard`` and ``TensorGuards`` objects,
+called through their C functions with the same arguments; for the others the prologue itself,
+called from C, whose inputs the computation then takes (and when the inputs built from the
+recorded sources are exactly those the prologue returned, the call's values are recorded in
+place of the old). What it rejects, or a call with keywords, goes to the Python ``__call__``,
+which runs the Python hit path and explains a miss as before.
 
 The build: ``hit_path.cpp`` is compiled once per source, torch and Python version into
 ``cache_directory()`` (a temporary name renamed into place, so never half-written), on the
-first ``keraunos.jit`` in the background (about 3 s of one core); until it loads, and forever
+first ``keraunos.jit`` in the background (about 10 s of one core); until it loads, and forever
 where it cannot be built (no compiler, a failed build: one debug log line), calls take the
 Python path (a failed compile is not tried again for a day: ``recent_failure``). ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
 (``python -m keraunos.native``).
@@ -59,14 +72,14 @@ import torch
 from .. import debug
 from ..capture.ambient import AMBIENT_STATE, AmbientDifference
 from ..core import glue
-from ..passes.fast_prologue import ReturnInputs, TensorChecks
+from ..passes.fast_prologue import AttributeCheck, ReturnInputs, TensorChecks
 
 SOURCE = pathlib.Path(__file__).with_name("hit_path.cpp")
 MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
 
 # The ambient settings a prologue may compare in Python that the native hit reads itself; those
 # in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
-SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision")
+SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision", "inference mode")
 _MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
 # What dynamo's GlobalStateGuard compares (its serialized fields): the native hit records these
 # values to skip calling it (hit_path.cpp, ``Armed``); a torch whose guard compares anything
@@ -283,12 +296,16 @@ def hit_for(entry):
     plan = _plan(entry)
     if isinstance(plan, str):
         return None
-    return loaded.Hit(entry, *plan)
+    return loaded.Hit(**plan)
+
+
+# Where each of the computation's inputs comes from (``Source`` in hit_path.cpp).
+_ARG, _STATICS, _SIZE, _STRIDE = range(4)
+_STATICS_EXPR = "*_s[1]"  # the fast prologue's spliced static tensors (``_splice``)
 
 
 def _plan(entry):
-    """``(nargs, global_guard, tensor_guards, autocast_dtypes, matmul_precision)``: the
-    arguments of the entry's ``Hit``; or, in words, why there is none."""
+    """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
     from torch._C._dynamo.guards import TensorGuards
     prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
     if prologue is None or entry.hit_trace is None:
@@ -300,6 +317,9 @@ def _plan(entry):
     nargs, no_kwargs, global_guard, tensors = None, False, None, None
     autocast, matmul = [], -1
     unpacked: dict[int, str] = {}
+    checked: list[str] = []      # the tensors the prologue's C++ calls check
+    symbols, walked = None, False
+    inference_mode, attributes = -1, []
     for b in lines:
         symbol, fields = b.symbol, b.fields
         guard = getattr(fields, "guard", None)
@@ -323,16 +343,37 @@ def _plan(entry):
             if ambient.label == "float32 matmul precision" and value in _MATMUL_PRECISIONS:
                 matmul = _MATMUL_PRECISIONS[value]
                 continue
+            if ambient.label == "inference mode" and type(value) is bool:
+                inference_mode = int(value)
+                continue
             return f"the prologue compares {ambient.label} in Python"
         if symbol is glue.UNPACK and fields.path.is_item and fields.path.parent is not None \
                 and fields.path.parent.is_root and fields.path.parent.key == "args" \
                 and type(fields.path.key) is int and fields.path.key not in unpacked:
             unpacked[fields.path.key] = b.outputs.name
             continue
+        # Symbolic sizes: each tensor's rank and static metadata in one TensorGuards call, its
+        # sizes read into symbols, their guards; all of them functions of what ``Armed`` records.
+        if symbol is glue.CHECK and getattr(fields, "tensor_guards", None) is not None:
+            checked += [a.name for a in b.args]
+            continue
+        if symbol in (glue.CHECK_SYMBOLIC_TENSOR, glue.BIND_SYMBOL):
+            continue
         if symbol is glue.CHECK_SIZES and not b.args and not list(fields.symbols.checks()):
+            continue
+        if symbol is glue.CHECK_SIZES:
+            symbols = fields.symbols
+            continue
+        if symbol is glue.PYTHON and fields.label == "load module structure":
+            walked = True
+            continue
+        if symbol is glue.PYTHON and isinstance(fields.lines, AttributeCheck) \
+                and type(fields.lines.key) is str:
+            attributes.append((fields.lines.index, fields.lines.key, fields.lines.expected))
             continue
         if symbol is glue.PYTHON and isinstance(fields.lines, TensorChecks):
             tensors = fields.lines
+            checked += tensors.checked
             continue
         return f"the prologue line {str(b).strip().splitlines()[0][:80]!r}"
     names = [unpacked.get(i) for i in range(nargs or 0)]
@@ -343,8 +384,55 @@ def _plan(entry):
         return f"this torch's GlobalStateGuard compares {sorted(fields)}"
     if not nargs or None in names or len(unpacked) != nargs:
         return "not every argument is unpacked once"
-    if tensors is None or type(tensors.guards) is not TensorGuards:
-        return "the tensors are not checked by one TensorGuards call"
-    if tensors.checked != names or returned.inputs != ", ".join(names):
-        return "the computation does not take exactly the arguments, all tensors, in order"
-    return nargs, global_guard, tensors.guards, tuple(autocast), matmul
+    if not set(names) <= set(checked):
+        return "not every argument is a tensor checked by the prologue's C++ calls"
+    sources = _sources(returned.inputs, names, symbols, walked)
+    if isinstance(sources, str):
+        return sources
+    plan = dict(entry=entry, nargs=nargs, global_guard=None, tensor_guards=None,
+                autocast_dtypes=tuple(autocast), matmul_precision=matmul,
+                prologue=entry.prologue_fn, sources=sources, inference_mode=inference_mode,
+                attributes=tuple(attributes))
+    if walked:
+        namespace = getattr(entry.prologue_fn, "__globals__", {})
+        plan["structure"], plan["tree_token"] = namespace.get("_structure"), namespace.get(
+            "_tree_token")
+        if type(plan["structure"]) is not list or type(plan["tree_token"]) is not list:
+            return "the prologue's kept module walk is not where the fast prologue keeps it"
+    elif attributes:
+        return "module attributes are checked without the module walk"
+    elif symbols is None and sources is None and tensors is not None \
+            and type(tensors.guards) is TensorGuards \
+            and tensors.checked == names:
+        # A function's static entry: its two guards, called in C, decide what the record does
+        # not (no Python at all).
+        plan.update(global_guard=global_guard, tensor_guards=tensors.guards)
+    return plan
+
+
+def _sources(inputs: str, names: list[str], symbols, walked: bool):
+    """Where each of the computation's inputs (the prologue's ``return (x, *_s[1], s0)``) comes
+    from, for ``Hit``: None when they are the arguments as they came."""
+    if inputs == ", ".join(names):
+        return None
+    arg_of = {name: i for i, name in enumerate(names)}
+    sizes = {}
+    if symbols is not None:
+        for binding in symbols.bindings.values():
+            tensor = binding.tensor
+            if tensor is None or binding.prop not in ("size", "stride") \
+                    or tensor.name not in arg_of:
+                return f"the size symbol {binding.proxy.name} is read from {binding.where()}"
+            kind = _SIZE if binding.prop == "size" else _STRIDE
+            sizes[binding.proxy.name] = (kind, arg_of[tensor.name], binding.dim)
+    sources = []
+    for item in inputs.split(", "):
+        if item in arg_of:
+            sources.append((_ARG, arg_of[item], 0))
+        elif item in sizes:
+            sources.append(sizes[item])
+        elif item == _STATICS_EXPR and walked:
+            sources.append((_STATICS, 0, 0))
+        else:
+            return f"the computation takes {item}"
+    return tuple(sources)

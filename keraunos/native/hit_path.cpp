@@ -3,19 +3,21 @@
 // it serves and why it accepts exactly the calls their Python hit path accepts.
 //
 // Two types:
-//   Hit    what one entry's prologue checks: the argument count (no keywords), dynamo's
-//          GlobalStateGuard and TensorGuards objects of the prologue itself (their own C
-//          functions are called, so they compare exactly what the prologue's calls compare), and
-//          the ambient settings the prologue compares in Python (autocast dtypes, float32 matmul
-//          precision), which are read here from the same C++ getters torch's bindings read.
-//          Those two guards cost 2.7k instructions a call (GlobalStateGuard asks every device
-//          type whether autocast is on, TensorGuards builds a set to find duplicates), so the
-//          first call they accept also records the values they depend on (``Armed``); a later
-//          call whose values are all the same is accepted without them, and any other call is
-//          decided by the guards themselves again.
-//   Front  a jitted function's ``__call__``: a method descriptor (so ``jitted(x)`` reaches it
-//          with no Python frame) that runs the front entry's Hit, and otherwise calls the
-//          Python ``__call__`` it was given, which explains misses and compiles.
+//   Hit    what one entry's prologue checks: the argument count (no keywords), the ambient
+//          settings the prologue compares in Python (autocast dtypes, float32 matmul precision,
+//          inference mode), read here from the same C++ getters torch's bindings read, a
+//          module's kept walk (its token, its static tensors, the attributes checked by
+//          identity), and everything else by recorded values: the first call the checks accept
+//          also records the values they depend on (``Armed``), and a later call whose values
+//          are all the same is accepted without them. Any other call is decided by the checks
+//          themselves: a function's static entry calls dynamo's GlobalStateGuard and
+//          TensorGuards objects of its prologue (their own C functions, so they compare exactly
+//          what the prologue's calls compare); other entries call the prologue.
+//          The computation's inputs are the arguments, the module's static tensors and size
+//          symbols read from the arguments (``Source``).
+//   Front  a jitted function's or module's ``__call__``: a method descriptor (so ``jitted(x)``
+//          reaches it with no Python frame) that runs the front entry's Hit, and otherwise calls
+//          the Python ``__call__`` it was given, which explains misses and compiles.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -26,6 +28,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
@@ -33,6 +36,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -109,7 +113,8 @@ const c10::DispatchKeySet python_keys({c10::DispatchKey::Python,
 
 struct Armed {
   GlobalValues global;
-  std::vector<TensorMeta> tensors;
+  std::vector<TensorMeta> tensors;  // the arguments', then the statics'
+  size_t nargs;
 
   // Whether the values of this call can be armed: no autocast on, no Python key.
   static bool armable(const GlobalValues& g) {
@@ -139,10 +144,13 @@ struct Armed {
     return true;
   }
 
-  bool same_tensors(PyObject* const* args) const {
+  // The arguments', then the statics' (the module's parameters and buffers, in order).
+  bool same_tensors(PyObject* const* args, PyObject* statics) const {
+    size_t nstatics = statics ? (size_t)PyTuple_GET_SIZE(statics) : 0;
+    if (tensors.size() != nargs + nstatics) return false;
     for (size_t i = 0; i < tensors.size(); i++) {
       const TensorMeta& meta = tensors[i];
-      PyObject* item = args[i];
+      PyObject* item = i < nargs ? args[i] : PyTuple_GET_ITEM(statics, i - nargs);
       if (Py_TYPE(item) != meta.type) return false;
       const auto* impl = THPVariable_Unpack(item).unsafeGetTensorImpl();
       if (impl->key_set().raw_repr() != meta.keys || impl->dtype() != meta.dtype ||
@@ -162,18 +170,37 @@ struct Armed {
 };
 
 // ------------------------------------------------------------------------------------ Hit
+// Where each of the computation's inputs comes from: an argument, the module's static tensors
+// (the fast prologue's kept walk, ``_s[1]``, spliced in), or a size or stride of an argument
+// (a size symbol the prologue binds: ``s0 = x.shape[0]``).
+struct Source {
+  enum Kind { ARG, STATICS, SIZE, STRIDE } kind;
+  Py_ssize_t index;  // the argument (ARG, SIZE, STRIDE)
+  int64_t dim;       // the dimension (SIZE, STRIDE)
+};
+
 struct Hit {
   PyObject_HEAD
   PyObject* entry;          // the CacheEntry
   PyObject* entry_dict;     // its __dict__: computation_fn read from it on every call (tiers)
   Py_ssize_t nargs;
-  PyObject* global_guard;   // GlobalStateGuard
+  PyObject* global_guard;   // GlobalStateGuard, or null: the prologue decides (below)
   PyCFunction global_check;
-  PyObject* tensor_guards;  // TensorGuards
+  PyObject* tensor_guards;  // TensorGuards, or null
   PyCFunctionWithKeywords tensor_check;
+  PyObject* prologue;       // the entry's prologue: decides a call the record does not, where
+                            // there are no guards to call
+  PyObject* structure;      // the fast prologue's kept module walk (a list), or null: a function
+  PyObject* tree_token;     // structure.py's _tree_token (a list), or null
+  std::vector<Source>* sources;  // the computation's inputs; null: the arguments as they came
   std::vector<std::pair<c10::DeviceType, c10::ScalarType>>* autocast_dtypes;
   int matmul_precision;     // at::Float32MatmulPrecision as an int; -1: not checked
-  Armed* armed;             // null until the guards accept a call whose values can be armed
+  int inference_mode;       // whether inference mode must be on (1) or off (0); -1: not checked
+  // Module attributes the prologue checks by identity in the walk's ``__dict__``s (``_s[2]``),
+  // on every call: (dict index, key, expected object), borrowed from ``attributes``.
+  PyObject* attributes;
+  std::vector<std::tuple<Py_ssize_t, PyObject*, PyObject*>>* attribute_checks;
+  Armed* armed;             // null until a call whose values can be armed is accepted
 };
 
 // The C function behind ``obj.<name>``, a method of a C type with the calling convention
@@ -193,19 +220,83 @@ void* c_method(PyObject* obj, const char* name, int flags) {
   return fn;
 }
 
+bool parse_sources(PyObject* spec, std::vector<Source>& out) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec); i++) {
+    int kind;
+    Py_ssize_t index;
+    long long dim;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(spec, i), "inL", &kind, &index, &dim)) return false;
+    if (kind < Source::ARG || kind > Source::STRIDE) {
+      PyErr_SetString(PyExc_ValueError, "unknown input source");
+      return false;
+    }
+    out.push_back({(Source::Kind)kind, index, (int64_t)dim});
+  }
+  return true;
+}
+
 int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"entry", "nargs", "global_guard", "tensor_guards",
+                                   "autocast_dtypes", "matmul_precision", "prologue",
+                                   "structure", "tree_token", "sources", "inference_mode",
+                                   "attributes", nullptr};
   PyObject *entry, *global_guard, *tensor_guards, *autocast;
+  PyObject *prologue = Py_None, *structure = Py_None, *tree_token = Py_None, *spec = Py_None;
+  PyObject* attributes = nullptr;
   Py_ssize_t nargs;
-  int matmul_precision;
-  if (!PyArg_ParseTuple(args, "OnOOO!i", &entry, &nargs, &global_guard, &tensor_guards,
-                        &PyTuple_Type, &autocast, &matmul_precision)) {
+  int matmul_precision, inference_mode = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnOOO!i|OOOOiO!", (char**)keywords, &entry,
+                                   &nargs, &global_guard, &tensor_guards, &PyTuple_Type,
+                                   &autocast, &matmul_precision, &prologue, &structure,
+                                   &tree_token, &spec, &inference_mode, &PyTuple_Type,
+                                   &attributes)) {
     return -1;
   }
-  auto global_check = (PyCFunction)c_method(global_guard, "check", METH_NOARGS);
-  if (global_check == nullptr) return -1;
-  auto tensor_check = (PyCFunctionWithKeywords)c_method(tensor_guards, "check",
-                                                        METH_VARARGS | METH_KEYWORDS);
-  if (tensor_check == nullptr) return -1;
+  auto checks = new std::vector<std::tuple<Py_ssize_t, PyObject*, PyObject*>>();
+  for (Py_ssize_t i = 0; attributes != nullptr && i < PyTuple_GET_SIZE(attributes); i++) {
+    Py_ssize_t index;
+    PyObject *key, *expected;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(attributes, i), "nO!O", &index, &PyUnicode_Type,
+                          &key, &expected)) {
+      delete checks;
+      return -1;
+    }
+    checks->emplace_back(index, key, expected);
+  }
+  // Held from here on (freed with the Hit), with the tuple their pointers borrow from.
+  Py_XINCREF(attributes);
+  Py_XSETREF(self->attributes, attributes);
+  delete self->attribute_checks;
+  self->attribute_checks = checks;
+  self->inference_mode = inference_mode;
+  if (!checks->empty() && structure == Py_None) {
+    PyErr_SetString(PyExc_TypeError, "Hit: attribute checks need the module walk");
+    return -1;
+  }
+  if ((global_guard == Py_None) != (tensor_guards == Py_None) ||
+      (global_guard == Py_None && prologue == Py_None) ||
+      (structure == Py_None) != (tree_token == Py_None) ||
+      (structure != Py_None && (!PyList_CheckExact(structure) ||
+                                !PyList_CheckExact(tree_token))) ||
+      (spec != Py_None && !PyTuple_Check(spec))) {
+    PyErr_SetString(PyExc_TypeError, "Hit: guards both or neither (then a prologue), structure "
+                    "and tree_token both lists or neither, sources a tuple or None");
+    return -1;
+  }
+  PyCFunction global_check = nullptr;
+  PyCFunctionWithKeywords tensor_check = nullptr;
+  if (global_guard != Py_None) {
+    global_check = (PyCFunction)c_method(global_guard, "check", METH_NOARGS);
+    if (global_check == nullptr) return -1;
+    tensor_check = (PyCFunctionWithKeywords)c_method(tensor_guards, "check",
+                                                     METH_VARARGS | METH_KEYWORDS);
+    if (tensor_check == nullptr) return -1;
+  }
+  auto sources = spec == Py_None ? nullptr : new std::vector<Source>();
+  if (sources != nullptr && !parse_sources(spec, *sources)) {
+    delete sources;
+    return -1;
+  }
   auto dtypes = new std::vector<std::pair<c10::DeviceType, c10::ScalarType>>();
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(autocast); i++) {
     PyObject* item = PyTuple_GET_ITEM(autocast, i);
@@ -214,6 +305,7 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
     if (!PyArg_ParseTuple(item, "sO", &device, &dtype) || !THPDtype_Check(dtype)) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected (device type, dtype)");
       delete dtypes;
+      delete sources;
       return -1;
     }
     try {
@@ -221,6 +313,7 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
       delete dtypes;
+      delete sources;
       return -1;
     }
   }
@@ -230,17 +323,26 @@ int Hit_init(Hit* self, PyObject* args, PyObject* kwargs) {
   PyObject* entry_dict = PyObject_GenericGetDict(entry, nullptr);
   if (entry_dict == nullptr) {
     delete dtypes;
+    delete sources;
     return -1;
   }
+  auto keep = [](PyObject* o) -> PyObject* {
+    if (o == Py_None) return nullptr;
+    Py_INCREF(o);
+    return o;
+  };
   Py_XSETREF(self->entry_dict, entry_dict);
   Py_INCREF(entry);
-  Py_INCREF(global_guard);
-  Py_INCREF(tensor_guards);
   Py_XSETREF(self->entry, entry);
-  Py_XSETREF(self->global_guard, global_guard);
-  Py_XSETREF(self->tensor_guards, tensor_guards);
+  Py_XSETREF(self->global_guard, keep(global_guard));
+  Py_XSETREF(self->tensor_guards, keep(tensor_guards));
+  Py_XSETREF(self->prologue, keep(prologue));
+  Py_XSETREF(self->structure, keep(structure));
+  Py_XSETREF(self->tree_token, keep(tree_token));
   delete self->autocast_dtypes;
   self->autocast_dtypes = dtypes;
+  delete self->sources;
+  self->sources = sources;
   self->nargs = nargs;
   self->global_check = global_check;
   self->tensor_check = tensor_check;
@@ -255,6 +357,10 @@ int Hit_traverse(Hit* self, visitproc visit, void* arg) {
   Py_VISIT(self->entry_dict);
   Py_VISIT(self->global_guard);
   Py_VISIT(self->tensor_guards);
+  Py_VISIT(self->prologue);
+  Py_VISIT(self->structure);
+  Py_VISIT(self->tree_token);
+  Py_VISIT(self->attributes);
   return 0;
 }
 
@@ -263,6 +369,10 @@ int Hit_clear(Hit* self) {
   Py_CLEAR(self->entry_dict);
   Py_CLEAR(self->global_guard);
   Py_CLEAR(self->tensor_guards);
+  Py_CLEAR(self->prologue);
+  Py_CLEAR(self->structure);
+  Py_CLEAR(self->tree_token);
+  Py_CLEAR(self->attributes);
   return 0;
 }
 
@@ -270,6 +380,8 @@ void Hit_dealloc(Hit* self) {
   PyObject_GC_UnTrack(self);
   Hit_clear(self);
   delete self->autocast_dtypes;
+  delete self->sources;
+  delete self->attribute_checks;
   delete self->armed;
   Py_TYPE(self)->tp_free((PyObject*)self);
 }
@@ -278,6 +390,9 @@ PyObject* Hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   Hit* self = (Hit*)type->tp_alloc(type, 0);
   if (self != nullptr) {
     self->autocast_dtypes = nullptr;
+    self->sources = nullptr;
+    self->attribute_checks = nullptr;
+    self->inference_mode = -1;
     self->matmul_precision = -1;
     self->armed = nullptr;
   }
@@ -286,6 +401,9 @@ PyObject* Hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 
 // The settings the prologue compares in Python, read from the getters behind its calls.
 bool Hit_python_settings_match(Hit* self) {
+  if (self->inference_mode >= 0 && (int)c10::InferenceMode::is_enabled() != self->inference_mode) {
+    return false;
+  }
   for (const auto& [device_type, dtype] : *self->autocast_dtypes) {
     if (at::autocast::get_autocast_dtype(device_type) != dtype) return false;
   }
@@ -336,11 +454,141 @@ bool Hit_guards_accept(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObj
   return true;
 }
 
-void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, const GlobalValues& global) {
+// The computation's inputs for one call: borrowed (the arguments as they came, or the tuple
+// the prologue returned) or built from ``sources`` (new references, released with it).
+struct Inputs {
+  PyObject* const* items = nullptr;
+  Py_ssize_t n = 0;
+  PyObject* tuple = nullptr;  // the prologue's inputs, held
+  // Built inputs: in ``inline_items`` when they fit (no allocation on the hit), else ``heap``.
+  static constexpr Py_ssize_t INLINE = 16;
+  PyObject* inline_items[INLINE];
+  std::vector<PyObject*> heap;
+  Py_ssize_t built = 0;  // new references held in the first ``built`` of them
+  Inputs() = default;
+  Inputs(const Inputs&) = delete;
+  ~Inputs() {
+    PyObject** own = heap.empty() ? inline_items : heap.data();
+    for (Py_ssize_t i = 0; i < built; i++) Py_DECREF(own[i]);
+    Py_XDECREF(tuple);
+  }
+
+  // From the sources; false (nothing set) where one cannot be read.
+  bool build(const std::vector<Source>& sources, PyObject* const* args, PyObject* statics) {
+    Py_ssize_t nstatics = statics ? PyTuple_GET_SIZE(statics) : 0;
+    Py_ssize_t total = 0;
+    for (const Source& s : sources) total += s.kind == Source::STATICS ? nstatics : 1;
+    PyObject** own = inline_items;
+    if (total > INLINE) {
+      heap.resize(total);
+      own = heap.data();
+    }
+    for (const Source& s : sources) {
+      if (s.kind == Source::ARG) {
+        Py_INCREF(args[s.index]);
+        own[built++] = args[s.index];
+      } else if (s.kind == Source::STATICS) {
+        if (statics == nullptr) return false;
+        for (Py_ssize_t i = 0; i < nstatics; i++) {
+          Py_INCREF(PyTuple_GET_ITEM(statics, i));
+          own[built++] = PyTuple_GET_ITEM(statics, i);
+        }
+      } else {
+        const auto* impl = THPVariable_Unpack(args[s.index]).unsafeGetTensorImpl();
+        auto values = s.kind == Source::SIZE ? impl->sizes() : impl->strides();
+        if (s.dim < 0 || s.dim >= (int64_t)values.size()) return false;
+        PyObject* value = PyLong_FromLongLong(values[s.dim]);
+        if (value == nullptr) {
+          PyErr_Clear();
+          return false;
+        }
+        own[built++] = value;
+      }
+    }
+    items = own;
+    n = built;
+    return true;
+  }
+
+  // Whether ``other`` holds the same inputs: the same objects, ints equal.
+  bool same_as(PyObject* other) const {
+    if (!PyTuple_Check(other) || PyTuple_GET_SIZE(other) != n) return false;
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject *a = items[i], *b = PyTuple_GET_ITEM(other, i);
+      if (a == b) continue;
+      if (!PyLong_CheckExact(a) || !PyLong_CheckExact(b)) return false;
+      int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+      if (equal != 1) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+// The module's static tensors as the prologue would take them (``_s[1]`` of ``_structure[0]``,
+// borrowed), or null where its walk must run again first (the tree changed): the prologue
+// decides then.
+bool Hit_statics(Hit* self, PyObject** statics) {
+  *statics = nullptr;
+  if (self->structure == nullptr) return true;
+  if (PyList_GET_SIZE(self->structure) < 1 || PyList_GET_SIZE(self->tree_token) < 1) {
+    return false;
+  }
+  PyObject* walk = PyList_GET_ITEM(self->structure, 0);
+  if (!PyTuple_CheckExact(walk) || PyTuple_GET_SIZE(walk) < 2 ||
+      PyTuple_GET_ITEM(walk, 0) != PyList_GET_ITEM(self->tree_token, 0) ||
+      !PyTuple_CheckExact(PyTuple_GET_ITEM(walk, 1))) {
+    return false;
+  }
+  *statics = PyTuple_GET_ITEM(walk, 1);
+  if (self->attribute_checks == nullptr || self->attribute_checks->empty()) return true;
+  // The attributes, as the prologue's ``_attribute_dicts[i][key] is not expected`` reads them.
+  PyObject* dicts = PyTuple_GET_SIZE(walk) > 2 ? PyTuple_GET_ITEM(walk, 2) : nullptr;
+  if (dicts == nullptr || !PyTuple_CheckExact(dicts)) return false;
+  for (const auto& [index, key, expected] : *self->attribute_checks) {
+    if (index >= PyTuple_GET_SIZE(dicts) || !PyDict_CheckExact(PyTuple_GET_ITEM(dicts, index))) {
+      return false;
+    }
+    PyObject* value = PyDict_GetItemWithError(PyTuple_GET_ITEM(dicts, index), key);
+    if (value != expected) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// Records this call's values, when they can be armed and (where the prologue decided) the
+// sources give exactly the inputs it returned.
+void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* statics,
+             const GlobalValues& global, PyObject* prologue_inputs) {
   if (!Armed::armable(global)) return;
-  auto armed = new Armed{global, std::vector<TensorMeta>(nargs)};
-  for (Py_ssize_t i = 0; i < nargs; i++) {
-    if (!Armed::read(args[i], armed->tensors[i])) {
+  Py_ssize_t nstatics = statics ? PyTuple_GET_SIZE(statics) : 0;
+  // The old record's vectors are reused where they fit (a symbolic entry called with other
+  // sizes records each accepted call: no allocation per tensor); detached while filled.
+  Armed* armed = self->armed;
+  self->armed = nullptr;
+  if (armed != nullptr && armed->tensors.size() == (size_t)(nargs + nstatics)) {
+    armed->global = global;
+    armed->nargs = (size_t)nargs;
+  } else {
+    delete armed;
+    armed = new Armed{global, std::vector<TensorMeta>(nargs + nstatics), (size_t)nargs};
+  }
+  for (Py_ssize_t i = 0; i < nargs + nstatics; i++) {
+    PyObject* item = i < nargs ? args[i] : PyTuple_GET_ITEM(statics, i - nargs);
+    if (!Armed::read(item, armed->tensors[i])) {
+      delete armed;
+      return;
+    }
+  }
+  if (prologue_inputs != nullptr) {
+    Inputs inputs;
+    bool same = self->sources != nullptr ? inputs.build(*self->sources, args, statics)
+                                         : (inputs.items = args, inputs.n = nargs, true);
+    if (!same || !inputs.same_as(prologue_inputs)) {
       delete armed;
       return;
     }
@@ -348,18 +596,48 @@ void Hit_arm(Hit* self, PyObject* const* args, Py_ssize_t nargs, const GlobalVal
   self->armed = armed;
 }
 
-// Whether the entry's checks accept these positional arguments. Nothing raises here: where
-// anything fails, the Python hit path decides (and explains).
-bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* tuple = nullptr) {
+// Whether the entry's checks accept these positional arguments, and the computation's inputs
+// when they do. Nothing raises here: where anything fails, the Python hit path decides (and
+// explains).
+bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs, Inputs& inputs,
+                 PyObject* tuple = nullptr) {
   if (nargs != self->nargs || !Hit_python_settings_match(self)) return false;
   try {
+    PyObject* statics;
+    if (!Hit_statics(self, &statics)) return false;
     GlobalValues global = GlobalValues::now();
     if (self->armed != nullptr && self->armed->global == global &&
-        self->armed->same_tensors(args)) {
+        self->armed->same_tensors(args, statics)) {
+      if (self->sources == nullptr) {
+        inputs.items = args;
+        inputs.n = nargs;
+        return true;
+      }
+      return inputs.build(*self->sources, args, statics);
+    }
+    if (self->global_guard != nullptr) {  // a function's static entry: its guards, in C
+      if (!Hit_guards_accept(self, args, nargs, tuple)) return false;
+      if (self->armed == nullptr) Hit_arm(self, args, nargs, nullptr, global, nullptr);
+      inputs.items = args;
+      inputs.n = nargs;
       return true;
     }
-    if (!Hit_guards_accept(self, args, nargs, tuple)) return false;
-    if (self->armed == nullptr) Hit_arm(self, args, nargs, global);
+    // The prologue itself: ``(inputs, pro_to_epi)`` when it accepts.
+    PyObject* r = PyObject_Vectorcall(self->prologue, args, nargs, nullptr);
+    if (r == nullptr || !PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2 ||
+        !PyTuple_CheckExact(PyTuple_GET_ITEM(r, 0))) {
+      Py_XDECREF(r);
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* accepted = PyTuple_GET_ITEM(r, 0);
+    Py_INCREF(accepted);
+    Py_DECREF(r);
+    inputs.tuple = accepted;
+    inputs.items = &PyTuple_GET_ITEM(accepted, 0);
+    inputs.n = PyTuple_GET_SIZE(accepted);
+    // The walk may have run again inside: the statics are read anew for the record.
+    if (Hit_statics(self, &statics)) Hit_arm(self, args, nargs, statics, global, accepted);
     return true;
   } catch (...) {
     return false;
@@ -368,8 +646,9 @@ bool Hit_accepts(Hit* self, PyObject* const* args, Py_ssize_t nargs, PyObject* t
 
 // ``hit.accepts(*args)``: the checks alone, for tests.
 PyObject* Hit_accepts_py(Hit* self, PyObject* args) {
+  Inputs inputs;
   return PyBool_FromLong(
-      Hit_accepts(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), args));
+      Hit_accepts(self, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), inputs, args));
 }
 
 // ``hit.armed``: whether a call's values are recorded (tests).
@@ -401,14 +680,14 @@ PyTypeObject FrontType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // The front entry's computation on these arguments, its one output, and the hit counted; null
 // with the program's error set (raised, never retried: the checks passed).
-PyObject* Front_run(Front* self, Hit* h, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* Front_run(Front* self, Hit* h, const Inputs& inputs) {
   PyObject* computation = PyDict_GetItemWithError(h->entry_dict, computation_fn_name);
   if (computation == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "an entry without computation_fn");
     return nullptr;
   }
   Py_INCREF(computation);  // borrowed from a dict the program could change
-  PyObject* outputs = PyObject_Vectorcall(computation, args, nargs, nullptr);
+  PyObject* outputs = PyObject_Vectorcall(computation, inputs.items, inputs.n, nullptr);
   Py_DECREF(computation);
   if (outputs == nullptr) return nullptr;
   if (!PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 1) {
@@ -437,8 +716,9 @@ PyObject* Front_vectorcall(PyObject* callable, PyObject* const* args, size_t nar
   }
   Py_INCREF(hit);  // a call may replace the front entry (another thread, a nested call)
   PyObject* result;
-  if (Hit_accepts((Hit*)hit, args + 1, nargs - 1)) {
-    result = Front_run(self, (Hit*)hit, args + 1, nargs - 1);
+  Inputs inputs;
+  if (Hit_accepts((Hit*)hit, args + 1, nargs - 1, inputs)) {
+    result = Front_run(self, (Hit*)hit, inputs);
   } else {
     result = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
   }
@@ -517,9 +797,18 @@ int Front_set_hit(Front* self, PyObject* value, void*) {
   return 0;
 }
 
+// ``front.__wrapped__``: the Python ``__call__`` it falls back to, whose signature
+// ``inspect.signature`` then reports (a jitted module's is its original ``forward``'s).
+PyObject* Front_get_wrapped(Front* self, void*) {
+  Py_INCREF(self->fallback);
+  return self->fallback;
+}
+
 PyGetSetDef Front_getset[] = {
     {"hit", (getter)Front_get_hit, (setter)Front_set_hit,
      "The front entry's Hit, or None: every call then goes to the Python __call__.", nullptr},
+    {"__wrapped__", (getter)Front_get_wrapped, nullptr,
+     "The Python __call__ it falls back to.", nullptr},
     {nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_keraunos_hit_path",

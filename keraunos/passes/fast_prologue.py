@@ -360,15 +360,29 @@ def _module_attributes(part: list[BoundSymbol], dict_vars: list[str], keep: set[
 def _attribute_lines(lines, entries, keep):
     """The identity checks of the attributes read from the cached dicts, first (an object's own
     dict is read only after its identity check), then the lines left that something reads."""
-    checks = [_glue("check", lambda w, i=index, k=key, e=expected, d=description, c=check_index:
-                    [f"if _attribute_dicts[{i}][{k!r}] is not {_identity(w, e)}: return {c}"
-                     f"  # {d}"])
-              for index, key, expected, description, check_index in entries]
+    checks = [_glue("check", AttributeCheck(*entry)) for entry in entries]
 
     def defines(b):  # the one name a cached attribute read binds
         return b.outputs.name if b.symbol is glue.PYTHON and b.outputs is not None else None
     used = _names_used([b for b in lines if defines(b) is None]) | keep
     return checks + [b for b in lines if defines(b) is None or defines(b) in used]
+
+
+@dataclass(frozen=True, eq=False)
+class AttributeCheck:
+    """``if _attribute_dicts[index][key] is not expected: return check_index``: a module
+    attribute checked by identity in its cached ``__dict__`` (the native hit path reads the
+    same)."""
+
+    index: int
+    key: str
+    expected: Any
+    description: str
+    check_index: int
+
+    def __call__(self, w) -> list[str]:
+        return [f"if _attribute_dicts[{self.index}][{self.key!r}] is not "
+                f"{_identity(w, self.expected)}: return {self.check_index}  # {self.description}"]
 
 
 def _identity(w, expected) -> str:
