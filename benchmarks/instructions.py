@@ -222,12 +222,14 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
         _wait(f"{directory}/next-{label}")
 
 
-def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> None:
+def parent(case: str, systems: list[str], calls: int, keep: bool = False,
+           cache_sim: bool = False) -> None:
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise SystemExit(f"benchmarks/instructions.py needs {tool} (apt-get install valgrind)")
     directory = tempfile.mkdtemp(prefix="keraunos-instructions-")
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
                f"--callgrind-out-file={directory}/cg.out", sys.executable,
                os.path.abspath(__file__), "--child", "--case", case, "--systems",
                ",".join(systems), "--calls", str(calls), "--dir", directory]
@@ -248,15 +250,21 @@ def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> Non
             _touch(f"{directory}/next-{label}")
         if process.wait() != 0:
             raise SystemExit(f"the instrumented child failed; its output is in {directory}/log")
-    counts = {}
+    counts, misses = {}, {}
     for file in os.listdir(directory):
         if not file.startswith("cg.out."):
             continue
         text = open(f"{directory}/{file}").read()
         trigger = re.search(r"^desc: Trigger: (.*)$", text, re.M)  # "dump fused"
-        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        total = re.search(r"^(?:summary|totals): ([\d ]+)$", text, re.M)
         if trigger and total:
-            counts[trigger.group(1).split()[-1]] = int(total.group(1)) / calls
+            label = trigger.group(1).split()[-1]
+            figures = [int(n) for n in total.group(1).split()]
+            counts[label] = figures[0] / calls
+            # --cache-sim: Ir I1mr ILmr Dr D1mr DLmr Dw D1mw DLmw
+            if len(figures) == 9:
+                misses[label] = (figures[1] + figures[4] + figures[7]) / calls, \
+                    (figures[2] + figures[5] + figures[8]) / calls
     reference = counts.get(systems[-1])
     print(f"{case}: instructions per call, {calls} warm calls, one thread (callgrind)")
     for label in systems:
@@ -264,7 +272,11 @@ def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> Non
             print(f"  {label:10s} (no count: see {directory}/log)")
             continue
         ratio = f"{counts[label] / reference:.3f}x {systems[-1]}" if reference else ""
-        print(f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}")
+        line = f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}"
+        if label in misses:
+            line += (f"   L1 misses {misses[label][0] / 1e3:8,.2f}k, last-level misses "
+                     f"{misses[label][1] / 1e3:8,.2f}k (callgrind's cache model)")
+        print(line)
     if keep:
         print(f"callgrind's files (callgrind_annotate --inclusive=yes FILE): {directory}")
     elif len(counts) == len(systems):
@@ -281,6 +293,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
     parser.add_argument("--keep", action="store_true",
                         help="keep callgrind's output files (per function: callgrind_annotate)")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="also count simulated cache misses (valgrind's --cache-sim=yes)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -291,7 +305,7 @@ def main() -> None:
     if args.child:
         child(args.case, systems, args.calls, args.dir)
     else:
-        parent(args.case, systems, args.calls, args.keep)
+        parent(args.case, systems, args.calls, args.keep, args.cache_sim)
 
 
 if __name__ == "__main__":
