@@ -21,7 +21,9 @@ CPU's vector instructions runs while the program is captured (``start_warming``)
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
 input mutations, none of which a region has, and cost about 7 us a call (a sixteenth of a
-litgpt decode step's instructions, with six regions).
+litgpt decode step's instructions, with six regions). A region that writes an input (a KV cache)
+is called past them too: its graph writes in its own kernels, and the direct call counts the
+write in the input's version counter, as the wrappers do.
 """
 from __future__ import annotations
 
