@@ -2,7 +2,7 @@
 
 Run: python benchmarks/instructions.py [--case litgpt-decode | tiny | mlp | mlp-grad |
      MODEL:infer | MODEL:train]
-     [--systems fused,inductor] [--calls N]
+     [--systems fused,inductor] [--calls N] [--keep] [--cache-sim]
 
 Wall time on a shared two-core machine moves by 2x between runs, which cannot settle a 1.1x
 target; the number of instructions a call executes moves by well under 1 %. This script runs
@@ -23,7 +23,8 @@ litgpt-decode, the backend with fusion for zoo models and the small cases), ``ji
 (small cases: keraunos.jit with the inductor executor, fuse="wait"), ``backend``
 (torch.compile with backend="keraunos", its background fusion waited for), ``dynamo``
 (torch.compile with backend="eager": Dynamo's own cost), ``inductor`` (torch.compile). Ratios
-are to the last system listed. ``--keep`` keeps callgrind's files for callgrind_annotate.
+are to the last system listed. ``--keep`` keeps callgrind's files for callgrind_annotate;
+``--cache-sim`` also counts simulated cache misses and mispredicted branches per call.
 Needs valgrind (``apt-get install valgrind``); a run of two systems takes minutes (valgrind runs
 the compilations too, uninstrumented, at about a tenth of their speed).
 """
@@ -236,12 +237,14 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
         _wait(f"{directory}/next-{label}")
 
 
-def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> None:
+def parent(case: str, systems: list[str], calls: int, keep: bool = False,
+           cache_sim: bool = False) -> None:
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise SystemExit(f"benchmarks/instructions.py needs {tool} (apt-get install valgrind)")
     directory = tempfile.mkdtemp(prefix="keraunos-instructions-")
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               *(["--cache-sim=yes", "--branch-sim=yes"] if cache_sim else []),
                f"--callgrind-out-file={directory}/cg.out", sys.executable,
                os.path.abspath(__file__), "--child", "--case", case, "--systems",
                ",".join(systems), "--calls", str(calls), "--dir", directory]
@@ -262,15 +265,21 @@ def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> Non
             _touch(f"{directory}/next-{label}")
         if process.wait() != 0:
             raise SystemExit(f"the instrumented child failed; its output is in {directory}/log")
-    counts = {}
+    counts, misses = {}, {}
     for file in os.listdir(directory):
         if not file.startswith("cg.out."):
             continue
         text = open(f"{directory}/{file}").read()
         trigger = re.search(r"^desc: Trigger: (.*)$", text, re.M)  # "dump fused"
-        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
-        if trigger and total:
-            counts[trigger.group(1).split()[-1]] = int(total.group(1)) / calls
+        total = re.search(r"^(?:summary|totals): ([\d ]+)$", text, re.M)
+        events = re.search(r"^events: (.*)$", text, re.M)
+        if trigger and total and events:
+            label = trigger.group(1).split()[-1]
+            figures = dict(zip(events.group(1).split(), (int(n) for n in total.group(1).split())))
+            counts[label] = figures["Ir"] / calls
+            if "D1mr" in figures:  # --cache-sim (and --branch-sim)
+                misses[label] = tuple(sum(figures[e] for e in kinds) / calls for kinds in (
+                    ("I1mr", "D1mr", "D1mw"), ("ILmr", "DLmr", "DLmw"), ("Bcm", "Bim")))
     reference = counts.get(systems[-1])
     print(f"{case}: instructions per call, {calls} warm calls, one thread (callgrind)")
     for label in systems:
@@ -278,7 +287,12 @@ def parent(case: str, systems: list[str], calls: int, keep: bool = False) -> Non
             print(f"  {label:10s} (no count: see {directory}/log)")
             continue
         ratio = f"{counts[label] / reference:.3f}x {systems[-1]}" if reference else ""
-        print(f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}")
+        line = f"  {label:10s} {counts[label] / 1e3:12,.1f}k  {ratio}"
+        if label in misses:
+            line += (f"   L1 misses {misses[label][0] / 1e3:,.2f}k, last-level misses "
+                     f"{misses[label][1] / 1e3:,.2f}k, mispredicted branches "
+                     f"{misses[label][2] / 1e3:,.2f}k (callgrind's models)")
+        print(line)
     if keep:
         print(f"callgrind's files (callgrind_annotate --inclusive=yes FILE): {directory}")
     elif len(counts) == len(systems):
@@ -295,6 +309,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="instrumented calls per system")
     parser.add_argument("--keep", action="store_true",
                         help="keep callgrind's output files (per function: callgrind_annotate)")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="also count simulated cache misses and mispredicted branches "
+                        "(callgrind's --cache-sim=yes --branch-sim=yes; its last level is the "
+                        "host's, set another with VALGRIND_OPTS='--LL=2097152,16,64')")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -305,7 +323,7 @@ def main() -> None:
     if args.child:
         child(args.case, systems, args.calls, args.dir)
     else:
-        parent(args.case, systems, args.calls, args.keep)
+        parent(args.case, systems, args.calls, args.keep, args.cache_sim)
 
 
 if __name__ == "__main__":

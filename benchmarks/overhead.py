@@ -1,6 +1,7 @@
 """Per-call overhead of warm calls: eager, keraunos and torch.compile, in one run.
 
 Run: python benchmarks/overhead.py [--calls N] [--skip-compile] [--only calls | --only prologue]
+     [--programs decode,...] [--systems backend,inductor,...]
 
 Every figure is measured in this one run, one intra-op thread (torch.set_num_threads(1)).
 ``--skip-compile`` leaves every torch.compile system out; ``--only`` runs one of the two parts.
@@ -349,15 +350,18 @@ def cell(seconds: float, reference: float) -> str:
     return f"{seconds * 1e6:8.2f} {seconds / reference:5.2f}x"
 
 
-def bench_calls(calls: int, with_compile: bool):
+def bench_calls(calls: int, with_compile: bool, programs: list[str] | None = None,
+                systems: list[str] | None = None):
     """Issue 28's table: per-call time of each program under each system, all in this run."""
     # The three torch.compile systems keep their entries under the same code objects (the MLP's
     # forward, the GPT's): room for them all, and for a decode step that recompiles.
     torch._dynamo.config.cache_size_limit = 64
-    systems = [s for s in CALL_SYSTEMS if with_compile or s not in COMPILE_SYSTEMS]
+    systems = [s for s in CALL_SYSTEMS if (with_compile or s not in COMPILE_SYSTEMS)
+               and (systems is None or s == "eager" or s in systems)]
     results = {}
     for label, program in CALL_PROGRAMS.items():
-        results[label] = bench_program(label, program, systems, calls)
+        if programs is None or label in programs:
+            results[label] = bench_program(label, program, systems, calls)
     print(f"per call, us (ratio to eager); median over {blocks_for(calls)} blocks of {BLOCK} "
           "calls a system, the systems taking turns")
     print(f"  {'':10}" + "".join(f"{name:>15}" for name in systems))
@@ -381,11 +385,17 @@ def main():
     parser.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--only", choices=("calls", "prologue"),
                         help="run one part: the per-call table or the prologue figures")
+    parser.add_argument("--programs", help="comma-separated rows of the per-call table "
+                        f"(default all: {','.join(CALL_PROGRAMS)})")
+    parser.add_argument("--systems", help="comma-separated columns of the per-call table besides "
+                        f"eager (default all: {','.join(CALL_SYSTEMS)})")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread\n")
     if args.only != "prologue":
-        bench_calls(args.calls, not args.skip_compile)
+        bench_calls(args.calls, not args.skip_compile,
+                    args.programs.split(",") if args.programs else None,
+                    args.systems.split(",") if args.systems else None)
     if args.only == "calls":
         return
     print()

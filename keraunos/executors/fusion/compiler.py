@@ -21,7 +21,9 @@ CPU's vector instructions runs while the program is captured (``start_warming``)
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
 input mutations, none of which a region has, and cost about 7 us a call (a sixteenth of a
-litgpt decode step's instructions, with six regions).
+litgpt decode step's instructions, with six regions). A region that writes an input (a KV cache)
+is called past them too: its graph writes in its own kernels, and the direct call counts the
+write in the input's version counter, as the wrappers do.
 """
 from __future__ import annotations
 
@@ -120,22 +122,41 @@ class Kernel:
         graph, compiled = self._unwrapped, self.compiled
         if graph is False:
             return compiled
+        run = _counting_writes(graph)
 
         if grad_free:
             def call(*args):
                 if _eval_frame_callback() is None:
-                    return graph.current_callable(list(args))
+                    return run(list(args))
                 return compiled(*args)
             return call
 
         def call_without_grad(*args):
             if _eval_frame_callback() is None and not _grad_enabled():
-                return graph.current_callable(list(args))
+                return run(list(args))
             return compiled(*args)
         return call_without_grad
 
 
+def _counting_writes(graph):
+    """Inductor's graph as a callable of a list of inputs. A graph that writes inputs (a KV
+    cache) writes them in its C++ kernels, unseen by autograd: the inputs' version counters go
+    up by one a call, as AOTAutograd's wrappers do, and as eager's one in-place op does
+    (autograd compares the versions of the tensors it saved)."""
+    call, written = graph.current_callable, tuple(sorted(graph.mutated_input_idxs))
+    if not written:
+        return call
+
+    def run(args):
+        inputs = [args[i] for i in written]  # (the graph empties its list of inputs)
+        outs = call(args)
+        _increment_version(inputs)
+        return outs
+    return run
+
+
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+_increment_version = torch._C._increment_version
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -156,13 +177,24 @@ def _unwrapped(compiled, args, outs):
     sharing = _sharing(args, outs)
     if sharing is None:
         return None
+    given = list(args)
     if graph.mutated_input_idxs:  # a KV cache or BatchNorm's statistics, which the graph writes
-        # and must not write twice to compare: past the wrappers, an output cloned from the
-        # written input came back as the input's own buffer (fuzzer with fusion, 94:81), so
-        # such graphs keep their wrappers
-        return None
+        # (the write AOTAutograd kept in the graph: one it makes itself comes back as one more
+        # output, below). The real inputs were written once, by the call through the wrappers:
+        # the graph writes copies of them, of the same layouts, and an output that comes back
+        # as a written input's own buffer (an output cloned from it, fuzzer with fusion, 94:81)
+        # shows as sharing the copy's memory. Inputs sharing memory with each other may have
+        # been merged into one by AOTAutograd (its synthetic bases): those keep the wrappers.
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len({a.untyped_storage()._cdata for a in tensors}) != len(tensors):
+            return None
+        for i in graph.mutated_input_idxs:
+            if i >= len(given) or not isinstance(given[i], torch.Tensor) or any(
+                    s == 0 and n > 1 for n, s in zip(given[i].shape, given[i].stride())):
+                return None  # (an expanded tensor has no copy of its own layout)
+            given[i] = _copy_of(given[i])
     with torch.no_grad():
-        again = graph.current_callable(list(args))
+        again = graph.current_callable(list(given))
     if len(again) != len(outs):
         return None
     for a, b in zip(again, outs):
@@ -171,7 +203,12 @@ def _unwrapped(compiled, args, outs):
         if isinstance(a, torch.Tensor) and (a.shape, a.stride(), a.dtype, a.device) != (
                 b.shape, b.stride(), b.dtype, b.device):
             return None
-    return graph if _sharing(args, again) == sharing else None
+    return graph if _sharing(given, again) == sharing else None
+
+
+def _copy_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s sizes, strides and values in memory of its own."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _sharing(args, outs) -> tuple | None:
