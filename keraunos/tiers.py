@@ -131,9 +131,10 @@ class _Worker:
     def _run(self) -> None:
         try:
             self.busy = True
-            with IMPORT_LOCK:  # Inductor's modules, imported off the caller's thread (seconds)
+            with IMPORT_LOCK:
                 from .executors.fusion import compiler
-                compiler.start_warming()
+            compiler.start_warming()  # started by ``keraunos.jit`` already, as a rule
+            compiler.wait_for_warming_imports()  # Inductor's modules, off the caller's thread
             _stop_before_executors_shut_down(self)
             while True:
                 self.busy = False
