@@ -517,6 +517,14 @@ def start_warming() -> None:
     with _warming_lock:
         if _warming:
             return
+        # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
+        # ``validator``), imported here first, on the caller's thread: the warming thread's
+        # imports of Inductor import torch._dynamo too, and two threads importing that circle of
+        # modules at once meet one of them half initialized (an ImportError in the capture).
+        # Not an extra cost: the first call's capture would import them anyway.
+        with IMPORT_LOCK:
+            import torch._dynamo  # noqa: F401
+            import torch.fx.experimental.validator  # noqa: F401
         thread = threading.Thread(target=_warm, name="keraunos-inductor-warming", daemon=True)
         _warming.append(thread)
         thread.start()
