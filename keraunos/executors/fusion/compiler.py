@@ -16,7 +16,9 @@ Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and w
 when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
 the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
 regions, the forward's while the backward is split and lowered, and the one-time probe of the
-CPU's vector instructions runs while the program is captured (``start_warming``).
+CPU's vector instructions runs while the program is captured (``start_warming``, from
+``keraunos.jit``); a compile lowers its graph meanwhile, and only its code generation waits for
+the probe (``_before_the_first_pick``).
 
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
@@ -508,23 +510,27 @@ _warmed_imports = threading.Event()
 def start_warming() -> None:
     """Start, in the background, what the first CPU compile of a process waits for: the import of
     Inductor's runtime modules and its probe of the vector instructions it may use (a g++ build
-    and a load of a test library: 2.7 s on a cold cache here). Once per process; returns at once.
+    and a load of a test library: 2.7 s on a cold cache here). Once per process; returns
+    without waiting for it (after importing torch._dynamo, when capture has not yet: below).
 
     ``keraunos.jit`` calls it (through ``Executor.start_warming``) when it makes a callable that
     may fuse, so the probe's g++ build runs on the other core while the first call captures the
     program, instead of after it (the 32-layer model's first fused call came 2.8 s after its
     first result, most of it this probe)."""
+    if _warming:
+        return
+    # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
+    # ``validator``), imported here first, on the caller's thread: the warming thread's imports
+    # of Inductor import torch._dynamo too, and two threads importing that circle of modules at
+    # once meet one of them half initialized (the fuzzer's 2413:0, an ImportError in the
+    # capture). Not an extra cost: the first call's capture would import them anyway. (Outside
+    # ``_warming_lock``: IMPORT_LOCK is never taken while that one is held.)
+    with IMPORT_LOCK:
+        import torch._dynamo  # noqa: F401
+        import torch.fx.experimental.validator  # noqa: F401
     with _warming_lock:
         if _warming:
             return
-        # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
-        # ``validator``), imported here first, on the caller's thread: the warming thread's
-        # imports of Inductor import torch._dynamo too, and two threads importing that circle of
-        # modules at once meet one of them half initialized (an ImportError in the capture).
-        # Not an extra cost: the first call's capture would import them anyway.
-        with IMPORT_LOCK:
-            import torch._dynamo  # noqa: F401
-            import torch.fx.experimental.validator  # noqa: F401
         thread = threading.Thread(target=_warm, name="keraunos-inductor-warming", daemon=True)
         _warming.append(thread)
         thread.start()
