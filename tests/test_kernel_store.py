@@ -162,7 +162,8 @@ def test_jit_starts_the_probe_when_the_callable_may_fuse(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_warming_thread_runs_at_a_lower_priority_than_the_caller():
-    """The probe's g++ build takes what the caller's capture leaves of the cores."""
+    """The probe's g++ build takes what the caller's capture leaves of the cores; the caller's
+    thread keeps its priority."""
     import threading
     seen = []
 

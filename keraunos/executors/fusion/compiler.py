@@ -545,11 +545,15 @@ def wait_for_warming_imports() -> None:
         _warmed_imports.wait()
 
 
-# How much lower the warming thread's priority is than the process's: its imports and its g++
-# test build (a child inherits the thread's nice value on Linux) then take only what the caller's
-# capture leaves of the cores. On a quiet machine that is a whole idle core; on a loaded one
-# (or one core) the probe waits for the capture instead of halving its share: at normal
-# priority, a 32-layer model's first result came 4-5x later on this loaded 2-core machine.
+# How much lower the probe's priority is than the process's, once the warming thread has done
+# its imports: its g++ test build (a child inherits the thread's nice value on Linux) then takes
+# only what the caller's capture leaves of the cores. On a quiet machine that is a whole idle
+# core; on a loaded one (or one core) the probe waits for the capture instead of halving its
+# share: at normal priority, a 32-layer model's first result came 4-5x later on this loaded
+# 2-core machine. The imports keep the process's priority: the fusion worker waits for them
+# (``wait_for_warming_imports``), and at a lower priority a restart's fused tier waited behind
+# the caller's own work for them. A compile whose code generation waits for the probe (at the
+# candidate list's lock) still waits for a low-priority build: only when the cores are taken.
 WARMING_NICE = 10
 
 
@@ -564,7 +568,6 @@ def _lower_this_threads_priority(by: int) -> None:
 
 
 def _warm() -> None:
-    _lower_this_threads_priority(WARMING_NICE)
     try:
         # Not Inductor's compiler (``compile_fx``, its lowering and ``select_algorithm``: about
         # 0.6 s even with torch._dynamo imported): a restart whose regions all come from
@@ -577,6 +580,7 @@ def _warm() -> None:
         return
     finally:
         _warmed_imports.set()
+    _lower_this_threads_priority(WARMING_NICE)  # for good: the thread ends with the probe
     _probe_vector_isa()
 
 
