@@ -22,9 +22,11 @@ PROGRAM = textwrap.dedent("""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)).eval()
-    jitted = keraunos.jit(copy.deepcopy(model), executors=["inductor", "torch"], fuse="wait")
+    jitted = keraunos.jit(copy.deepcopy(model), executors=["inductor", "torch"], fuse=FUSE)
     x = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x), rtol=1e-4, atol=1e-4)
+        keraunos.wait_for_fusion(jitted)
         torch.testing.assert_close(jitted(x), model(x), rtol=1e-4, atol=1e-4)
     assert keraunos.compile_stats(jitted).tier == "fused", keraunos.compile_stats(jitted)
     print("ok")
@@ -45,15 +47,18 @@ def _run(script, cache_dir) -> None:
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
-def test_a_restart_rebuilds_no_kernel(tmp_path):
+@pytest.mark.parametrize("fuse", ["wait", "background"])
+def test_a_restart_rebuilds_no_kernel(tmp_path, fuse):
     """The key of a C++ build holds the compiler's flags. Inductor's first probe of the CPU's
     vector instructions, run on two threads at once (keraunos's warming thread and the first
     compile), left ``-mavx512bf16`` in the flags twice for the whole process, so every kernel of a
     cold process was keyed apart from the same kernel in any later one: a restart rebuilt them
     all (12 of 12 on the 4-layer training step; 5 of 5 on this one-layer GPT, which met the race
-    in every cold run tried, where a one-line function did not). A cold process, then a restart."""
+    in every cold run tried, where a one-line function did not). A cold process, then a restart.
+    The probe starts at ``keraunos.jit`` and a compile lowers while it builds (both modes): the
+    picks take turns at the candidate list's lock."""
     script = tmp_path / "program.py"
-    script.write_text(PROGRAM)
+    script.write_text(PROGRAM.replace("FUSE", repr(fuse)))
     cache = tmp_path / "inductor"
     _run(script, cache)
     first = _built(cache)
@@ -86,6 +91,98 @@ def test_every_probe_keraunos_starts_goes_through_one_lock(monkeypatch):
     warming.join(30)
     second.join(30)
     assert order == ["start", "end", "start", "end"]
+
+
+def test_a_compile_lowers_while_the_probe_builds_and_picks_after_it(monkeypatch):
+    """The warming thread's probe holds the candidate list while it test-builds; a compile on
+    another thread does not wait for it before lowering (``_before_the_first_pick`` returns),
+    and its own pick waits for the build and gets the same ISA."""
+    import threading
+    from torch._inductor import cpu_vec_isa
+
+    from keraunos.executors.fusion.isa_probe import CandidateList
+    building, release, log = threading.Event(), threading.Event(), []
+
+    class Slow(_Candidate):
+        def __bool__(self):
+            building.set()
+            release.wait(30)
+            return super().__bool__()
+    candidates = CandidateList([Slow("avx512", True, log), _Candidate("avx2", True, log)])
+
+    def valid_vec_isa_list():
+        return candidates
+    valid_vec_isa_list._keraunos_lazy = True
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    from keraunos.executors.fusion import isa_probe
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", cpu_vec_isa.VecISA._probe_load)
+    monkeypatch.setattr(isa_probe, "_installed", list(isa_probe._installed))
+    picked = []
+    probe = threading.Thread(target=lambda: picked.append(str(cpu_vec_isa.pick_vec_isa())))
+    probe.start()
+    assert building.wait(30)
+    lowering = threading.Thread(target=compiler._before_the_first_pick)
+    lowering.start()
+    lowering.join(10)
+    assert not lowering.is_alive(), "the compile waited for the probe before lowering"
+    pick = threading.Thread(target=lambda: picked.append(str(cpu_vec_isa.pick_vec_isa())))
+    pick.start()
+    pick.join(0.3)
+    assert pick.is_alive(), "a pick did not wait for the probe's build"
+    release.set()
+    probe.join(30)
+    pick.join(30)
+    assert picked == ["avx512", "avx512"] and log == ["avx512"]
+
+
+def test_jit_starts_the_probe_when_the_callable_may_fuse(monkeypatch):
+    """``keraunos.jit`` starts the warming (the probe's g++ build) at once, so it overlaps the
+    first call's capture; never for a callable that does not fuse."""
+    import threading
+
+    import keraunos
+    started = []
+    monkeypatch.setattr(compiler, "_warming", [])
+    monkeypatch.setattr(compiler, "_warmed_imports", threading.Event())
+    monkeypatch.setattr(compiler, "_warm", lambda: started.append(threading.current_thread().name))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    x = torch.randn(2, 4)
+    off = keraunos.jit(model, executors=["inductor", "torch"], fuse="off")
+    torch.testing.assert_close(off(x), model(x))
+    assert not compiler._warming and not started
+    keraunos.jit(model, executors=["torch"], fuse="background")
+    assert not compiler._warming, "a callable without a fusion executor started the warming"
+    keraunos.jit(model, executors=["inductor", "torch"], fuse="background")
+    (thread,) = compiler._warming
+    thread.join(30)
+    assert started == ["keraunos-inductor-warming"]
+    keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
+    assert len(compiler._warming) == 1 and len(started) == 1, "warmed twice in one process"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_warming_thread_runs_at_a_lower_priority_than_the_caller():
+    """The probe's g++ build takes what the caller's capture leaves of the cores; the caller's
+    thread keeps its priority."""
+    import threading
+    seen = []
+
+    def warming():
+        compiler._lower_this_threads_priority(compiler.WARMING_NICE)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=warming)
+    thread.start()
+    thread.join(30)
+    assert seen == [min(19, before + compiler.WARMING_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_region_missing_from_the_store_does_not_wait_for_the_probe(own_store, monkeypatch):
+    def refuse():
+        raise AssertionError("waited for the probe to find nothing in the store")
+    monkeypatch.setattr(compiler, "_probe_vector_isa", refuse)
+    assert compiler._load_stored("0" * 64, lambda: None, "inductor_region0") is None
 
 
 def test_a_library_that_loaded_before_is_not_probed_again(tmp_path):

@@ -44,7 +44,9 @@ class FusionExecutor(Executor):
       ``counter``: a one-item list numbering regions across the entry.
     - ``computes_in_region(bsym)``: whether a region would compute this line itself (what the
       rule for programs worth fusing counts, ``tiers.worth_fusing``).
-    - ``start_warming()``: a program is about to be captured for fusion on the caller's thread.
+    - ``start_warming()``: a callable that may fuse was just made (``keraunos.jit``), or a program
+      is about to be captured for fusion on the caller's thread: one-time set-up may start in
+      the background, without making the caller wait for it (called again each time).
     - ``prefetch(trace, *, observable, always_checked, forward)``: optional; ``trace`` (the
       backward) will be fused after another trace (the forward): work on its regions may start
       now, elsewhere (the Inductor executor hands them to helper processes).

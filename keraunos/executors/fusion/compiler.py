@@ -16,7 +16,9 @@ Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and w
 when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
 the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
 regions, the forward's while the backward is split and lowered, and the one-time probe of the
-CPU's vector instructions runs while the program is captured (``start_warming``).
+CPU's vector instructions runs while the program is captured (``start_warming``, from
+``keraunos.jit``); a compile lowers its graph meanwhile, and only its code generation waits for
+the probe (``_before_the_first_pick``).
 
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
@@ -31,6 +33,7 @@ import atexit
 import contextlib
 import functools
 import itertools
+import os
 import shutil
 import subprocess
 import sys
@@ -292,6 +295,7 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     found = _kernels.get(key)
     if found is not None:
         return found, True
+    wait_for_warming_imports()
     store_key = kernel_store.key_of(key)
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
     if kernel is None:
@@ -314,9 +318,12 @@ def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Ke
     """The kernel a process before this one compiled for the same key, from Inductor's module
     kept in keraunos's store (``kernel_store``): no ``compile_fx``; None when none is kept."""
     with stopwatch() as elapsed:
+        data = kernel_store.stored(store_key)
+        if data is None:
+            return None  # (no wait for the probe: a compile overlaps it, see ``_compile_in_turn``)
         _probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
         with _collecting_from_inductor() as (_, pending):
-            loaded = kernel_store.load(store_key)
+            loaded = kernel_store.load(store_key, data)
         if loaded is None:
             return None
         call, code, path = loaded
@@ -446,7 +453,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
             shape_env=compile_env if compile_env is not None else ShapeEnv())
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
-        _probe_vector_isa()  # waits for the warming thread's probe rather than racing it
+        _before_the_first_pick()
         _hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
@@ -533,26 +540,97 @@ def _collecting_from_inductor():
 
 
 _warming: list[threading.Thread] = []
+_warming_lock = threading.Lock()
+_warmed_imports = threading.Event()
 
 
 def start_warming() -> None:
-    """Start, in the background, what the first CPU compile of a process waits for: Inductor's
-    probe of the vector instructions it may use (a g++ build and a load of a test library,
-    seconds), while the program is captured and split. Once per process."""
+    """Start, in the background, what the first CPU compile of a process waits for: the import of
+    Inductor's runtime modules and its probe of the vector instructions it may use (a g++ build
+    and a load of a test library: 2.7 s on a cold cache here). Once per process; returns
+    without waiting for it (after importing torch._dynamo, when capture has not yet: below).
+
+    ``keraunos.jit`` calls it (through ``Executor.start_warming``) when it makes a callable that
+    may fuse, so the probe's g++ build runs on the other core while the first call captures the
+    program, instead of after it (the 32-layer model's first fused call came 2.8 s after its
+    first result, most of it this probe)."""
     if _warming:
         return
-    # Imported here, on the calling thread: two threads importing torch._dynamo's circle of
-    # modules at once can meet one of them half initialized (an ImportError). Not Inductor's
-    # compiler (``compile_fx``, its lowering and ``select_algorithm``: about 0.6 s even with
-    # torch._dynamo imported): a restart whose regions all come from keraunos's store never
-    # needs it, and the first compile imports it (under ``IMPORT_LOCK``).
-    from torch._inductor import async_compile, codecache, cpp_builder, cpu_vec_isa  # noqa: F401
-    _dynamo_takes_turns()  # before any fused compile can run on another thread
+    # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
+    # ``validator``), imported here first, on the caller's thread: the warming thread's imports
+    # of Inductor import torch._dynamo too, and two threads importing that circle of modules at
+    # once meet one of them half initialized (the fuzzer's 2413:0, an ImportError in the
+    # capture). Not an extra cost: the first call's capture would import them anyway. (Outside
+    # ``_warming_lock``: IMPORT_LOCK is never taken while that one is held.)
+    with IMPORT_LOCK:
+        import torch._dynamo  # noqa: F401
+        import torch.fx.experimental.validator  # noqa: F401
+    with _warming_lock:
+        if _warming:
+            return
+        thread = threading.Thread(target=_warm, name="keraunos-inductor-warming", daemon=True)
+        _warming.append(thread)
+        thread.start()
 
-    thread = threading.Thread(target=_probe_vector_isa, name="keraunos-inductor-warming",
-                              daemon=True)
-    _warming.append(thread)
-    thread.start()
+
+def wait_for_warming_imports() -> None:
+    """Return once the warming thread has imported Inductor's modules (at once when no warming
+    was started). Any thread that imports or runs Inductor's compiler waits here first: two
+    threads importing torch._dynamo's circle of modules at once can meet one of them half
+    initialized (an ImportError)."""
+    if _warming:
+        _warmed_imports.wait()
+
+
+# How much lower the probe's priority is than the process's, once the warming thread has done
+# its imports: its g++ test build (a child inherits the thread's nice value on Linux) then takes
+# only what the caller's capture leaves of the cores. On a quiet machine that is a whole idle
+# core; on a loaded one (or one core) the probe waits for the capture instead of halving its
+# share: at normal priority, a 32-layer model's first result came 4-5x later on this loaded
+# 2-core machine. The imports keep the process's priority: the fusion worker waits for them
+# (``wait_for_warming_imports``), and at a lower priority a restart's fused tier waited behind
+# the caller's own work for them. A compile whose code generation waits for the probe (at the
+# candidate list's lock) still waits for a low-priority build: only when the cores are taken.
+WARMING_NICE = 10
+
+
+def _lower_this_threads_priority(by: int) -> None:
+    """Lower the calling thread's scheduling priority (Linux: ``setpriority`` of a thread id
+    acts on that thread alone, and processes it starts inherit it); nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + by))
+
+
+def _warm() -> None:
+    try:
+        # Not Inductor's compiler (``compile_fx``, its lowering and ``select_algorithm``: about
+        # 0.6 s even with torch._dynamo imported): a restart whose regions all come from
+        # keraunos's store never needs it, and the first compile imports it (under IMPORT_LOCK).
+        with IMPORT_LOCK:
+            from torch._inductor import async_compile, codecache, cpp_builder  # noqa: F401
+            from torch._inductor import cpu_vec_isa  # noqa: F401
+            _dynamo_takes_turns()  # before any fused compile can run on another thread
+    except Exception:  # noqa: BLE001 - the first compile will meet and report it
+        return
+    finally:
+        _warmed_imports.set()
+    _lower_this_threads_priority(WARMING_NICE)  # for good: the thread ends with the probe
+    _probe_vector_isa()
+
+
+def _before_the_first_pick() -> None:
+    """What a compile does before ``compile_fx``, about the vector-ISA probe the warming thread
+    may be running. With keraunos's candidate list installed (``isa_probe``), every pick takes the
+    list's lock, so the compile's first pick (at code generation, after the lowering, which needs
+    no ISA) waits there for the probe's build: the lowering overlaps the g++ test build. Without
+    it (not x86), the compile waits for the probe first, as two first probes at once must not
+    run (``_probe_lock``)."""
+    isa_probe.install()
+    if not isa_probe.picks_take_turns():
+        _probe_vector_isa()
 
 
 # Inductor's first probe of the vector instructions is not safe to run on two threads at once:

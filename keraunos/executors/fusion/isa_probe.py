@@ -68,6 +68,14 @@ def build_only_what_is_read() -> None:
         cpu_vec_isa.valid_vec_isa_list = valid_vec_isa_list
 
 
+def picks_take_turns() -> bool:
+    """Whether Inductor's picks go through a ``CandidateList`` (``build_only_what_is_read``
+    installed it): then picks on two threads at once take turns at its lock, and the first one's
+    test builds run alone."""
+    from torch._inductor import cpu_vec_isa
+    return bool(getattr(cpu_vec_isa.valid_vec_isa_list, "_keraunos_lazy", False))
+
+
 class CandidateList(Sequence):
     """The candidates that build and load, in the order given, each test-built (``bool(isa)``)
     only when a reader gets to it: ``[0]``, ``bool()`` and a loop that stops early build only

@@ -98,12 +98,19 @@ def has(key: str) -> bool:
     return store.default_store().get(NAMESPACE, key) is not None
 
 
-def load(key: str):
+def stored(key: str) -> bytes | None:
+    """The row kept under ``key`` (what ``load`` loads), or None."""
+    return store.default_store().get(NAMESPACE, key)
+
+
+def load(key: str, data: bytes | None = None):
     """The region's ``call`` (a list of inputs -> the outputs) from the module kept under
-    ``key``, with the module's source; None when there is none, or it does not load. Run where
-    Inductor's waits for C++ builds are collected (``compiler._collecting_from_inductor``): the
-    module's kernels are then futures until the region's first call."""
-    data = store.default_store().get(NAMESPACE, key)
+    ``key`` (``data``: its row, when the caller read it already), with the module's source;
+    None when there is none, or it does not load. Run where Inductor's waits for C++ builds are
+    collected (``compiler._collecting_from_inductor``): the module's kernels are then futures
+    until the region's first call."""
+    if data is None:
+        data = stored(key)
     if data is None:
         return None
     try:
