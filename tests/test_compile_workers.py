@@ -74,7 +74,18 @@ def pool(shared_pool, tmp_path, monkeypatch):
     its own yet and an empty store; the machine taken for idle whatever its load (the tests
     decide where regions compile, not the load average)."""
     made, directory = shared_pool
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))  # a restarted helper's too
+    # The tests decide where regions compile, so the helper is ready and idle when a test starts
+    # and stays so: on a loaded machine a test module outlasts the idle time after which a helper
+    # is ended (the next region would then find it still importing, and be compiled here), and a
+    # job an earlier test left would hold it busy.
+    monkeypatch.setattr(workers, "IDLE_S", 10 ** 6)
+    made.start()
+    deadline = time.monotonic() + READY_S
+    while (not made.idle or len(made.idle) != len(made.helpers) or made.queue) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert made.idle and not made.queue, "the helper is not ready and idle"
     monkeypatch.setattr(store, "_default", store.Store(tmp_path / "store"))
     monkeypatch.setattr(workers, "busy", lambda: False)
     monkeypatch.setattr(compiler, "_kernels", {})
