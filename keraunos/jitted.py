@@ -22,7 +22,6 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import CacheMode
-from .executors.base import fusion_executors
 from .capture.state import active_context
 from . import native
 from .jit import (CHECK_RESULTS, Fallback, JitOptions, ProgramRaised, _fsdp_units, _JitState,
@@ -574,23 +573,12 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         return _jit_ddp(fn_or_module, _distributed(options))
     if isinstance(fn_or_module, torch.nn.Module) and _fsdp_units(fn_or_module):
         return _jit_fsdp(fn_or_module, _distributed(options))
-    _start_warming(options)
     if isinstance(fn_or_module, torch.nn.Module):
         jitted = JittedModule(fn_or_module, options)
         for t in options.transforms:
             t.transform_module(jitted)
         return jitted
     return JittedFunction(fn_or_module, options)
-
-
-def _start_warming(options: JitOptions) -> None:
-    """A callable that may fuse: its fusion executors start their one-time set-up now, in the
-    background (Inductor's probe of the vector instructions, a g++ build on a cold cache), so it
-    overlaps the first call's capture instead of following it."""
-    if options.fuse is FuseMode.OFF:
-        return
-    for executor in fusion_executors(options.executors):
-        executor.start_warming()
 
 
 def _distributed(options: JitOptions) -> JitOptions:

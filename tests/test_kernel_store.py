@@ -135,31 +135,6 @@ def test_a_compile_lowers_while_the_probe_builds_and_picks_after_it(monkeypatch)
     assert picked == ["avx512", "avx512"] and log == ["avx512"]
 
 
-def test_jit_starts_the_probe_when_the_callable_may_fuse(monkeypatch):
-    """``keraunos.jit`` starts the warming (the probe's g++ build) at once, so it overlaps the
-    first call's capture; never for a callable that does not fuse."""
-    import threading
-
-    import keraunos
-    started = []
-    monkeypatch.setattr(compiler, "_warming", [])
-    monkeypatch.setattr(compiler, "_warmed_imports", threading.Event())
-    monkeypatch.setattr(compiler, "_warm", lambda: started.append(threading.current_thread().name))
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-    x = torch.randn(2, 4)
-    off = keraunos.jit(model, executors=["inductor", "torch"], fuse="off")
-    torch.testing.assert_close(off(x), model(x))
-    assert not compiler._warming and not started
-    keraunos.jit(model, executors=["torch"], fuse="background")
-    assert not compiler._warming, "a callable without a fusion executor started the warming"
-    keraunos.jit(model, executors=["inductor", "torch"], fuse="background")
-    (thread,) = compiler._warming
-    thread.join(30)
-    assert started == ["keraunos-inductor-warming"]
-    keraunos.jit(model, executors=["inductor", "torch"], fuse="wait")
-    assert len(compiler._warming) == 1 and len(started) == 1, "warmed twice in one process"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_warming_thread_runs_at_a_lower_priority_than_the_caller():
     """The probe's g++ build takes what the caller's capture leaves of the cores; the caller's
