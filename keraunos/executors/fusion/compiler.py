@@ -550,10 +550,12 @@ def start_warming() -> None:
     and a load of a test library: 2.7 s on a cold cache here). Once per process; returns
     without waiting for it (after importing torch._dynamo, when capture has not yet: below).
 
-    ``keraunos.jit`` calls it (through ``Executor.start_warming``) when it makes a callable that
-    may fuse, so the probe's g++ build runs on the other core while the first call captures the
-    program, instead of after it (the 32-layer model's first fused call came 2.8 s after its
-    first result, most of it this probe)."""
+    A module's capture calls it (``pipeline``, through ``Executor.start_warming``), so the
+    probe's g++ build runs on the other core while the first call captures the program, instead
+    of after it (the 32-layer model's first fused call came 2.8 s after its first result, most of
+    it this probe); the fusion worker calls it too (a function's first background compile).
+    Not ``keraunos.jit``: the import of torch._dynamo below then cost every jitted function's
+    restart 0.9 s, a restart that loads its program from the store and imports nothing else."""
     if _warming:
         return
     # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
