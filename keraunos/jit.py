@@ -121,6 +121,11 @@ class JitOptions:
     # those with at least this many in the forward are fused in the background too (None: no
     # others). The torch.compile backend sets it (``dynamo/backend.py`` says why).
     min_fused_forward_ops: int | None = None
+    # Regions are cut at layer boundaries, so that identical layers share one compiled kernel,
+    # when a trace calls at least this many layers of one kind (``executors/fusion/layers.py``);
+    # fewer, and its regions are cut only where fusion must. The torch.compile backend raises it
+    # (``dynamo/backend.py`` says why).
+    min_shared_layers: int = 2
 
     @classmethod
     def validated(cls, *, executors=None, transforms=None, cache="constant values",

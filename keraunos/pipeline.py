@@ -178,7 +178,7 @@ def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
         return None, f"not kept: {why}", 0.0
     options = (tuple(getattr(e, "name", type(e).__qualname__) for e in o.executors),
                o.cache.value, o.specialize_data, o.fallback.value, o.dynamic, o.fuse.value,
-               o.min_fused_forward_ops)
+               o.min_fused_forward_ops, o.min_shared_layers)
     t0 = time.perf_counter()
     sizes = _predicted_sizes(dynamic)
     try:
@@ -423,6 +423,7 @@ def fuse_regions(c: Compilation) -> None:
     if not _fusing(c.executors):
         return
     executors, counter = c.executors, [0]  # region names: unique in the entry
+    shared = c.state.options.min_shared_layers
     for executor in executors_module.fusion_executors(executors):
         fuse = trace_step(executor.fuse)  # the runner times every executor's traces
         forward = c.computation
@@ -430,13 +431,15 @@ def fuse_regions(c: Compilation) -> None:
         if c.segments is not None:
             for segment in c.segments.segments:
                 executor.prefetch(segment.trace, observable=_returned(segment.trace),
-                                  always_checked=set(), forward=forward)
+                                  always_checked=set(), forward=forward,
+                                  min_shared_layers=shared)
         elif c.backward is not None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
-                              always_checked=_varying_grads(c), forward=forward)
+                              always_checked=_varying_grads(c), forward=forward,
+                              min_shared_layers=shared)
         fused, regions = fuse(
             forward, executors, observable=_returned(forward),
-            records_autograd=c.records_autograd, counter=counter)
+            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared)
         c.fusion_regions += regions
         if fused is not forward:
             c.computations.append(fused)
@@ -448,7 +451,7 @@ def fuse_regions(c: Compilation) -> None:
             for segment in c.segments.segments:
                 segment.trace, regions = fuse(
                     segment.trace, executors, observable=_returned(segment.trace),
-                    forward=forward, counter=counter)
+                    forward=forward, counter=counter, min_shared_layers=shared)
                 c.fusion_regions += regions
                 c.time("fusion", segment.trace.seconds)
             continue
@@ -457,7 +460,7 @@ def fuse_regions(c: Compilation) -> None:
         # others, and regions check those (and what is made from them) on every call.
         fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
-            forward=forward, counter=counter)
+            forward=forward, counter=counter, min_shared_layers=shared)
         c.fusion_regions += regions
         if fused is not backward:
             c.backwards.append(fused)

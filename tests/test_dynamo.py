@@ -13,6 +13,7 @@ import torch
 from helpers import assert_grads_match, check_grads
 import keraunos
 import keraunos.dynamo as kd
+from keraunos.dynamo.backend import BACKEND_MIN_SHARED_LAYERS
 
 
 @pytest.fixture(autouse=True)
@@ -143,9 +144,10 @@ class Blocks(torch.nn.Module):
 
 def test_backend_with_fusion_cuts_regions_at_layers_and_layers_share_one_kernel():
     """Dynamo's graph is flat; its nodes' module stacks say which layer each line came from, so
-    identical layers make identical regions, compiled once (as under keraunos.jit)."""
+    identical layers make identical regions, compiled once (as under keraunos.jit), once the
+    graph calls enough of them to pay for the cuts (BACKEND_MIN_SHARED_LAYERS)."""
     torch.manual_seed(0)
-    model = Blocks()
+    model = Blocks(n=BACKEND_MIN_SHARED_LAYERS)
     be = kd.backend(executors=FUSED, fuse="wait")
     compiled_model = copy.deepcopy(model)
     x = torch.randn(2, 8, requires_grad=True)
@@ -158,8 +160,31 @@ def test_backend_with_fusion_cuts_regions_at_layers_and_layers_share_one_kernel(
     for trace_name in ("computation", "backward"):
         layers = [r for r in keraunos.last_fusions(subgraph.jitted)
                   if r.trace_name == trace_name and r.layer is not None]
-        assert sorted(r.layer for r in layers) == ["layers.0", "layers.1", "layers.2"]
+        assert sorted(r.layer for r in layers) == [
+            f"layers.{i}" for i in range(BACKEND_MIN_SHARED_LAYERS)]
         assert len({r.kernel.number for r in layers}) == 1, trace_name
+
+
+def test_backend_fuses_a_graph_of_few_layers_whole_where_keraunos_jit_cuts_it():
+    """Two layers: each cut would cost every call a region call for one kernel shared once, so
+    the backend compiles Dynamo's graph as one region, as Inductor does; keraunos.jit, whose
+    users are promised fast compiles, still cuts at the layers. Both agree with eager."""
+    torch.manual_seed(0)
+    model = Blocks(n=2)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        be = kd.backend(executors=FUSED, fuse="wait")
+        through_dynamo = torch.compile(copy.deepcopy(model), backend=be)
+        torch.testing.assert_close(through_dynamo(x), expected, **FUSED_TOLERANCE)
+        (subgraph,) = be.subgraphs
+        regions = [r for r in keraunos.last_fusions(subgraph.jitted)
+                   if r.trace_name == "computation"]
+        assert len(regions) == 1 and regions[0].layer is None
+        jitted = keraunos.jit(copy.deepcopy(model), executors=FUSED, fuse="wait")
+        torch.testing.assert_close(jitted(x), expected, **FUSED_TOLERANCE)
+        layers = sorted(r.layer for r in keraunos.last_fusions(jitted) if r.layer is not None)
+        assert layers == ["layers.0", "layers.1"]
 
 
 def test_subgraphs_that_need_gradients_have_forward_and_backward_traces():

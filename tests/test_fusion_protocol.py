@@ -48,7 +48,7 @@ class ToyFusion(FusionExecutor):
                 and bsym.symbol.name.rsplit(".", 1)[-1] in _POINTWISE)
 
     def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
-             records_autograd=False, forward=None, counter=None):
+             records_autograd=False, forward=None, counter=None, min_shared_layers=2):
         counter = counter if counter is not None else [0]
         lines, result, regions = list(trace.bound_symbols), [], []
         i = 0

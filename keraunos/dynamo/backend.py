@@ -47,6 +47,7 @@ class SubgraphTraces:
 
 
 BACKEND_MIN_FUSED_OPS = 3  # see CompiledSubgraph.__init__
+BACKEND_MIN_SHARED_LAYERS = 4  # likewise
 _compile_order = itertools.count()  # subgraphs are listed in the order dynamo compiled them
 
 
@@ -82,9 +83,16 @@ class CompiledSubgraph:
         # instructions a call against 132k unfused and 118k through Inductor's route). Only the
         # forward counts: an MLP whose forward is one relu between two linears, fused for its
         # backward's three, cost 11k more a call than unfused.
+        # Regions are cut at layers only where a graph calls BACKEND_MIN_SHARED_LAYERS of one
+        # kind: sharing one layer's kernel saves compile time in proportion to the layers, while
+        # each cut costs every call a region call (a Python call of an Inductor module and its
+        # buffers). A 2-layer decode step cut into 4 regions ran 1.12-1.14x Inductor's whole-graph
+        # step; as one region 1.01-1.04x (docs/benchmarks.md). keraunos.jit keeps 2: its
+        # users are promised fast compiles, torch.compile's Inductor's per-call speed.
         state = self.jitted._keraunos
         state.options = dataclasses.replace(state.options,
-                                            min_fused_forward_ops=BACKEND_MIN_FUSED_OPS)
+                                            min_fused_forward_ops=BACKEND_MIN_FUSED_OPS,
+                                            min_shared_layers=BACKEND_MIN_SHARED_LAYERS)
         # What later calls run, once compiled: the entry's functions without keraunos's call
         # path around them (see lean_call). None until then, and for a dynamic graph.
         self.run = None

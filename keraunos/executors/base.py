@@ -41,13 +41,15 @@ class FusionExecutor(Executor):
       caller sees; ``always_checked``: inputs whose strides vary between calls (the backward's
       incoming gradients); ``records_autograd``: torch's autograd records the trace's ops (no
       backward trace of ours); ``forward``: for the backward, the forward's final trace;
-      ``counter``: a one-item list numbering regions across the entry.
+      ``counter``: a one-item list numbering regions across the entry; ``min_shared_layers``:
+      cut regions at layer boundaries (identical layers, identical regions) only where a trace
+      calls at least this many layers of one kind (``JitOptions.min_shared_layers``).
     - ``computes_in_region(bsym)``: whether a region would compute this line itself (what the
       rule for programs worth fusing counts, ``tiers.worth_fusing``).
     - ``start_warming()``: a callable that may fuse was just made (``keraunos.jit``), or a program
       is about to be captured for fusion on the caller's thread: one-time set-up may start in
       the background, without making the caller wait for it (called again each time).
-    - ``prefetch(trace, *, observable, always_checked, forward)``: optional; ``trace`` (the
+    - ``prefetch(trace, *, observable, always_checked, forward, min_shared_layers)``: optional; ``trace`` (the
       backward) will be fused after another trace (the forward): work on its regions may start
       now, elsewhere (the Inductor executor hands them to helper processes).
 
@@ -60,7 +62,8 @@ class FusionExecutor(Executor):
 
     def fuse(self, trace: Trace, executors: list[Executor], *, observable: set[str],
              always_checked: set[str] = frozenset(), records_autograd: bool = False,
-             forward: Trace | None = None, counter: list[int] | None = None):
+             forward: Trace | None = None, counter: list[int] | None = None,
+             min_shared_layers: int = 2):
         raise NotImplementedError
 
     def computes_in_region(self, bsym: BoundSymbol) -> bool:
@@ -70,7 +73,8 @@ class FusionExecutor(Executor):
         pass
 
     def prefetch(self, trace: Trace, *, observable: set[str],
-                 always_checked: set[str] = frozenset(), forward: Trace | None = None) -> None:
+                 always_checked: set[str] = frozenset(), forward: Trace | None = None,
+                 min_shared_layers: int = 2) -> None:
         pass
 
 

@@ -48,21 +48,25 @@ class InductorExecutor(FusionExecutor):
         return fusible(bsym)
 
     def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
-             records_autograd=False, forward=None, counter=None):
+             records_autograd=False, forward=None, counter=None, min_shared_layers=2):
         return fuse(trace, executors, observable=observable, always_checked=always_checked,
-                    layer_of_name=self._layers_of(forward), records_autograd=records_autograd,
-                    counter=counter, executor=self)
+                    layer_of_name=self._layers_of(forward, min_shared_layers),
+                    records_autograd=records_autograd, counter=counter, executor=self,
+                    min_shared_layers=min_shared_layers)
 
-    def prefetch(self, trace, *, observable, always_checked=frozenset(), forward=None):
+    def prefetch(self, trace, *, observable, always_checked=frozenset(), forward=None,
+                 min_shared_layers=2):
         prefetch(trace, observable=observable, always_checked=always_checked,
-                 layer_of_name=self._layers_of(forward), executor=self)
+                 layer_of_name=self._layers_of(forward, min_shared_layers), executor=self,
+                 min_shared_layers=min_shared_layers)
 
     @staticmethod
-    def _layers_of(forward):
+    def _layers_of(forward, min_shared_layers: int):
         """For the backward: its lines' layers are the forward's values' (None: the forward)."""
         if forward is None:
             return None
-        return layers.layers_of_names(forward, layers.layer_of_lines(forward.bound_symbols))
+        return layers.layers_of_names(
+            forward, layers.layer_of_lines(forward.bound_symbols, min_repeats=min_shared_layers))
 
     def computes_in_region(self, bsym):
         return computes_in_region(bsym)
@@ -126,7 +130,8 @@ FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
          executor: Executor, records_autograd: bool = False,
-         counter: list[int] | None = None) -> tuple[Trace, list[FusionRegion]]:
+         counter: list[int] | None = None,
+         min_shared_layers: int = 2) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
     ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
@@ -134,7 +139,8 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
     records the torch ops they run; a compiled region would give outputs without a graph)."""
-    formed = _formed(trace, observable, layer_of_name, executor, records_autograd)
+    formed = _formed(trace, observable, layer_of_name, executor, records_autograd,
+                     min_shared_layers)
     if formed is None:
         return trace, []
     lines, regions, problem = formed
@@ -159,7 +165,8 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     return trace.derive(result, f"Fusion [{names}]: {label}"), kept
 
 
-def _formed(trace, observable, layer_of_name, executor, records_autograd):
+def _formed(trace, observable, layer_of_name, executor, records_autograd,
+            min_shared_layers: int = 2):
     """The trace's lines and its regions, with why there are none (None when the executor claimed
     no line; a problem of "" when every claimed line reads or makes a tensor autograd records)."""
     lines = list(trace.bound_symbols)
@@ -176,19 +183,21 @@ def _formed(trace, observable, layer_of_name, executor, records_autograd):
     regions = []
     problem = _why_not(lines, claimed)
     if problem is None:
-        lines, regions = find_regions(lines, claimed, layers.layer_of_lines(lines, layer_of_name),
-                                      observable)
+        tags = layers.layer_of_lines(lines, layer_of_name, min_repeats=min_shared_layers)
+        lines, regions = find_regions(lines, claimed, tags, observable)
     return lines, regions, problem
 
 
 def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = frozenset(),
-             layer_of_name: dict[str, str] | None = None, executor: Executor) -> None:
+             layer_of_name: dict[str, str] | None = None, executor: Executor,
+             min_shared_layers: int = 2) -> None:
     """Hand the distinct regions ``fuse`` will compile for ``trace`` to the helper processes
     now, while this thread compiles another trace's first (the backward's, during the forward's:
     ``pipeline.fuse_regions``). The regions are formed again by ``fuse``, as they were here."""
     if not workers.available():
         return
-    formed = _formed(trace, observable, layer_of_name, executor, records_autograd=False)
+    formed = _formed(trace, observable, layer_of_name, executor, records_autograd=False,
+                     min_shared_layers=min_shared_layers)
     if formed is None or formed[2] is not None or not formed[1]:
         return
     lines, regions_ = formed[0], formed[1]

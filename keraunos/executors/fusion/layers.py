@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from ...core.symbols import TorchSymbol
 
-def layers_of_stacks(lines) -> set[str]:
+def layers_of_stacks(lines, min_repeats: int = 2) -> set[str]:
     """The layers among the module calls of ``lines`` (their ``module_stack``s): a call of an
     indexed child (``h.3``, ``layers.0``: a ``ModuleList`` or ``Sequential`` entry) whose class
-    another called child of the same parent shares, and which called submodules of its own (a
-    transformer block, not a lone ReLU of a ``Sequential``, which would cut every small op into
-    a region of its own)."""
+    at least ``min_repeats`` called children of the same parent share (itself included), and
+    which called submodules of its own (a transformer block, not a lone ReLU of a
+    ``Sequential``, which would cut every small op into a region of its own)."""
     paths = {path: cls for b in lines for path, cls in b.module_stack}
     siblings: dict[tuple[str, type], int] = {}
     for path, cls in paths.items():
@@ -25,7 +25,8 @@ def layers_of_stacks(lines) -> set[str]:
         if key.isdigit():
             siblings[(parent, cls)] = siblings.get((parent, cls), 0) + 1
     return {path for path, cls in paths.items()
-            if path.rpartition(".")[2].isdigit() and siblings[(path.rpartition(".")[0], cls)] > 1
+            if path.rpartition(".")[2].isdigit()
+            and siblings[(path.rpartition(".")[0], cls)] >= max(min_repeats, 2)
             and any(p.startswith(path + ".") for p in paths)}
 
 
@@ -34,7 +35,8 @@ def _layer_of(bsym, layers: set[str]) -> str | None:
     return next((path for path, _ in bsym.module_stack if path in layers), None)
 
 
-def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[str | None]:
+def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None,
+                   min_repeats: int = 2) -> list[str | None]:
     """The layer of each line: its own tag; else, for a line made by a pass (the backward's ATen
     ops), the one layer of the values it reads (``layer_of_name`` for the forward's, and what is
     computed from those alone); in the backward, the lines between two layers that only
@@ -42,7 +44,7 @@ def layer_of_lines(lines, layer_of_name: dict[str, str] | None = None) -> list[s
     between two lines of the same layer belongs to that layer."""
     known = dict(layer_of_name or {})
     # The backward's lines that carry a stack (recomputed forward lines) are the forward's layers.
-    layers = set(known.values()) if layer_of_name else layers_of_stacks(lines)
+    layers = set(known.values()) if layer_of_name else layers_of_stacks(lines, min_repeats)
     gradients: set[str] = set()  # values computed from the incoming gradients
     tags = []
     for b in lines:
