@@ -58,7 +58,7 @@ from .passes.fast_prologue import expecting_values_of, with_example
 from .version import __version__
 
 NAMESPACE = "program"  # the store's namespace for these rows
-FORMAT = 1             # bump when what a row holds, or how it is loaded, changes
+FORMAT = 2             # bump when what a row holds, or how it is loaded, changes
 
 
 def enabled() -> bool:
@@ -564,7 +564,7 @@ def put(key: str, data: bytes) -> None:
 
 # ------------------------------------------------------------------------------- keep and load
 _KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_descriptions",
-         "facts", "seen_sizes")
+         "facts", "seen_sizes", "sharing")
 
 
 _keeping: list[threading.Thread] = []  # threads still pickling a program
