@@ -18,7 +18,8 @@ structure, module attributes, Python values, global state) and the call's inputs
 as the capturing call's did (the row holds that: ``cache.sharing_of``, checked in
 ``pipeline._finish``) does the entry go into the cache; anything else captures as usual. The
 key (``key_of``) covers what the prologue cannot check, chiefly the Python code that ran;
-docs/limitations.md says exactly what it covers and what it cannot see. ``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
+docs/limitations.md says exactly what it covers and what it cannot see.
+``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
 """
 from __future__ import annotations
 
