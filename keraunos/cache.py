@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
+
+import torch
 
 from .core.trace import Trace
 
@@ -64,3 +66,42 @@ class CacheEntry:
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background
     program_store: str | None = None  # loaded from / kept in the program store, or why not
+
+
+# ------------------------------------------------------------- how an entry's inputs share memory
+def tensor_positions(entry: CacheEntry, inputs: Sequence) -> tuple | None:
+    """The positions among ``entry.alias_positions`` that hold tensors on this call (not sizes);
+    None when fewer than two do (nothing can be shared)."""
+    positions = tuple(i for i in entry.alias_positions or ()
+                      if isinstance(inputs[i], torch.Tensor))
+    return positions if len(positions) > 1 else None
+
+
+def sharing_of(entry: CacheEntry, inputs: Sequence) -> tuple | None:
+    """How the tensors among ``inputs`` (what the entry's prologue returned for a call) share
+    memory: the ``alias_pattern`` an entry compiled on that call would get. A program that
+    another call compiled (loaded from the program store, rebound from an identical module)
+    serves this one only where the two are equal, as its alias check would decide."""
+    positions = tensor_positions(entry, inputs)
+    if positions is None:
+        return None
+    return storage_alias_pattern([inputs[i] for i in positions])
+
+
+_is_alias_of = torch._C._is_alias_of
+_storage_id = torch._C._storage_id  # the StorageImpl: what _is_alias_of compares
+
+
+def storage_alias_pattern(inputs: Sequence) -> tuple | None:
+    """For each tensor, the index of the first one sharing its storage and its offset in it;
+    ``None`` when nothing is shared (the common case, compared cheaply)."""
+    if len(inputs) <= 4:  # a few tensors: compare them pairwise
+        if not any(_is_alias_of(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1:]):
+            return None
+    storages = list(map(_storage_id, inputs))  # one C loop: the hit path of writing modules
+    if len(set(storages)) == len(storages):
+        return None
+    first: dict[int, int] = {}
+    # Views at other offsets are different programs when the inputs are rebuilt from one storage.
+    return tuple((first.setdefault(s, i), inputs[i].storage_offset())
+                 for i, s in enumerate(storages))

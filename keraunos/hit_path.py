@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .cache import CacheEntry
+from .cache import CacheEntry, storage_alias_pattern
 from .core import glue
 from .core.trace import Trace
 from .passes.fast_prologue import ReturnInputs
@@ -83,24 +83,6 @@ def _items_at(positions: tuple) -> Callable:
 
 def alias_pattern_of(entry: CacheEntry, inputs: Sequence):
     return storage_alias_pattern([inputs[i] for i in entry.alias_positions])
-
-
-_storage_id = torch._C._storage_id  # the StorageImpl: what _is_alias_of compares
-
-
-def storage_alias_pattern(inputs: Sequence) -> tuple | None:
-    """For each tensor, the index of the first one sharing its storage and its offset in it;
-    ``None`` when nothing is shared (the common case, compared cheaply)."""
-    if len(inputs) <= 4:  # a few tensors: compare them pairwise
-        if not any(_is_alias_of(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1:]):
-            return None
-    storages = list(map(_storage_id, inputs))  # one C loop: the hit path of writing modules
-    if len(set(storages)) == len(storages):
-        return None
-    first: dict[int, int] = {}
-    # Views at other offsets are different programs when the inputs are rebuilt from one storage.
-    return tuple((first.setdefault(s, i), inputs[i].storage_offset())
-                 for i, s in enumerate(storages))
 
 
 class ProgramRaised:

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from . import debug
 from . import executors as executors_module
 from . import native
-from .cache import NOT_ASKED, CacheEntry, CacheMode
+from .cache import NOT_ASKED, CacheEntry, CacheMode, tensor_positions
 from .capture.leaks import capture_values_in
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
@@ -471,9 +471,10 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         if type(r) is not tuple:
             raise AssertionError(f"keraunos: internal error: a freshly compiled prologue rejects "
                                  f"the call it was compiled for ({explain(entry, args, kwargs)})")
-        if entry.alias_positions is not None:  # the tensors among the inputs (not sizes)
-            positions = tuple(i for i in entry.alias_positions if isinstance(r[0][i], torch.Tensor))
-            entry.alias_positions = positions if len(positions) > 1 else None
+        # The sharing of this call's inputs: an entry captured here was captured for it, and a
+        # loaded or rebound one was checked to have been compiled for the same
+        # (``cache.sharing_of``).
+        entry.alias_positions = tensor_positions(entry, r[0])
         if entry.alias_positions is not None:
             entry.alias_pattern = alias_pattern_of(entry, r[0])
         entry.alias_check = alias_check_for(entry)

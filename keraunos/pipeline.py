@@ -16,7 +16,7 @@ from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
 from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
-from .cache import CacheEntry, CacheMode
+from .cache import CacheEntry, CacheMode, sharing_of
 from . import program_store
 from .capture.program import Program, capture_program
 from .capture.state import _active
@@ -77,6 +77,9 @@ class Compilation:
     loaded: bool = False
     program_store: str | None = None
     facts: tuple | None = None
+    # For a loaded one: how the inputs of the call that captured it shared memory
+    # (``cache.sharing_of``), which a call it serves must repeat.
+    sharing: tuple | None = None
 
     @property
     def computation(self) -> Trace:
@@ -115,6 +118,10 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     c.program_store = kept if type(kept) is str else "keeping (pickled in the background)"
     entry = _finish(state, c, args, kwargs)
     if type(kept) is dict:
+        kept = _with_sharing(kept, entry, args, kwargs)
+        if type(kept) is str:
+            entry.program_store = kept
+    if type(kept) is dict:
         # Pickling the 32-layer model's program takes 0.2-0.5 s: not before the first result.
         # The traces are done (passes derive new ones); the module tree's paths are taken now.
         program_store.keep_in_background(key, kept, state.module if state.module is not None
@@ -124,7 +131,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
 
 
 class _StoredProgramRejected(Exception):
-    """A loaded program's fast prologue rejected the call its readable prologue accepted."""
+    """A loaded program's fast prologue rejected the call its readable prologue accepted, or
+    the call's inputs share memory otherwise than the capturing call's did."""
 
 
 def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
@@ -139,12 +147,28 @@ def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
     for stage in TIER_STAGES:
         stage(c)
     entry = make_entry(c, Tiering(mode) if mode is FuseMode.BACKGROUND else None)
-    if c.loaded and type(entry.prologue_fn(*args, **kwargs)) is not tuple:
-        raise _StoredProgramRejected()
+    if c.loaded:
+        # The readable prologue accepted the call; the fast one must too, and the inputs must
+        # share memory as those of the capturing call did: the key cannot see it (two views of
+        # one tensor have the key of two tensors of their own), and a program captured for
+        # inputs of their own may compute other values for shared ones, or not raise where
+        # eager raises on an overlapping write (fuzz case 16100:160).
+        r = entry.prologue_fn(*args, **kwargs)
+        if type(r) is not tuple or sharing_of(entry, r[0]) != c.sharing:
+            raise _StoredProgramRejected()
     if mode is FuseMode.BACKGROUND:
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
                        lambda made: _switch(state, entry, *made))
     return entry
+
+
+def _with_sharing(kept: dict, entry: CacheEntry, args, kwargs) -> dict | str:
+    """``kept`` with how this call's inputs share memory (``cache.sharing_of``): a load serves
+    only calls whose inputs share it alike (``_finish``)."""
+    r = entry.prologue_fn(*args, **kwargs)
+    if type(r) is not tuple:  # the miss path reports it (a prologue that rejects its own call)
+        return "not kept: its prologue rejects the call it was captured on"
+    return {**kept, "sharing": sharing_of(entry, r[0])}
 
 
 def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
@@ -217,7 +241,7 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
     c = Compilation(state, program, [stored["prologue"]], [stored["computation"]],
                     [stored["epilogue"]], backwards=[stored["backward"]] if stored["backward"]
                     else [], executors=tuple(state.options.executors), split=stored["split"],
-                    loaded=True, facts=stored["facts"])
+                    loaded=True, facts=stored["facts"], sharing=stored["sharing"])
     c.program_store = "loaded"
     request = getattr(_active, "dynamic", None)
     if request is not None:

@@ -14,10 +14,12 @@ code generation run again on a load: they are cheap, and they depend on what thi
 
 A load is used like a capture: its readable prologue runs on the call first, and only if it
 accepts the call (every check that capture would have written: tensor metadata, module
-structure, module attributes, Python values, global state) does the entry go into the cache;
-anything else captures as usual. The key (``key_of``) covers what the prologue cannot check,
-chiefly the Python code that ran; docs/limitations.md says exactly what it covers and what it
-cannot see. ``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
+structure, module attributes, Python values, global state) and the call's inputs share memory
+as the capturing call's did (the row holds that: ``cache.sharing_of``, checked in
+``pipeline._finish``) does the entry go into the cache; anything else captures as usual. The
+key (``key_of``) covers what the prologue cannot check, chiefly the Python code that ran;
+docs/limitations.md says exactly what it covers and what it cannot see.
+``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from .passes.fast_prologue import expecting_values_of, with_example
 from .version import __version__
 
 NAMESPACE = "program"  # the store's namespace for these rows
-FORMAT = 1             # bump when what a row holds, or how it is loaded, changes
+FORMAT = 2             # bump when what a row holds, or how it is loaded, changes
 
 
 def enabled() -> bool:
@@ -564,7 +566,7 @@ def put(key: str, data: bytes) -> None:
 
 # ------------------------------------------------------------------------------- keep and load
 _KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_descriptions",
-         "facts", "seen_sizes")
+         "facts", "seen_sizes", "sharing")
 
 
 _keeping: list[threading.Thread] = []  # threads still pickling a program

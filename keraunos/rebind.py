@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from .cache import CacheEntry
+from .cache import CacheEntry, sharing_of
 from .core import glue
 from .core.proxies import Proxy
 from .core.trace import Trace
@@ -23,7 +23,8 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
                  args: tuple, kwargs: dict, own_hooks_in_program: bool) -> CacheEntry | None:
     """``entry``, compiled for ``module``, made to serve this call of ``to``: the same
     computation, backward and epilogue callables, behind a prologue of its own that reads and
-    checks ``to``; None unless that prologue accepts the call.
+    checks ``to``; None unless that prologue accepts the call and its inputs share memory as
+    those of the call ``entry`` was compiled on did.
 
     Why that is sound: the readable prologue reaches every module value through its ``module``
     name (paths, attributes, submodule types, parameter metadata, hooks), so run on ``to`` it
@@ -72,7 +73,10 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
                     namespace)
     prologue, walk = fast_prologue(rebound)
     prologue_fn = prologue.python_callable()
-    if type(prologue_fn(*args, **kwargs)) is not tuple:
+    r = prologue_fn(*args, **kwargs)
+    # The inputs must share memory as those of the call it was compiled on did: no prologue
+    # line checks that (cache.sharing_of).
+    if type(r) is not tuple or sharing_of(entry, r[0]) != entry.alias_pattern:
         return None
     prologues = [rebound] + ([walk] if walk is not None else []) + [prologue]
     shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,

@@ -161,15 +161,82 @@ class _Worker:
         here, while the interpreter is whole: ``_ProcessExiting`` is raised in the worker at its
         next Python line, and the worker ends. A worker blocked in plain C (waiting for g++ or
         for Inductor's compile processes) cannot take the exception until that returns; after
-        ``EXIT_GRACE_S`` the process exits anyway, as before."""
+        ``EXIT_GRACE_S`` the process exits anyway, as before. How the exception is raised so that
+        it ends the worker and nothing else: ``_interrupt``."""
         self.stopping = True
         thread = self.thread
         if thread is None or not thread.is_alive() or not self.busy:
             return
-        import ctypes
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                   ctypes.py_object(_ProcessExiting))
-        thread.join(EXIT_GRACE_S)
+        _interrupt(thread, EXIT_GRACE_S)
+
+
+def _interrupt(thread: threading.Thread, grace: float) -> None:
+    """Raise ``_ProcessExiting`` in ``thread`` and wait up to ``grace`` seconds for it to end.
+
+    An exception raised from outside lands at the thread's next check (in the frame it runs,
+    or at the entry of the next function called), and two kinds of places cannot take it.
+    The import machinery's locks: raised as a module lock is taken or given back (or the
+    import lock in its weakref callback), it leaves the lock held, and the next import of
+    another thread (the exiting main thread's, Inductor's compile threads') waits forever. So it
+    is sent only while the thread runs none of the functions that handle those locks
+    (``_holds_import_locks``); elsewhere in an import it fails the import as any error there
+    does, which importlib undoes. And callbacks (a weakref's, a ``__del__``): what they raise
+    is printed ("Exception ignored in ...") and dropped, and the thread goes on compiling. Such
+    a drop is caught on the thread (``sys.unraisablehook``), not printed, and the exception
+    raised again from a trace function, at the next line the thread runs outside those
+    functions (an exception sent from the hook would land in the hook)."""
+    import ctypes
+    ident = ctypes.c_ulong(thread.ident)
+    previous = sys.unraisablehook
+
+    def again(frame, event, arg):
+        if _holds_import_locks(frame.f_code):
+            return None  # not this frame: the next line of a frame that called it
+        raise _ProcessExiting  # (the thread's tracing ends with it)
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not _ProcessExiting or threading.current_thread() is not thread:
+            previous(unraisable)
+            return
+        sys.settrace(again)  # for the frames called from now on
+        frame = sys._getframe(1)  # the frames under way: the one the callback interrupted, up
+        while frame is not None:
+            frame.f_trace = again
+            frame = frame.f_back
+    sys.unraisablehook = hook
+    deadline = time.monotonic() + grace
+    sent = False
+    while not sent and thread.is_alive() and time.monotonic() < deadline:
+        if not _holds_import_locks(_running(thread)):
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(_ProcessExiting))
+            sent = True
+            if _holds_import_locks(_running(thread)):  # it ran in between, into one of them:
+                # take the exception back (PyThreadState_SetAsyncExc with NULL), send it later
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, None)
+                sent = False
+        if not sent:
+            time.sleep(0.001)
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not thread.is_alive() and sys.unraisablehook is hook:
+        sys.unraisablehook = previous
+
+
+def _running(thread: threading.Thread):
+    """The code of the Python frame ``thread`` runs (or whose C call it is in), or None."""
+    frame = sys._current_frames().get(thread.ident)
+    return frame.f_code if frame is not None else None
+
+
+# The functions of importlib (3.11 to 3.13) that take or give back the import lock or a module
+# lock, or call what does (``_find_and_load``'s ``with`` gives its module's lock back).
+_IMPORT_LOCK_FUNCTIONS = frozenset({
+    "_find_and_load", "_get_module_lock", "cb", "_lock_unlock_module", "acquire", "release",
+    "__enter__", "__exit__", "has_deadlock", "_has_deadlocked", "_blocking_on"})
+
+
+def _holds_import_locks(code) -> bool:
+    return code is not None and code.co_filename == "<frozen importlib._bootstrap>" \
+        and code.co_name in _IMPORT_LOCK_FUNCTIONS
 
 
 class _ProcessExiting(BaseException):

@@ -1,5 +1,6 @@
 """In-place writes, the epilogue's side effects, and inputs that share memory: as eager does."""
 import copy
+import weakref
 
 import pytest
 import torch
@@ -473,6 +474,42 @@ def test_aliased_views_with_other_offsets_give_eager_result():
     out = jf(y, y[:4])
     assert_close(out, f(ref, ref[:4]))
     assert_close(y, ref)
+
+
+class _Accumulate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, a, b):
+        a.add_(b)  # eager: b sees the write when it is a's memory
+        return b * self.w
+
+
+def _accumulate_inputs(shared: bool):
+    # Inputs that require grad: the program works on copies of them and writes back after.
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True).clone()
+    return (x, x.view(5, 4)) if shared else (x, x.clone())
+
+
+def test_a_program_shared_by_identical_modules_serves_only_inputs_shared_alike():
+    """Identical blocks of a fully_shard'ed model share one compiled program (rebind.py); one
+    captured for inputs of their own must not serve a call whose inputs are one memory."""
+    from keraunos.jit import state_of
+
+    first, second = _Accumulate(), _Accumulate()
+    jitted_first, jitted_second = keraunos.jit(first), keraunos.jit(second)
+    # What jitted.py does for the units fully_shard makes of identical blocks.
+    family = weakref.WeakSet([state_of(jitted_first), state_of(jitted_second)])
+    state_of(jitted_first).siblings = state_of(jitted_second).siblings = family
+    jitted_first(*_accumulate_inputs(shared=False))
+    own, reference = _accumulate_inputs(shared=False), _accumulate_inputs(shared=False)
+    assert_close(jitted_second(*own), second(*reference))
+    assert "rebind to an identical module" in keraunos.compile_stats(jitted_second).stages
+    shared, reference = _accumulate_inputs(shared=True), _accumulate_inputs(shared=True)
+    assert_close(jitted_second(*shared), second(*reference))
+    assert_close(shared[0], reference[0])
+    assert "capture" in keraunos.compile_stats(jitted_second).stages
 
 
 def test_input_written_and_also_closure_tensor():

@@ -47,6 +47,12 @@ PROGRAM = textwrap.dedent('''
         if x.shape[0] % 2 == 0:
             return x.cos()
         return x.sin()
+
+
+    def accumulate(a, b):
+        # in place: what a and b share decides what it computes, or whether it raises
+        a.add_(b)
+        return b * 2
 ''')
 
 RUN = textwrap.dedent('''
@@ -65,8 +71,18 @@ RUN = textwrap.dedent('''
 
     def compare(jitted, eager, make_args, n, train):
         args, reference = make_args(n), make_args(n)
+        try:
+            expected = eager(*reference)
+        except RuntimeError as error:  # then the jitted call raises it too
+            try:
+                jitted(*args)
+            except RuntimeError as jit_error:
+                assert str(error) in str(jit_error), (error, jit_error)
+            else:
+                raise AssertionError(f"eager raised {error}, keraunos did not")
+            results.append(f"raised {type(error).__name__}")
+            return
         out = jitted(*args)
-        expected = eager(*reference)
         torch.testing.assert_close(out, expected, **tolerance)
         for a, r in zip(args, reference):  # in-place effects on the inputs
             torch.testing.assert_close(a, r, **tolerance)
@@ -94,6 +110,19 @@ RUN = textwrap.dedent('''
     elif variant.startswith("parity"):
         fn = program_def.parity
         make_args = lambda n: (torch.randn(n, 4, generator=torch.Generator().manual_seed(n)),)
+    elif variant.startswith("accumulate"):  # its two inputs share memory, or not
+        fn = program_def.accumulate
+
+        def make_args(n):
+            # Inputs that require grad: the program works on copies, and writes back after.
+            leaf = torch.randn(n + 1, 4, generator=torch.Generator().manual_seed(n))
+            x = leaf.requires_grad_().clone()
+            if "overlapping" in variant:  # eager raises on the write
+                return x[:-1], x[1:]
+            x = x[:-1].clone()
+            if "same memory" in variant:  # two views of one memory: b sees the write
+                return x, x.view(n, 4)
+            return x, x.clone()
     elif variant == "module closure":  # a closure holding a module: not kept
         linear = torch.nn.Linear(8, 8)
         fn = lambda x: linear(x).relu()
@@ -221,6 +250,30 @@ def test_a_loaded_symbolic_prologue_rejects_what_its_program_cannot_serve(progra
     second = _run(program, "parity dynamic", sizes=(6, 7, 1))
     assert second["stores"][0] == "loaded" and second["captured"] == [False, True, True], second
     assert second["misses"] == 3  # each compared with eager: cos for 6, sin for 7 and 1
+
+
+def test_a_loaded_program_serves_only_inputs_that_share_memory_as_it_was_captured(program):
+    """The key does not see whether two inputs share memory; the row holds how the capturing
+    call's did, and a call whose inputs share it otherwise captures anew. Kept for inputs of
+    their own, ``accumulate`` works on copies of inputs that require grad and would hand back
+    the ``b`` from before the write, where eager's ``b`` is ``a`` itself (each process compares
+    with eager)."""
+    assert _run(program, "accumulate", sizes=(5,))["stores"] == ["kept"]
+    again = _run(program, "accumulate", sizes=(5,))
+    assert again["stores"] == ["loaded"] and again["captured"] == [False], again
+    shared = _run(program, "accumulate same memory", sizes=(5,))
+    assert shared["captured"] == [True], shared
+    # eager: b is x + x after the write, and the result 4x (2x with inputs of their own)
+    assert shared["results"] == [[2 * v for v in again["results"][0]]]
+
+
+def test_a_loaded_symbolic_program_raises_on_overlapping_inputs_as_eager_does(program):
+    """Fuzz case 16100:160: a symbolic key leaves out the strides and offsets of symbolic
+    tensors, so two overlapping views of one tensor have the key of two tensors of their own;
+    eager's ``a.add_(b)`` raises on them, and the loaded program must not run instead."""
+    assert _run(program, "accumulate dynamic", sizes=(5,))["stores"] == ["kept"]
+    overlapping = _run(program, "accumulate overlapping dynamic", sizes=(5, 7))
+    assert overlapping["results"] == ["raised RuntimeError"] * 2, overlapping
 
 
 def test_a_function_closing_over_a_module_is_not_kept_and_says_why(program):

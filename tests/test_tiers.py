@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(toolchain_problem("cpu") is not None,
 
 # Inductor's kernels round differently from eager's (as in test_fusion.py).
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 WAIT_S = 300  # a cold compile on a loaded 2-core machine: generous, never reached when healthy
 
 
@@ -298,7 +299,8 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
         print("leaving", time.time(), flush=True)
     """ % os.path.dirname(__file__)))
     env = {**os.environ, "KERAUNOS_FUSE": "background",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # cold: still compiling
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),  # cold: still compiling
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     # Output to files, not pipes: a g++ or an ISA-probe child the process started may outlive
     # it holding a pipe open, and reading a pipe to its end would time those, not the exit.
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
@@ -313,6 +315,93 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
     # second quiet, took 8.1 s once on a machine loaded by valgrind: the bound leaves room for that.
     assert ended - left < 15.0, f"exit took {ended - left:.1f} s"
     assert "keraunos:" not in stderr, stderr
+
+
+EXITING_DURING = textwrap.dedent("""
+    import atexit, faulthandler, importlib, pathlib, sys, tempfile, threading, traceback, weakref
+    from keraunos import tiers
+
+    busy = threading.Event()
+
+
+    def spend(ref):  # a weakref callback: what is raised in it is printed and dropped
+        total = 0
+        for i in range(200):
+            total += i
+
+
+    def freeing_objects_with_callbacks():
+        class Garbage:
+            pass
+        while True:
+            garbage = Garbage()
+            ref = weakref.ref(garbage, spend)
+            del garbage
+            busy.set()
+
+
+    def importing():  # Inductor's compile imports modules as it goes
+        folder = tempfile.mkdtemp()
+        sys.path.insert(0, folder)
+        for i in range(50):
+            pathlib.Path(folder, f"small_{i}.py").write_text("X = 1\\n")
+        importlib.invalidate_caches()
+        while True:
+            for i in range(50):
+                importlib.import_module(f"small_{i}")
+            for i in range(50):
+                del sys.modules[f"small_{i}"]
+            busy.set()
+
+
+    def job():
+        try:
+            (importing if sys.argv[1] == "imports" else freeing_objects_with_callbacks)()
+        except tiers._ProcessExiting as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            print(f"ended by the exit, in {where.filename}:{where.name}", flush=True)
+            raise
+
+
+    @atexit.register  # after the worker's end (threading's exit hooks run before atexit's)
+    def import_again():
+        # An import lock left held by the worker would make these wait forever.
+        faulthandler.dump_traceback_later(60, exit=True)
+        for i in range(50):
+            sys.modules.pop(f"small_{i}", None)
+            if sys.argv[1] == "imports":
+                importlib.import_module(f"small_{i}")
+        importlib.import_module("wave")  # a module no one imported yet
+        print("imports after the exit: done", flush=True)
+
+
+    tiers._worker.submit(job)
+    assert busy.wait(300)
+    print("leaving", flush=True)
+""")
+
+
+@pytest.mark.parametrize("doing", ["callbacks", "imports"])
+def test_the_exit_ends_the_worker_wherever_it_is(tmp_path, doing):
+    """At exit, the worker's compile is ended by an exception raised in it from the main
+    thread (tiers._interrupt). One that lands in a callback (a weakref's, as importlib's module
+    locks have) is printed and dropped there: it is raised again, and nothing is printed. One
+    never lands where importlib takes or gives back its locks: the imports after it (the
+    exiting process's) go through."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_DURING)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), doing], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr and "_ProcessExiting" not in done.stderr, \
+        done.stderr
+    ended = [line for line in done.stdout.splitlines() if line.startswith("ended by the exit")]
+    assert len(ended) == 1, done.stdout
+    where = ended[0].split(" in ")[1]
+    assert where not in {f"<frozen importlib._bootstrap>:{name}"
+                         for name in tiers._IMPORT_LOCK_FUNCTIONS}, where
+    assert "imports after the exit: done" in done.stdout, done.stdout
 
 
 def test_a_compile_on_the_worker_never_rewinds_the_callers_generator():
