@@ -594,6 +594,40 @@ def test_a_random_draw_into_fresh_memory_runs_before_the_region_and_the_block_fu
     assert "div_" in inside and "bernoulli" not in inside
 
 
+class _ConvNormActivation(nn.Sequential):
+    """torchvision's ``Conv2dNormActivation``: a layer whose last lines are its batch norm's."""
+
+    def __init__(self, cin, cout):
+        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                         nn.SiLU(inplace=True))
+
+
+def test_a_layer_ending_in_a_lowered_batch_norm_is_one_region_in_training():
+    """In training the forward runs batch norm and the in-place SiLU as their ATen calls; those
+    calls are the layer's lines, so each ``conv, norm, activation`` layer is one region (the
+    convolution and the ``num_batches_tracked += 1`` used to run on torch before a region of
+    the norm, since no line of the layer followed the ATen calls). Values, gradients and the
+    running statistics are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ConvNormActivation(3, 8), _ConvNormActivation(8, 8)).train()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
+    for _ in range(2):
+        x = torch.randn(2, 3, 6, 6)
+        model.zero_grad(), reference.zero_grad()
+        out, expected = jitted(x), reference(x)
+        assert_close(out, expected, **TOL)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_match(model, reference, **TOL)
+        for got, want in zip(model.buffers(), reference.buffers()):
+            assert_close(got, want, **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    assert len(fusion_lines(trace)) == 2
+    assert not [b.symbol.name for b in trace.bound_symbols
+                if b.executor == "torch" and ("conv" in b.symbol.name or "add_" in b.symbol.name)]
+
+
 def test_a_random_draw_into_memory_the_region_reads_stays_where_it_is():
     """A draw that overwrites what the lines before it read (``h = x * 2`` reads ``x``, then
     ``x.bernoulli_(0.5)``) does not move above them: ``h`` is eager's, and so is ``x``."""
