@@ -10,6 +10,10 @@ runs with ``fuse="wait"`` (the program the default switches to once fused; bench
 times the switch). Prints each median and its ratio to torch.compile's. torchvision is imported
 by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed on these machines).
 
+``--channels-last`` gives every system the model and the input in channels-last memory format
+(``model.to(memory_format=torch.channels_last)``): then keraunos's regions need no layout
+conversions at their borders, as torch.compile's single graph needs none.
+
 ``--region-layout-optimization off`` compiles every one of keraunos's regions with Inductor's
 ``layout_optimization`` off (torch.compile keeps its default, on); by default (``auto``) each
 region's layout is keraunos's choice (``executors/fusion/channels_last.py``: off where a region's
@@ -63,9 +67,11 @@ def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
 
 
 def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
-            regions_layout_off: bool = False) -> dict:
+            regions_layout_off: bool = False, channels_last: bool = False) -> dict:
     torch.manual_seed(0)
     base = getattr(import_torchvision().models, name)()
+    if channels_last:
+        base = base.to(memory_format=torch.channels_last)
     calls = {}
     for system in SYSTEMS:
         call = _caller(system, copy.deepcopy(base).train(train), x, train)
@@ -94,17 +100,23 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--region-layout-optimization", choices=("auto", "off"), default="auto",
                         help="Inductor's layout_optimization for keraunos's regions")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the model and the input in channels-last memory format")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 3, args.size, args.size)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     results = []
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             results.append((name, mode, measure(name, mode == "train", args.rounds, x,
-                                                args.region_layout_optimization == "off")))
+                                                args.region_layout_optimization == "off",
+                                                args.channels_last)))
     print(f"torch {torch.__version__}, 1 thread, ({args.batch}, 3, {args.size}, {args.size}), "
           f"medians of {args.rounds} rounds in turns; ratios to torch.compile; regions' layout "
-          f"optimization {args.region_layout_optimization}")
+          f"optimization {args.region_layout_optimization}"
+          f"{'; channels-last model and input' if args.channels_last else ''}")
     for name, mode, medians in results:
         base = medians["torch.compile"]
         print(f"  {name:<20} {mode:<6} " + "  ".join(

@@ -542,6 +542,111 @@ def test_attention_with_dropout_fuses_all_but_the_draws():
     assert "softmax" in inside and "bernoulli" not in inside
 
 
+class _StochasticDepthBlock(nn.Module):
+    """torchvision's ``StochasticDepth`` in "row" mode after a block's body, then the residual:
+    ``noise = torch.empty(...).bernoulli_(p).div_(p)``, ``out * noise``, ``+= input``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        out = F.silu(self.bn(self.conv(x)))
+        noise = torch.empty([x.shape[0], 1, 1, 1], dtype=x.dtype, device=x.device)
+        noise.bernoulli_(0.8)
+        noise.div_(0.8)
+        out = out * noise
+        out += x
+        return out
+
+
+def test_a_random_draw_into_fresh_memory_runs_before_the_region_and_the_block_fuses_whole():
+    """Stochastic depth draws its mask between a block's body and the scaling that uses it: the
+    draw (into a ``torch.empty`` the block's lines never touch) runs before the block's region,
+    so the scaling, the product and the residual join the region instead of running on torch
+    with their backward. Values, gradients, running statistics and the generator's state after
+    the call are eager's, for two seeds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_StochasticDepthBlock(), _StochasticDepthBlock()).train()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
+    for seed in (0, 1):
+        x = torch.randn(2, 4, 6, 6)
+        model.zero_grad(), reference.zero_grad()
+        torch.manual_seed(seed)
+        out = jitted(x)
+        after = torch.rand(3)
+        torch.manual_seed(seed)
+        expected = reference(x)
+        assert_close(out, expected, **TOL)
+        assert_close(after, torch.rand(3))
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_match(model, reference, **TOL)
+        for got, want in zip(model.buffers(), reference.buffers()):
+            assert_close(got, want, **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    outside = [b.symbol.name for b in trace.bound_symbols if b.executor == "torch"]
+    inside = " ".join(b.symbol.name for line in fusion_lines(trace) for b in line.subsymbols)
+    assert sum("bernoulli_" in name for name in outside) == 2
+    assert not any(op in name for name in outside for op in ("div_", "mul", "add_", "silu"))
+    assert "div_" in inside and "bernoulli" not in inside
+
+
+class _ConvNormActivation(nn.Sequential):
+    """torchvision's ``Conv2dNormActivation``: a layer whose last lines are its batch norm's."""
+
+    def __init__(self, cin, cout):
+        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                         nn.SiLU(inplace=True))
+
+
+def test_a_layer_ending_in_a_lowered_batch_norm_is_one_region_in_training():
+    """In training the forward runs batch norm and the in-place SiLU as their ATen calls; those
+    calls are the layer's lines, so each ``conv, norm, activation`` layer is one region (the
+    convolution and the ``num_batches_tracked += 1`` used to run on torch before a region of
+    the norm, since no line of the layer followed the ATen calls). Values, gradients and the
+    running statistics are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ConvNormActivation(3, 8), _ConvNormActivation(8, 8)).train()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
+    for _ in range(2):
+        x = torch.randn(2, 3, 6, 6)
+        model.zero_grad(), reference.zero_grad()
+        out, expected = jitted(x), reference(x)
+        assert_close(out, expected, **TOL)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_match(model, reference, **TOL)
+        for got, want in zip(model.buffers(), reference.buffers()):
+            assert_close(got, want, **TOL)
+    trace = keraunos.last_traces(jitted)[-1]
+    assert len(fusion_lines(trace)) == 2
+    assert not [b.symbol.name for b in trace.bound_symbols
+                if b.executor == "torch" and ("conv" in b.symbol.name or "add_" in b.symbol.name)]
+
+
+def test_a_random_draw_into_memory_the_region_reads_stays_where_it_is():
+    """A draw that overwrites what the lines before it read (``h = x * 2`` reads ``x``, then
+    ``x.bernoulli_(0.5)``) does not move above them: ``h`` is eager's, and so is ``x``."""
+    def f(x):
+        h = torch.sigmoid(x * 2) + 1
+        x.bernoulli_(0.5)
+        return (h * x).sum(-1) + h.mean()
+
+    jitted = keraunos.jit(f, executors=FUSED, fuse="wait")
+    for seed in (0, 1):
+        x, x_ref = torch.rand(4, 8), None
+        x_ref = x.clone()
+        torch.manual_seed(seed)
+        out = jitted(x)
+        torch.manual_seed(seed)
+        assert_close(out, f(x_ref), **TOL)
+        assert_close(x, x_ref)
+
+
 def test_in_place_add_to_scores_requiring_grad_fuses_in_the_forward():
     """T5's ``scores += position_bias`` on a tensor that requires grad: in the forward trace of
     keraunos's autograd split nothing records autograd, so the write joins the region with the

@@ -321,8 +321,11 @@ def _forward_lines(computation: Trace, joint, named: _Named, lowered: set[int],
                 tags.discard(RANDOM)  # the softmax and matmuls around dropout's draw
             if call.func._schema.is_mutable:
                 tags.add(MUTATION)
+            # (made in the module call the torch line was made in: a layer's lowered batch norm
+            # is the layer's, also where no line of the layer follows it, as in a stem's
+            # ``Conv2dNormActivation``; see ``executors/fusion/layers.py``)
             lines.append(BoundSymbol(_aten_symbol(call.func), tuple(args), dict(kwargs),
-                                     outputs, bsym.source, tags))
+                                     outputs, bsym.source, tags, module_stack=bsym.module_stack))
     return lines
 
 

@@ -5,8 +5,9 @@ share one compiled kernel. The boundary is where the layer's ``forward`` starts 
 only the module calls themselves know: capture records with each line the module calls it was
 made in (``bsym.module_stack``, ``capture/module_calls.py``; on the torch.compile route, dynamo's
 ``nn_module_stack``), passes copy it with the line, and a line's layer is the outermost call in
-its stack that is a layer (:func:`layers_of_stacks`). Lines that later passes make anew (ATen ops
-of a lowered line) carry no stack; :func:`layer_of_lines` fills such gaps from their neighbours.
+its stack that is a layer (:func:`layers_of_stacks`). The ATen calls a lowered line runs as in the
+forward of the autograd split carry the line's stack; lines that later passes make anew (the
+backward's ATen ops) carry none, and :func:`layer_of_lines` fills such gaps from their neighbours.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from ...core.symbolic import SymbolicValue
 from ...core.effects import draws_random, forbidding, is_inplace_by_name, may_move
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
-from ...core.tags import MUTATION, OPAQUE
+from ...core.tags import MUTATION, OPAQUE, RANDOM
 from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
@@ -400,22 +400,27 @@ def _sunk(lines, claimed, layers, io: _Proxies) -> list[int]:
 
 def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
     """The line order with each movable line that is not claimed moved before the claimed run
-    it interrupts, when it reads nothing that run defines."""
+    it interrupts, when it reads nothing that run defines; and each random draw into memory the
+    run does not touch (``_draw_above_run``)."""
     order: list[int] = []
-    run_start, run_key, run_defined, run_written = None, None, set(), set()
+    run_start, run_key, run_defined, run_written, run_touched = None, None, set(), set(), set()
     for i, b in enumerate(lines):
         if claimed[i]:
             key = (layers[i], _device(b, io))
             if run_start is None or key != run_key:
-                run_start, run_key, run_defined, run_written = len(order), key, set(), set()
+                run_start, run_key = len(order), key
+                run_defined, run_written, run_touched = set(), set(), set()
             order.append(i)
             run_defined.update(p.name for p in io.outs(b))
+            run_touched.update(io.storage(p) for p in io.all(b) + io.outs(b)
+                               if isinstance(p, TensorProxy))
             written = writes(b)
             if written is not None:
                 run_written.add(io.storage(written))
-        elif run_start is not None and _movable(b) and not (
+        elif run_start is not None and not (
                 {p.name for p in io.ins(b)} & run_defined) and not (
-                {io.storage(p) for p in io.ins(b) if isinstance(p, TensorProxy)} & run_written):
+                {io.storage(p) for p in io.ins(b) if isinstance(p, TensorProxy)} & run_written) \
+                and (_movable(b) or _draw_above_run(b, run_touched, io)):
             order.insert(run_start, i)  # (not above a write of the memory it reads)
             run_start += 1
         else:
@@ -428,6 +433,22 @@ def _movable(bsym: BoundSymbol) -> bool:
     """A line whose only effect is its outputs: it may run earlier than written."""
     return (isinstance(bsym.symbol, TorchSymbol)
             and may_move(bsym) and not is_inplace_by_name(bsym.symbol) and not _draws_random(bsym))
+
+
+def _draw_above_run(bsym: BoundSymbol, run_touched: set, io: _Proxies) -> bool:
+    """A random draw whose only other effect is a write of memory that the claimed run before it
+    neither reads nor makes: stochastic depth's ``noise.bernoulli_(p)`` into a ``torch.empty``,
+    between a block's body and ``noise.div_(p)``, ``x * noise``, ``+= input``. It may run
+    before the run: a region never draws (``fusible``), so the draws keep their order among
+    themselves and the generator's stream is eager's, and the run cannot see what it wrote.
+    The block is then one region instead of a region, five eager lines and their backward."""
+    if not (isinstance(bsym.symbol, TorchSymbol) and _draws_random(bsym)
+            and forbidding(bsym, "move") <= {RANDOM, MUTATION}):
+        return False
+    written = writes(bsym)
+    touched = _written(bsym, io) + io.outs(bsym) + ([written] if written is not None else [])
+    memories = {io.storage(p) for p in touched if isinstance(p, TensorProxy)}
+    return None not in memories and not (memories & run_touched)
 
 
 def _runs(lines, claimed, layers, io: _Proxies) -> list[Region]:
