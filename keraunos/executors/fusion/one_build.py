@@ -36,6 +36,9 @@ _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\(')
 _METHODS = re.compile(r"static PyMethodDef py_methods\[\] = \{.*?\}\};", re.DOTALL)
 
+# Builds started (``start``): "merged" files of several kernels and the kernels in them, and
+# "alone" (a module with one kernel). Read by the tests.
+stats = {"merged": 0, "kernels": 0, "alone": 0}
 _local = threading.local()  # .batch: this thread's kernels met since the last wait, or None
 _install_lock = threading.Lock()
 _installed: list[bool] = []
@@ -115,9 +118,12 @@ def start():
             one = kernels[0]
             get = Bindings.load_pybinding_async(one.argtypes, one.source, submit_fn=submit)
             results = lambda: [get()]  # noqa: E731
+            stats["alone"] += 1
         else:
             get = Bindings.load_async(merged_source(kernels), "cpu", submit_fn=submit)
             results = lambda: [getattr(get(), f"k{i}") for i in range(len(kernels))]  # noqa: E731
+            stats["merged"] += 1
+            stats["kernels"] += len(kernels)
     except Exception:  # noqa: BLE001 - (writing the file, the pool): each kernel on its own
         results = None
 
