@@ -294,7 +294,6 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     found = _kernels.get(key)
     if found is not None:
         return found, True
-    _probe_wanted.set()  # the capture is over: a probe waiting for it may start (busy machine)
     wait_for_warming_imports()
     store_key = kernel_store.key_of(key)
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
@@ -595,8 +594,8 @@ def wait_for_warming_imports() -> None:
         _warmed_imports.wait()
 
 
-# Set by the first region a fused tier compiles or loads (``kernel_for``; also
-# ``_before_the_first_pick``, ``_load_stored``): the capture is over by then. On a machine whose cores are taken
+# Set by the first compile or load that needs the vector-ISA probe (``_before_the_first_pick``,
+# ``_load_stored``): the capture is over by then. On a machine whose cores are taken
 # (``workers.busy``: the last minute's load average at or above the cores), the warming thread
 # waits for it before the probe's g++ build, which would otherwise take a share of the capture's
 # core (at normal priority, a 32-layer model's first result came 4-5x later at load average 5-6).
