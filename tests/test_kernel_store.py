@@ -135,22 +135,22 @@ def test_a_compile_lowers_while_the_probe_builds_and_picks_after_it(monkeypatch)
     assert picked == ["avx512", "avx512"] and log == ["avx512"]
 
 
-@pytest.mark.parametrize("busy", [True, False])
-def test_on_a_busy_machine_the_probe_waits_for_the_first_compile(monkeypatch, busy):
-    """The probe's g++ build would take a share of the capture's core where no core is free: it
-    starts when the first compile asks for it (the capture is over then); at once otherwise."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_warming_thread_runs_at_a_lower_priority_than_the_caller():
+    """The probe's g++ build takes what the caller's capture leaves of the cores; the caller's
+    thread keeps its priority."""
     import threading
-    from keraunos.executors.fusion import workers
-    probed = threading.Event()
-    monkeypatch.setattr(workers, "busy", lambda: busy)
-    monkeypatch.setattr(compiler, "_probe_wanted", threading.Event())
-    monkeypatch.setattr(compiler, "_probe_vector_isa", probed.set)
-    thread = threading.Thread(target=compiler._probe_when_wanted, daemon=True)
+    seen = []
+
+    def warming():
+        compiler._lower_this_threads_priority(compiler.WARMING_NICE)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=warming)
     thread.start()
-    assert probed.wait(0.5) is not busy
-    compiler._before_the_first_pick()  # a compile, about to lower its graph
-    assert probed.wait(30)
     thread.join(30)
+    assert seen == [min(19, before + compiler.WARMING_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_a_region_missing_from_the_store_does_not_wait_for_the_probe(own_store, monkeypatch):

@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import functools
 import itertools
+import os
 import shutil
 import subprocess
 import sys
@@ -320,7 +321,6 @@ def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Ke
         data = kernel_store.stored(store_key)
         if data is None:
             return None  # (no wait for the probe: a compile overlaps it, see ``_compile_in_turn``)
-        _probe_wanted.set()
         _probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
         with _collecting_from_inductor() as (_, pending):
             loaded = kernel_store.load(store_key, data)
@@ -594,22 +594,26 @@ def wait_for_warming_imports() -> None:
         _warmed_imports.wait()
 
 
-# Set by the first compile or load that needs the vector-ISA probe (``_before_the_first_pick``,
-# ``_load_stored``): the capture is over by then. On a machine whose cores are taken
-# (``workers.busy``: the last minute's load average at or above the cores), the warming thread
-# waits for it before the probe's g++ build, which would otherwise take a share of the capture's
-# core (at normal priority, a 32-layer model's first result came 4-5x later at load average 5-6).
-# On a machine with a free core the probe starts at once and runs beside the capture. Never at
-# a lower priority (the sixteenth session's ``nice`` +10): the first compile's code generation
-# waits for the probe, and at load average 7-13 a niced probe took 11-13 s (its g++ test builds
-# and the Python around them starved), 7-9 s of it spent by that compile waiting.
-_probe_wanted = threading.Event()
+# How much lower the probe's priority is than the process's, once the warming thread has done
+# its imports: its g++ test build (a child inherits the thread's nice value on Linux) then takes
+# only what the caller's capture leaves of the cores. On a quiet machine that is a whole idle
+# core; on a loaded one (or one core) the probe waits for the capture instead of halving its
+# share: at normal priority, a 32-layer model's first result came 4-5x later on this loaded
+# 2-core machine. The imports keep the process's priority: the fusion worker waits for them
+# (``wait_for_warming_imports``), and at a lower priority a restart's fused tier waited behind
+# the caller's own work for them. A compile whose code generation waits for the probe (at the
+# candidate list's lock) still waits for a low-priority build: only when the cores are taken.
+WARMING_NICE = 10
 
 
-def _probe_when_wanted() -> None:
-    if workers.busy():
-        _probe_wanted.wait()
-    _probe_vector_isa()
+def _lower_this_threads_priority(by: int) -> None:
+    """Lower the calling thread's scheduling priority (Linux: ``setpriority`` of a thread id
+    acts on that thread alone, and processes it starts inherit it); nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + by))
 
 
 def _warm() -> None:
@@ -625,7 +629,8 @@ def _warm() -> None:
         return
     finally:
         _warmed_imports.set()
-    _probe_when_wanted()
+    _lower_this_threads_priority(WARMING_NICE)  # for good: the thread ends with the probe
+    _probe_vector_isa()
 
 
 def _before_the_first_pick() -> None:
@@ -635,7 +640,6 @@ def _before_the_first_pick() -> None:
     no ISA) waits there for the probe's build: the lowering overlaps the g++ test build. Without
     it (not x86), the compile waits for the probe first, as two first probes at once must not
     run (``_probe_lock``)."""
-    _probe_wanted.set()  # a warming thread waiting on a busy machine starts the probe now
     isa_probe.install()
     if not isa_probe.picks_take_turns():
         _probe_vector_isa()
