@@ -46,7 +46,7 @@ import torch
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
 from ..base import IMPORT_LOCK
-from . import fx_graph, isa_probe, kernel_store, symbolic, workers
+from . import fx_graph, isa_probe, kernel_store, one_build, symbolic, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -496,12 +496,20 @@ def _hook_waits() -> None:
         original_wait = AsyncCompile.wait
 
         def wait(self, scope):
+            finish = one_build.start()  # the module's kernels, collected: one g++ build
             pending = getattr(_collecting, "pending", None)
             if pending is None:
-                return original_wait(self, scope)
-            pending.append((functools.partial(original_wait, self), scope))
+                return _finish_then_wait(finish, original_wait, self, scope)
+            pending.append((functools.partial(_finish_then_wait, finish, original_wait, self),
+                            scope))
         AsyncCompile.wait = wait
         _hooked.append("waits")
+
+
+def _finish_then_wait(finish, original_wait, async_compile, scope) -> None:
+    if finish is not None:
+        finish(scope)  # the merged build's kernels into the module's globals (``one_build``)
+    original_wait(async_compile, scope)
 
 
 def _hook_sources() -> None:
@@ -530,11 +538,13 @@ def _hook_sources() -> None:
 def _collecting_from_inductor():
     """Within it, this thread's compile keeps Inductor's generated wrappers and puts off its
     waits for their C++ kernels: the kernels stay futures in the wrapper module's globals until
-    ``Kernel.ready`` waits for them, and g++ works on them meanwhile. Yields (sources, pending)."""
+    ``Kernel.ready`` waits for them, and g++ works on them meanwhile; a module's kernels are built
+    by one g++ run (``one_build``). Yields (sources, pending)."""
     _hook_waits()
     _collecting.sources, _collecting.pending = [], []
     try:
-        yield _collecting.sources, _collecting.pending
+        with one_build.collecting():
+            yield _collecting.sources, _collecting.pending
     finally:
         _collecting.sources = _collecting.pending = None
 
