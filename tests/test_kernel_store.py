@@ -47,6 +47,7 @@ def _run(script, cache_dir) -> None:
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 @pytest.mark.parametrize("fuse", ["wait", "background"])
 def test_a_restart_rebuilds_no_kernel(tmp_path, fuse):
     """The key of a C++ build holds the compiler's flags. Inductor's first probe of the CPU's

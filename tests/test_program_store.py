@@ -213,6 +213,7 @@ def test_what_the_program_depends_on_changing_misses_the_store(kept, change):
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 def test_a_loaded_program_is_fused(program):
     """The claims and the fusion run after a load as after a capture (the regions come from
     the kernel store): the loaded program runs fused and computes what eager does."""

@@ -234,6 +234,7 @@ def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(kept):
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 def test_a_loaded_symbolic_entry_is_fused_on_its_rebuilt_shape_env(program):
     """The fusion executor compiles a loaded symbolic program's regions on the ShapeEnv the load
     rebuilt, as on the capture's: fused, and equal to eager (forward and gradient)."""
