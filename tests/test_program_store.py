@@ -237,7 +237,8 @@ def test_a_module_with_hooks_is_neither_kept_nor_loaded(kept):
     """The fast prologue made on a load would check the hooks the module has now: a program
     captured without a hook must not serve a module that has one."""
     directory, store, _ = kept  # kept without a hook by the first process
-    hooked = _run(directory, "hook", store=store)  # its results equal eager's, hook included (run.py)
+    # its results equal eager's, hook included (run.py)
+    hooked = _run(directory, "hook", store=store)
     assert hooked["captured"] and "hooks" in hooked["store"], hooked["store"]
 
 

@@ -16,8 +16,9 @@ Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and w
 when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
 the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
 regions, the forward's while the backward is split and lowered, and the one-time probe of the
-CPU's vector instructions runs while the program is captured (``warming.py``); a compile lowers its graph meanwhile,
-and only its code generation waits for the probe (``warming.before_the_first_pick``).
+CPU's vector instructions runs while the program is captured (``warming.py``); a compile lowers
+its graph meanwhile, and only its code generation waits for the probe
+(``warming.before_the_first_pick``).
 
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and

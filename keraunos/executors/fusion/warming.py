@@ -131,6 +131,8 @@ _probe_lock = threading.Lock()
 
 
 def probe_vector_isa() -> None:
+    """Inductor's pick of the vector ISA, made once per process (the first pick test-builds),
+    never on two threads at once; returns once it is made."""
     from torch._inductor import cpu_vec_isa
     isa_probe.install()  # one test build, not four; a later process starts no child to load it
     with _probe_lock:
