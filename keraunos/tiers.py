@@ -8,7 +8,7 @@ one capture:
   executor claims *without* the fusion executors. Every op runs eager's kernel; nothing of
   Inductor runs (or is even imported) on this thread, so the first call costs what the torch
   executor's costs. (Inductor's one-time set-up, its probe of the vector instructions, starts
-  with the worker, on a thread of its own: ``compiler.start_warming``.)
+  with the worker, on a thread of its own: ``warming.start_warming``.)
 - **tier 1**, on one background thread (``_Worker``): the same traces claimed *with* the fusion
   executors, their regions compiled by Inductor (its own worker processes build the C++
   kernels, so g++ uses every core), and code generation. When it is done, ``switch`` makes the
@@ -133,9 +133,9 @@ class _Worker:
         try:
             self.busy = True
             with IMPORT_LOCK:
-                from .executors.fusion import compiler
-            compiler.start_warming()  # the probe, on a thread of its own
-            compiler.wait_for_warming_imports()  # Inductor's modules, off the caller's thread
+                from .executors.fusion import warming
+            warming.start_warming()  # the probe, on a thread of its own
+            warming.wait_for_warming_imports()  # Inductor's modules, off the caller's thread
             _stop_before_executors_shut_down(self)
             while True:
                 self.busy = False

@@ -53,3 +53,14 @@ def pytest_configure(config):
     # Every trace a pass makes and every trace compiled to Python is checked by the trace checker
     # (keraunos.core.lint): a malformed trace fails the test that made it.
     os.environ.setdefault("KERAUNOS_LINT", "1")
+    # Tests marked ``long`` start first (``pytest_collection_modifyitems``, below).
+    config.addinivalue_line(
+        "markers", "long: a test of tens of seconds on two cores; the run starts it first")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` first, each group in collection order. Under pytest-xdist's
+    worksteal (README: -n auto --dist worksteal) the run ends when its last test does: a long
+    test collected late runs alone at the end while the other workers wait. A module whose
+    module-scoped fixture serves all its tests is marked whole, so the fixture is made once."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

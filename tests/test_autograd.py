@@ -917,7 +917,8 @@ def test_backward_trace_when_indexing_with_a_list():
     assert keraunos.last_backward_traces(jf)
 
 
-@pytest.mark.parametrize("executors", [["torch"], ["inductor", "torch"]], ids=["torch", "fused"])
+@pytest.mark.parametrize("executors", [
+    ["torch"], pytest.param(["inductor", "torch"], marks=pytest.mark.long)], ids=["torch", "fused"])
 def test_incoming_gradients_of_any_strides_give_eagers_gradients(executors):
     """A tied head (``F.linear(h, emb.weight)``): the backward trace views the incoming gradient
     (``view(grad0, [10, 16])``), which fails on a permuted gradient that eager's autograd takes

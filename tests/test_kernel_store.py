@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from keraunos.executors.fusion import compiler
+from keraunos.executors.fusion import compiler, warming
 
 PROGRAM = textwrap.dedent("""
     import copy, torch, keraunos
@@ -47,6 +47,7 @@ def _run(script, cache_dir) -> None:
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 @pytest.mark.parametrize("fuse", ["wait", "background"])
 def test_a_restart_rebuilds_no_kernel(tmp_path, fuse):
     """The key of a C++ build holds the compiler's flags. Inductor's first probe of the CPU's
@@ -80,22 +81,22 @@ def test_every_probe_keraunos_starts_goes_through_one_lock(monkeypatch):
         release.wait(30)
         order.append("end")
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", slow_probe)
-    warming = threading.Thread(target=compiler._probe_vector_isa)
-    warming.start()
+    first = threading.Thread(target=warming.probe_vector_isa)
+    first.start()
     assert inside.wait(30)
-    second = threading.Thread(target=compiler._probe_vector_isa)
+    second = threading.Thread(target=warming.probe_vector_isa)
     second.start()
     second.join(0.3)
     assert second.is_alive(), "the second probe did not wait for the first"
     release.set()
-    warming.join(30)
+    first.join(30)
     second.join(30)
     assert order == ["start", "end", "start", "end"]
 
 
 def test_a_compile_lowers_while_the_probe_builds_and_picks_after_it(monkeypatch):
     """The warming thread's probe holds the candidate list while it test-builds; a compile on
-    another thread does not wait for it before lowering (``_before_the_first_pick`` returns),
+    another thread does not wait for it before lowering (``before_the_first_pick`` returns),
     and its own pick waits for the build and gets the same ISA."""
     import threading
     from torch._inductor import cpu_vec_isa
@@ -121,7 +122,7 @@ def test_a_compile_lowers_while_the_probe_builds_and_picks_after_it(monkeypatch)
     probe = threading.Thread(target=lambda: picked.append(str(cpu_vec_isa.pick_vec_isa())))
     probe.start()
     assert building.wait(30)
-    lowering = threading.Thread(target=compiler._before_the_first_pick)
+    lowering = threading.Thread(target=warming.before_the_first_pick)
     lowering.start()
     lowering.join(10)
     assert not lowering.is_alive(), "the compile waited for the probe before lowering"
@@ -142,21 +143,21 @@ def test_the_warming_thread_runs_at_a_lower_priority_than_the_caller():
     import threading
     seen = []
 
-    def warming():
-        compiler._lower_this_threads_priority(compiler.WARMING_NICE)
+    def warming_thread():
+        warming._lower_this_threads_priority(warming.WARMING_NICE)
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    thread = threading.Thread(target=warming)
+    thread = threading.Thread(target=warming_thread)
     thread.start()
     thread.join(30)
-    assert seen == [min(19, before + compiler.WARMING_NICE)]
+    assert seen == [min(19, before + warming.WARMING_NICE)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_a_region_missing_from_the_store_does_not_wait_for_the_probe(own_store, monkeypatch):
     def refuse():
         raise AssertionError("waited for the probe to find nothing in the store")
-    monkeypatch.setattr(compiler, "_probe_vector_isa", refuse)
+    monkeypatch.setattr(warming, "probe_vector_isa", refuse)
     assert compiler._load_stored("0" * 64, lambda: None, "inductor_region0") is None
 
 
@@ -345,7 +346,7 @@ def test_symbolic_and_non_cpu_regions_have_no_store_key():
 RESTART = textwrap.dedent("""
     import copy, sys, torch, keraunos
     from keraunos.examples.gpt import GPT, GPTConfig
-    from keraunos.executors.fusion import compiler
+    from keraunos.executors.fusion import compiler, warming
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()

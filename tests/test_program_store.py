@@ -6,10 +6,14 @@ ignored and written again.
 
 Every run is a real process (the store is for restarts); each prints what ``compile_stats``
 says of the program store, whether capture ran, and the results, which the tests compare with
-eager's (in that process) and with the first process's.
+eager's (in that process) and with the first process's. The first process of the tests that
+start from the plain model's kept program runs once per module (``kept``); each such test
+restarts from a copy of the store it wrote, in the same directory (the program's key holds its
+source file's path).
 """
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -117,16 +121,41 @@ RUN = textwrap.dedent('''
 ''')
 
 
+def _write_program(directory):
+    (directory / "model_def.py").write_text(MODEL)
+    (directory / "run.py").write_text(RUN)
+    return directory
+
+
 @pytest.fixture
 def program(tmp_path):
-    (tmp_path / "model_def.py").write_text(MODEL)
-    (tmp_path / "run.py").write_text(RUN)
-    return tmp_path
+    return _write_program(tmp_path)
 
 
-def _run(directory, variant="plain") -> dict:
-    env = {**os.environ, "KERAUNOS_CACHE_DIR": str(directory / "store"),
+@pytest.fixture(scope="module")
+def _kept_once(tmp_path_factory):
+    """The plain model's first process, once per module: its directory and what it printed."""
+    directory = _write_program(tmp_path_factory.mktemp("kept"))
+    first = _run(directory)
+    assert first["captured"] and first["store"] == "kept", first["store"]
+    return directory, first
+
+
+@pytest.fixture
+def kept(_kept_once, tmp_path):
+    """``(directory, store, first)``: the plain model's program, kept by a first process in
+    ``directory``, in ``store``, a copy of that process's store of this test's own."""
+    directory, first = _kept_once
+    store = tmp_path / "store"
+    shutil.copytree(directory / "store", store)
+    return directory, store, first
+
+
+def _run(directory, variant="plain", store=None) -> dict:
+    # No bytecode written: a test that changes model_def.py never meets a stale .pyc of it.
+    env = {**os.environ, "KERAUNOS_CACHE_DIR": str(store or directory / "store"),
            "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(directory / "run.py"), variant],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -134,16 +163,15 @@ def _run(directory, variant="plain") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _rows(directory) -> list:
-    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+def _rows(store) -> list:
+    with sqlite3.connect(store / "store.sqlite3") as db:
         return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
 
 
-def test_a_restart_loads_the_program_and_computes_what_eager_does(program):
-    first = _run(program)
-    assert first["captured"] and first["store"] == "kept", first["store"]
-    assert len(_rows(program)) == 1
-    second = _run(program)
+def test_a_restart_loads_the_program_and_computes_what_eager_does(kept):
+    directory, store, first = kept  # captured and kept by the first process (``_kept_once``)
+    assert len(_rows(store)) == 1
+    second = _run(directory, store=store)
     assert second["store"] == "loaded" and not second["captured"], second
     assert second["out"] == first["out"]  # and each equals eager's in its process (run.py)
     assert second["misses"] == 1
@@ -160,25 +188,32 @@ def test_training_loads_forward_and_backward(program):
 
 @pytest.mark.parametrize("change", ["code", "global", "structure", "option", "dtype",
                                     "settings"])
-def test_what_the_program_depends_on_changing_misses_the_store(program, change):
-    assert _run(program)["store"] == "kept"
-    variant = "plain"
+def test_what_the_program_depends_on_changing_misses_the_store(kept, change):
+    directory, store, _ = kept
+    variant, source = "plain", None
     if change == "code":  # the same names and structure, another forward
-        (program / "model_def.py").write_text(
-            MODEL.replace("return x + gate(", "return x - gate("))
+        source = MODEL.replace("return x + gate(", "return x - gate(")
     elif change == "global":
-        (program / "model_def.py").write_text(MODEL.replace("SCALE = 0.5", "SCALE = 0.25"))
+        source = MODEL.replace("SCALE = 0.5", "SCALE = 0.25")
     else:
         variant = change
-    changed = _run(program, variant)
+    # The changed source at the kept program's own path, for this run only (the directory is
+    # the module's: ``_kept_once``).
+    if source is not None:
+        (directory / "model_def.py").write_text(source)
+    try:
+        changed = _run(directory, variant, store=store)
+    finally:
+        (directory / "model_def.py").write_text(MODEL)
     assert changed["captured"] and changed["store"] == "kept", changed
     # A row of its own next to the first one's; a field of an object the model holds is not in
     # the key: the stored program's prologue rejected the call, and the capture replaced it.
-    assert len(_rows(program)) == (1 if change == "settings" else 2)
+    assert len(_rows(store)) == (1 if change == "settings" else 2)
 
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 def test_a_loaded_program_is_fused(program):
     """The claims and the fusion run after a load as after a capture (the regions come from
     the kernel store): the loaded program runs fused and computes what eager does."""
@@ -198,17 +233,18 @@ def test_a_loaded_entry_tells_automatic_dynamic_its_sizes(program):
         assert any("recompiled with it symbolic" in r for r in run["resized"]), run["resized"]
 
 
-def test_a_module_with_hooks_is_neither_kept_nor_loaded(program):
+def test_a_module_with_hooks_is_neither_kept_nor_loaded(kept):
     """The fast prologue made on a load would check the hooks the module has now: a program
     captured without a hook must not serve a module that has one."""
-    assert _run(program)["store"] == "kept"
-    hooked = _run(program, "hook")  # its results equal eager's, hook included (run.py)
+    directory, store, _ = kept  # kept without a hook by the first process
+    # its results equal eager's, hook included (run.py)
+    hooked = _run(directory, "hook", store=store)
     assert hooked["captured"] and "hooks" in hooked["store"], hooked["store"]
 
 
-def _set_value(directory, value: bytes, fix_checksum: bool) -> None:
+def _set_value(store, value: bytes, fix_checksum: bool) -> None:
     import hashlib
-    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+    with sqlite3.connect(store / "store.sqlite3") as db:
         if fix_checksum:
             db.execute("UPDATE entries SET value = ?, size = ?, checksum = ? WHERE namespace = "
                        "'program'", (value, len(value), hashlib.sha256(value).hexdigest()))
@@ -217,19 +253,19 @@ def _set_value(directory, value: bytes, fix_checksum: bool) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncated", "checksummed garbage", "random"])
-def test_a_damaged_stored_program_is_ignored_and_written_again(program, damage):
-    first = _run(program)
-    (key, value), = _rows(program)
+def test_a_damaged_stored_program_is_ignored_and_written_again(kept, damage):
+    directory, store, first = kept
+    (key, value), = _rows(store)
     if damage == "truncated":  # the checksum no longer matches: the store drops the row
-        _set_value(program, value[:len(value) // 2], fix_checksum=False)
+        _set_value(store, value[:len(value) // 2], fix_checksum=False)
     elif damage == "checksummed garbage":  # a row that checksums but does not unpickle
-        _set_value(program, value[:len(value) // 2], fix_checksum=True)
+        _set_value(store, value[:len(value) // 2], fix_checksum=True)
     else:
-        _set_value(program, os.urandom(len(value)), fix_checksum=True)
-    second = _run(program)
+        _set_value(store, os.urandom(len(value)), fix_checksum=True)
+    second = _run(directory, store=store)
     assert second["captured"] and second["store"] == "kept", second
     assert second["out"] == first["out"]
-    (rewritten_key, rewritten), = _rows(program)
+    (rewritten_key, rewritten), = _rows(store)
     assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
-    third = _run(program)
+    third = _run(directory, store=store)
     assert third["store"] == "loaded" and third["out"] == first["out"]

@@ -6,10 +6,14 @@ sizes no process compiled for, and its prologue still rejects what it cannot ser
 
 Every run is a real process; ``run.py`` compares each call with eager in its own process and
 prints what ``compile_stats`` says of the program store, whether capture ran, the misses, the
-readable prologue and the results (see tests/test_program_store.py for modules).
+readable prologue and the results (see tests/test_program_store.py for modules). The first
+process of a scenario several tests start from runs once per module (``kept``); each such test
+restarts from a copy of the store it wrote, in the same directory (the program's key holds its
+source file's path).
 """
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -137,16 +141,50 @@ RUN = textwrap.dedent('''
 ''')
 
 
+def _write_program(directory):
+    (directory / "program_def.py").write_text(PROGRAM)
+    (directory / "run.py").write_text(RUN)
+    return directory
+
+
 @pytest.fixture
 def program(tmp_path):
-    (tmp_path / "program_def.py").write_text(PROGRAM)
-    (tmp_path / "run.py").write_text(RUN)
-    return tmp_path
+    return _write_program(tmp_path)
 
 
-def _run(directory, variant: str, sizes=(5,), env=None) -> dict:
-    env = {**os.environ, **(env or {}), "KERAUNOS_CACHE_DIR": str(directory / "store"),
+@pytest.fixture(scope="module")
+def _kept_once(tmp_path_factory):
+    """One directory per module, and the first process of each variant run in it, once:
+    ``{variant: (store, what it printed)}``."""
+    directory = _write_program(tmp_path_factory.mktemp("kept"))
+    return directory, {}
+
+
+@pytest.fixture
+def kept(_kept_once, tmp_path):
+    """``kept(variant)`` -> ``(directory, store, first)``: the program of ``variant`` at size 5,
+    kept by a first process in ``directory``, in ``store``, a copy of that process's store of
+    this test's own."""
+    directory, firsts = _kept_once
+
+    def copy_of(variant):
+        if variant not in firsts:
+            first_store = directory / ("store-" + variant.replace(" ", "-"))
+            first = _run(directory, variant, store=first_store)
+            assert first["stores"] == ["kept"] and first["captured"] == [True], first
+            firsts[variant] = first_store, first
+        first_store, first = firsts[variant]
+        store = tmp_path / "store"
+        shutil.copytree(first_store, store)
+        return directory, store, first
+    return copy_of
+
+
+def _run(directory, variant: str, sizes=(5,), env=None, store=None) -> dict:
+    # No bytecode written: a test that changes program_def.py never meets a stale .pyc of it.
+    env = {**os.environ, **(env or {}), "KERAUNOS_CACHE_DIR": str(store or directory / "store"),
            "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(directory / "run.py"), variant,
                            ",".join(map(str, sizes))],
@@ -155,8 +193,8 @@ def _run(directory, variant: str, sizes=(5,), env=None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _rows(directory) -> list:
-    path = directory / "store" / "store.sqlite3"
+def _rows(store) -> list:
+    path = store / "store.sqlite3"
     if not path.exists():
         return []
     with sqlite3.connect(path) as db:
@@ -169,48 +207,52 @@ def _without_header(prologue: str) -> list[str]:
     return [line for line in prologue.splitlines() if not line.startswith("#")]
 
 
-def test_a_restart_loads_a_jitted_function_with_its_effects_and_gradients(program):
-    first = _run(program, "step")
-    assert first["stores"] == ["kept"] and first["captured"] == [True], first
-    second = _run(program, "step")
+def test_a_restart_loads_a_jitted_function_with_its_effects_and_gradients(kept):
+    directory, store, first = kept("step")  # captured and kept by the first process
+    second = _run(directory, "step", store=store)
     assert second["stores"] == ["loaded"] and second["captured"] == [False], second
     # each process compared results, the buffer's in-place update and w's gradient with eager
     assert second["results"] == first["results"] and second["grads"] == first["grads"]
     assert second["misses"] == 1
 
 
-def test_a_restart_loads_a_closure_with_the_same_cell_values(program):
-    assert _run(program, "closure")["stores"] == ["kept"]
-    second = _run(program, "closure")
+def test_a_restart_loads_a_closure_with_the_same_cell_values(kept):
+    directory, store, _ = kept("closure")
+    second = _run(directory, "closure", store=store)
     assert second["stores"] == ["loaded"] and second["captured"] == [False], second
 
 
 @pytest.mark.parametrize("change", ["code", "helper code", "global", "default", "closure value"])
-def test_what_a_function_depends_on_changing_misses_the_store(program, change):
+def test_what_a_function_depends_on_changing_misses_the_store(kept, change):
     variant = "closure" if change == "closure value" else "step"
-    first = _run(program, variant)
-    assert first["stores"] == ["kept"], first
-    env = None
+    directory, store, first = kept(variant)
+    env, source = None, None
     if change == "code":
-        (program / "program_def.py").write_text(PROGRAM.replace("torch.tanh(", "torch.sigmoid("))
+        source = PROGRAM.replace("torch.tanh(", "torch.sigmoid(")
     elif change == "helper code":
-        (program / "program_def.py").write_text(PROGRAM.replace("t.sin() + 1", "t.sin() + 2"))
+        source = PROGRAM.replace("t.sin() + 1", "t.sin() + 2")
     elif change == "global":
-        (program / "program_def.py").write_text(PROGRAM.replace("SCALE = 0.5", "SCALE = 0.25"))
+        source = PROGRAM.replace("SCALE = 0.5", "SCALE = 0.25")
     elif change == "default":
-        (program / "program_def.py").write_text(PROGRAM.replace("scale=0.5", "scale=0.75"))
+        source = PROGRAM.replace("scale=0.5", "scale=0.75")
     else:
         env = {"CLOSURE_K": "3.0"}
-    changed = _run(program, variant, env=env)
+    # The changed source at the kept program's own path, for this run only (the directory is
+    # the module's: ``_kept_once``).
+    if source is not None:
+        (directory / "program_def.py").write_text(source)
+    try:
+        changed = _run(directory, variant, env=env, store=store)
+    finally:
+        (directory / "program_def.py").write_text(PROGRAM)
     assert changed["stores"] == ["kept"] and changed["captured"] == [True], changed
     assert changed["results"] != first["results"]  # and each equals eager's in its process
-    assert len(_rows(program)) == 2  # a row of its own: the key changed
+    assert len(_rows(store)) == 2  # a row of its own: the key changed
 
 
-def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(program):
-    first = _run(program, "step dynamic", sizes=(5,))
-    assert first["stores"] == ["kept"], first
-    second = _run(program, "step dynamic", sizes=(9, 13))
+def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(kept):
+    directory, store, first = kept("step dynamic")  # kept at the size 5
+    second = _run(directory, "step dynamic", sizes=(9, 13), store=store)
     assert second["stores"] == ["loaded", "loaded"] and second["captured"] == [False, False]
     assert second["misses"] == 1  # 13 served by the loaded entry, as 9 was
     # The prologue's checks (the ShapeEnv's guards, the symbolic tensor checks) are the same
@@ -221,6 +263,7 @@ def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(program):
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
+@pytest.mark.long
 def test_a_loaded_symbolic_entry_is_fused_on_its_rebuilt_shape_env(program):
     """The fusion executor compiles a loaded symbolic program's regions on the ShapeEnv the load
     rebuilt, as on the capture's: fused, and equal to eager (forward and gradient)."""
@@ -279,23 +322,23 @@ def test_a_loaded_symbolic_program_raises_on_overlapping_inputs_as_eager_does(pr
 def test_a_function_closing_over_a_module_is_not_kept_and_says_why(program):
     run = _run(program, "module closure")
     assert run["stores"][0].startswith("not kept: a global or closure value of type Linear"), run
-    assert not _rows(program)
+    assert not _rows(program / "store")
 
 
-def _set_value(directory, value: bytes) -> None:
+def _set_value(store, value: bytes) -> None:
     import hashlib
-    with sqlite3.connect(directory / "store" / "store.sqlite3") as db:
+    with sqlite3.connect(store / "store.sqlite3") as db:
         db.execute("UPDATE entries SET value = ?, size = ?, checksum = ? WHERE namespace = "
                    "'program'", (value, len(value), hashlib.sha256(value).hexdigest()))
 
 
 @pytest.mark.parametrize("variant", ["step", "step dynamic"])
-def test_a_damaged_stored_function_program_is_ignored_and_written_again(program, variant):
-    first = _run(program, variant)
-    (key, value), = _rows(program)
-    _set_value(program, os.urandom(len(value)))
-    second = _run(program, variant)
+def test_a_damaged_stored_function_program_is_ignored_and_written_again(kept, variant):
+    directory, store, first = kept(variant)
+    (key, value), = _rows(store)
+    _set_value(store, os.urandom(len(value)))
+    second = _run(directory, variant, store=store)
     assert second["stores"] == ["kept"] and second["captured"] == [True], second
     assert second["results"] == first["results"]
-    third = _run(program, variant)
+    third = _run(directory, variant, store=store)
     assert third["stores"] == ["loaded"] and third["results"] == first["results"]

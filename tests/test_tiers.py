@@ -436,12 +436,12 @@ def test_a_dynamo_compile_waits_for_the_fused_compile_in_flight():
     ``torch.compile`` at once made one of them fail (a region left unfused, with a warning, in
     5 of 5 runs of a model with a ``torch.compile`` after its first call). Dynamo's compiles take
     the same turns as keraunos's fused compiles: while one holds them, the other waits."""
-    from keraunos.executors.fusion import compiler
-    compiler._dynamo_takes_turns()
+    from keraunos.executors.fusion import turns
+    turns.dynamo_takes_turns()
     holding, release = threading.Event(), threading.Event()
 
     def fused_compile_in_flight():
-        with compiler._turns.turn():
+        with turns.tracing.turn():
             holding.set()
             release.wait(WAIT_S)
     worker = threading.Thread(target=fused_compile_in_flight)
@@ -487,21 +487,21 @@ def test_a_dynamo_end_without_its_start_leaves_a_fused_compiles_turn_alone():
     """Dynamo's callbacks can be registered inside a Dynamo compile already running (the
     keraunos backend warms fusion up there): its end callback then comes without its start, and
     must not give back the turn a fused compile on the worker holds."""
-    from keraunos.executors.fusion import compiler
+    from keraunos.executors.fusion import turns
     holding, release = threading.Event(), threading.Event()
 
     def fused_compile_in_flight():
-        with compiler._turns.turn():
+        with turns.tracing.turn():
             holding.set()
             release.wait(WAIT_S)
     worker = threading.Thread(target=fused_compile_in_flight)
     worker.start()
     assert holding.wait(WAIT_S)
-    compiler._give_back_for_dynamo(None)  # an end whose start was never seen
+    turns._give_back_for_dynamo(None)  # an end whose start was never seen
     took = threading.Event()
 
     def another_compile():
-        with compiler._turns.turn():
+        with turns.tracing.turn():
             took.set()
     other = threading.Thread(target=another_compile)
     other.start()

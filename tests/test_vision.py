@@ -92,7 +92,7 @@ def test_training_step_on_the_torch_executor(name):
 
 
 def _fused_cases(suite_case: str | None):
-    return [name if SLOW or name == suite_case else
+    return [pytest.param(name, marks=pytest.mark.long) if SLOW or name == suite_case else
             pytest.param(name, marks=pytest.mark.skip(
                 reason=f"a cold fused compile of {name} takes up to 80 s; "
                        f"KERAUNOS_SLOW_TESTS=1 runs it"))

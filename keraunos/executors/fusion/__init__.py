@@ -26,7 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import channels_last, compiler, fx_graph, layers, regions, symbolic, workers
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic, warming, workers
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
@@ -36,7 +36,7 @@ __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "compute
 def start_warming() -> None:
     """Start Inductor's one-time set-up in the background, while a program is captured for
     fusion on this thread (in the background tier, the worker does it)."""
-    compiler.start_warming()
+    warming.start_warming()
 
 
 class InductorExecutor(FusionExecutor):

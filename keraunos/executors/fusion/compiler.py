@@ -16,9 +16,9 @@ Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and w
 when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
 the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
 regions, the forward's while the backward is split and lowered, and the one-time probe of the
-CPU's vector instructions runs while the program is captured (``start_warming``, from
-``keraunos.jit``); a compile lowers its graph meanwhile, and only its code generation waits for
-the probe (``_before_the_first_pick``).
+CPU's vector instructions runs while the program is captured (``warming.py``); a compile lowers
+its graph meanwhile, and only its code generation waits for the probe
+(``warming.before_the_first_pick``).
 
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
@@ -33,7 +33,6 @@ import atexit
 import contextlib
 import functools
 import itertools
-import os
 import shutil
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import torch
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
 from ..base import IMPORT_LOCK
-from . import fx_graph, isa_probe, kernel_store, one_build, symbolic, workers
+from . import fx_graph, kernel_store, one_build, symbolic, turns, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -295,7 +294,7 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
     found = _kernels.get(key)
     if found is not None:
         return found, True
-    wait_for_warming_imports()
+    warming.wait_for_warming_imports()
     store_key = kernel_store.key_of(key)
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
     if kernel is None:
@@ -321,7 +320,7 @@ def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Ke
         data = kernel_store.stored(store_key)
         if data is None:
             return None  # (no wait for the probe: a compile overlaps it, see ``_compile_in_turn``)
-        _probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
+        warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
         with _collecting_from_inductor() as (_, pending):
             loaded = kernel_store.load(store_key, data)
         if loaded is None:
@@ -350,86 +349,9 @@ def _stored_call(call):
     return run
 
 
-class _Turns:
-    """One thread at a time traces and lowers: Inductor's compile (AOTAutograd's ``make_fx``) and
-    Dynamo's both run torch.fx's tracer, whose patcher is one module global
-    (``torch.fx._symbolic_trace.CURRENT_PATCHER``): two traces at once on two threads undo each
-    other's patches and one of them fails ("CURRENT_PATCHER is None in finally block"), a fused
-    region on the worker (run unfused, with a warning) or the caller's own ``torch.compile``.
-    Re-entrant on one thread (a Dynamo compile calls the keraunos backend, which compiles
-    regions); a turn may be given back by another thread than took it (Dynamo runs its end
-    callbacks on the thread whose compile ends last). Dynamo calls its start callbacks holding
-    its own counter lock, so a compile that holds a turn must not start Dynamo's callbacks
-    itself: region compiles are inference graphs without CUDA graphs, which never do (only
-    AOTAutograd's lazy backward compile and cudagraph trees call ``install_callbacks``)."""
-
-    def __init__(self):
-        self._changed = threading.Condition()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def take(self) -> None:
-        me = threading.get_ident()
-        with self._changed:
-            while self._owner is not None and self._owner != me:
-                self._changed.wait()
-            self._owner = me
-            self._depth += 1
-
-    def give_back(self) -> None:
-        with self._changed:
-            self._depth = max(self._depth - 1, 0)
-            if self._depth == 0:
-                self._owner = None
-                self._changed.notify_all()
-
-    @contextlib.contextmanager
-    def turn(self):
-        self.take()
-        try:
-            yield
-        finally:
-            self.give_back()
-
-
-_turns = _Turns()
-
-
-def _dynamo_takes_turns() -> None:
-    """Dynamo's compiles on any thread take ``_turns`` too, through its compile start and end
-    callbacks (registered again after ``torch._dynamo.reset()``, which clears them, at the next
-    fused compile)."""
-    from torch._dynamo.callback import callback_handler
-    if _take_for_dynamo not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_take_for_dynamo)
-        callback_handler.register_end_callback(_give_back_for_dynamo)
-
-
-# Turns Dynamo's start callbacks took and its end callbacks have not given back. An end callback
-# can come without its start: the callbacks are registered when fusion first warms up, which may
-# be inside a Dynamo compile already started (the keraunos backend's); that end must not give back
-# a turn a fused compile holds.
-_dynamo_turns = [0]
-_dynamo_turns_lock = threading.Lock()
-
-
-def _take_for_dynamo(args) -> None:
-    _turns.take()
-    with _dynamo_turns_lock:
-        _dynamo_turns[0] += 1
-
-
-def _give_back_for_dynamo(args) -> None:
-    with _dynamo_turns_lock:
-        if not _dynamo_turns[0]:
-            return
-        _dynamo_turns[0] -= 1
-    _turns.give_back()
-
-
 def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
-    _dynamo_takes_turns()
-    with _turns.turn():
+    turns.dynamo_takes_turns()
+    with turns.tracing.turn():
         return _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph)
 
 
@@ -437,7 +359,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
-    with IMPORT_LOCK:  # the first region a process compiles: see ``start_warming``
+    with IMPORT_LOCK:  # the first region a process compiles: see ``warming.start_warming``
         from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -453,7 +375,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
             shape_env=compile_env if compile_env is not None else ShapeEnv())
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
-        _before_the_first_pick()
+        warming.before_the_first_pick()
         _hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
@@ -547,122 +469,6 @@ def _collecting_from_inductor():
             yield _collecting.sources, _collecting.pending
     finally:
         _collecting.sources = _collecting.pending = None
-
-
-_warming: list[threading.Thread] = []
-_warming_lock = threading.Lock()
-_warmed_imports = threading.Event()
-
-
-def start_warming() -> None:
-    """Start, in the background, what the first CPU compile of a process waits for: the import of
-    Inductor's runtime modules and its probe of the vector instructions it may use (a g++ build
-    and a load of a test library: 2.7 s on a cold cache here). Once per process; returns
-    without waiting for it (after importing torch._dynamo, when capture has not yet: below).
-
-    A module's capture calls it (``pipeline``, through ``Executor.start_warming``), so the
-    probe's g++ build runs on the other core while the first call captures the program, instead
-    of after it (the 32-layer model's first fused call came 2.8 s after its first result, most of
-    it this probe); the fusion worker calls it too (a function's first background compile).
-    Not ``keraunos.jit``: the import of torch._dynamo below then cost every jitted function's
-    restart 0.9 s, a restart that loads its program from the store and imports nothing else."""
-    if _warming:
-        return
-    # What the caller's capture imports itself (a ShapeEnv imports torch._dynamo through
-    # ``validator``), imported here first, on the caller's thread: the warming thread's imports
-    # of Inductor import torch._dynamo too, and two threads importing that circle of modules at
-    # once meet one of them half initialized (the fuzzer's 2413:0, an ImportError in the
-    # capture). Not an extra cost: the first call's capture would import them anyway. (Outside
-    # ``_warming_lock``: IMPORT_LOCK is never taken while that one is held.)
-    with IMPORT_LOCK:
-        import torch._dynamo  # noqa: F401
-        import torch.fx.experimental.validator  # noqa: F401
-    with _warming_lock:
-        if _warming:
-            return
-        thread = threading.Thread(target=_warm, name="keraunos-inductor-warming", daemon=True)
-        _warming.append(thread)
-        thread.start()
-
-
-def wait_for_warming_imports() -> None:
-    """Return once the warming thread has imported Inductor's modules (at once when no warming
-    was started). Any thread that imports or runs Inductor's compiler waits here first: two
-    threads importing torch._dynamo's circle of modules at once can meet one of them half
-    initialized (an ImportError)."""
-    if _warming:
-        _warmed_imports.wait()
-
-
-# How much lower the probe's priority is than the process's, once the warming thread has done
-# its imports: its g++ test build (a child inherits the thread's nice value on Linux) then takes
-# only what the caller's capture leaves of the cores. On a quiet machine that is a whole idle
-# core; on a loaded one (or one core) the probe waits for the capture instead of halving its
-# share: at normal priority, a 32-layer model's first result came 4-5x later on this loaded
-# 2-core machine. The imports keep the process's priority: the fusion worker waits for them
-# (``wait_for_warming_imports``), and at a lower priority a restart's fused tier waited behind
-# the caller's own work for them. A compile whose code generation waits for the probe (at the
-# candidate list's lock) still waits for a low-priority build: only when the cores are taken.
-WARMING_NICE = 10
-
-
-def _lower_this_threads_priority(by: int) -> None:
-    """Lower the calling thread's scheduling priority (Linux: ``setpriority`` of a thread id
-    acts on that thread alone, and processes it starts inherit it); nothing elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + by))
-
-
-def _warm() -> None:
-    try:
-        # Not Inductor's compiler (``compile_fx``, its lowering and ``select_algorithm``: about
-        # 0.6 s even with torch._dynamo imported): a restart whose regions all come from
-        # keraunos's store never needs it, and the first compile imports it (under IMPORT_LOCK).
-        with IMPORT_LOCK:
-            from torch._inductor import async_compile, codecache, cpp_builder  # noqa: F401
-            from torch._inductor import cpu_vec_isa  # noqa: F401
-            _dynamo_takes_turns()  # before any fused compile can run on another thread
-    except Exception:  # noqa: BLE001 - the first compile will meet and report it
-        return
-    finally:
-        _warmed_imports.set()
-    _lower_this_threads_priority(WARMING_NICE)  # for good: the thread ends with the probe
-    _probe_vector_isa()
-
-
-def _before_the_first_pick() -> None:
-    """What a compile does before ``compile_fx``, about the vector-ISA probe the warming thread
-    may be running. With keraunos's candidate list installed (``isa_probe``), every pick takes the
-    list's lock, so the compile's first pick (at code generation, after the lowering, which needs
-    no ISA) waits there for the probe's build: the lowering overlaps the g++ test build. Without
-    it (not x86), the compile waits for the probe first, as two first probes at once must not
-    run (``_probe_lock``)."""
-    isa_probe.install()
-    if not isa_probe.picks_take_turns():
-        _probe_vector_isa()
-
-
-# Inductor's first probe of the vector instructions is not safe to run on two threads at once:
-# ``VecAVX512.__bool__`` adds ``-mavx512bf16`` to the ISA's flags while it test-builds, and
-# restores what it saw, so two first probes at once leave the flag in twice for the rest of the
-# process. The flags are part of every C++ kernel's cache key: such a process builds every kernel
-# under a key no other process uses, and the next process rebuilds them all (measured on the
-# 4-layer training step: 12 of 12 kernels rebuilt on a warm restart). Every probe keraunos starts
-# goes through this lock, so the first one runs alone and the rest find it cached.
-_probe_lock = threading.Lock()
-
-
-def _probe_vector_isa() -> None:
-    from torch._inductor import cpu_vec_isa
-    isa_probe.install()  # one test build, not four; a later process starts no child to load it
-    with _probe_lock:
-        try:
-            cpu_vec_isa.pick_vec_isa()  # cached: later compiles find it done
-        except Exception:  # noqa: BLE001 - the compile itself will meet and report it
-            pass
 
 
 @functools.lru_cache(maxsize=None)
