@@ -89,7 +89,8 @@ def test_moe_training_falls_back_to_torch_autograd(name):
 
 def test_llama_training_step_under_the_backend_with_fusion():
     """torch.compile(backend=keraunos.dynamo.backend(executors=["inductor", "torch"])): the
-    forward and backward traces get Inductor regions, one kernel for both decoder layers, and the
+    forward and backward traces get Inductor regions, not cut at the two decoder layers (fewer
+    than BACKEND_MIN_SHARED_LAYERS: Dynamo's graph is fused whole, as Inductor does), and the
     loss, outputs and every gradient are eager's (within Inductor's reordering of reductions).
     (gpt2, with its graph break in the loss, and bert pass too; each costs minutes of compiles.)"""
     import keraunos.dynamo
@@ -100,11 +101,10 @@ def test_llama_training_step_under_the_backend_with_fusion():
     kwargs = inputs_of("llama", seed=3, mask=False, labels=True)
     assert_training_step_matches(compiled, model, ref, kwargs, tolerance=FUSED_TOLERANCE)
     (subgraph,) = be.subgraphs
+    fusions = keraunos.last_fusions(subgraph.jitted)
     for trace_name in ("computation", "backward"):
-        layers = [r for r in keraunos.last_fusions(subgraph.jitted)
-                  if r.trace_name == trace_name and r.layer is not None]
-        assert sorted(r.layer for r in layers) == ["model.layers.0", "model.layers.1"]
-        assert len({r.kernel.number for r in layers}) == 1, trace_name
+        regions = [r for r in fusions if r.trace_name == trace_name]
+        assert regions and all(r.layer is None for r in regions), trace_name
 
 
 @pytest.mark.filterwarnings("ignore:keraunos. no backward trace")  # MoE: asserted below

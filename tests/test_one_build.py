@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-from keraunos.executors.fusion import compiler, one_build
+from keraunos.executors.fusion import collecting, one_build
 from keraunos.executors.fusion.compiler import toolchain_problem
 
 pytestmark = pytest.mark.skipif(toolchain_problem("cpu") is not None,
@@ -123,6 +123,6 @@ def test_the_merged_source_names_each_kernel_once():
 def test_outside_a_compile_inductor_builds_as_its_own():
     assert getattr(one_build._local, "batch", None) is None
     assert one_build.start() is None
-    with compiler._collecting_from_inductor():
+    with collecting.from_inductor():
         assert one_build._local.batch == []
     assert one_build._local.batch is None

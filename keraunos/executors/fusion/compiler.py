@@ -30,7 +30,6 @@ write in the input's version counter, as the wrappers do.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import itertools
 import shutil
@@ -45,7 +44,7 @@ import torch
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
 from ..base import IMPORT_LOCK
-from . import fx_graph, kernel_store, one_build, symbolic, turns, warming, workers
+from . import collecting, fx_graph, kernel_store, symbolic, turns, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -321,7 +320,7 @@ def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Ke
         if data is None:
             return None  # (no wait for the probe: a compile overlaps it, see ``_compile_in_turn``)
         warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
-        with _collecting_from_inductor() as (_, pending):
+        with collecting.from_inductor() as (_, pending):
             loaded = kernel_store.load(store_key, data)
         if loaded is None:
             return None
@@ -376,10 +375,10 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
         warming.before_the_first_pick()
-        _hook_sources()
+        collecting.hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
-                _collecting_from_inductor() as (sources, pending):
+                collecting.from_inductor() as (sources, pending):
             fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
                             config_patches=dict(CONFIG_PATCHES))
         # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
@@ -397,78 +396,6 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
 def _cache_counts(counters) -> tuple[int, int]:
     return (counters["aot_autograd"].get("autograd_cache_hit", 0),
             counters["inductor"].get("fxgraph_cache_hit", 0))
-
-
-# What this thread's compile collects from Inductor's hooks (below): its generated wrappers and
-# its put-off waits. Thread-local, and the hooks are installed once: compiles in two threads at
-# once each collect their own, and neither restores a hook the other set.
-_collecting = threading.local()
-_hooks_lock = threading.Lock()
-_hooked: list[str] = []  # which of the two hooks below are installed
-
-
-def _hook_waits() -> None:
-    """Inductor waits for a wrapper's C++ kernels in ``AsyncCompile.wait`` when it loads the
-    wrapper (a compile, or a module from keraunos's store). Within ``_collecting_from_inductor``
-    on a thread, the wait is recorded instead of done; elsewhere it is Inductor's own."""
-    from torch._inductor.async_compile import AsyncCompile
-    with _hooks_lock:
-        if "waits" in _hooked:
-            return
-        original_wait = AsyncCompile.wait
-
-        def wait(self, scope):
-            finish = one_build.start()  # the module's kernels, collected: one g++ build
-            pending = getattr(_collecting, "pending", None)
-            if pending is None:
-                return _finish_then_wait(finish, original_wait, self, scope)
-            pending.append((functools.partial(_finish_then_wait, finish, original_wait, self),
-                            scope))
-        AsyncCompile.wait = wait
-        _hooked.append("waits")
-
-
-def _finish_then_wait(finish, original_wait, async_compile, scope) -> None:
-    if finish is not None:
-        finish(scope)  # the merged build's kernels into the module's globals (``one_build``)
-    original_wait(async_compile, scope)
-
-
-def _hook_sources() -> None:
-    """Inductor hands each generated wrapper to ``GraphLowering.save_output_code`` (on a fresh
-    compile and on both cache hits). Within ``_collecting_from_inductor`` on a thread, the
-    wrapper is kept (and passed on to a hook already set). Installed by the first compile, not
-    by a load from the store: ``torch._inductor.graph`` imports Inductor's lowering (about half
-    a second), which a process that only loads stored regions never needs."""
-    from torch._inductor.graph import GraphLowering
-    with _hooks_lock:
-        if "sources" in _hooked:
-            return
-        previous_save = GraphLowering.save_output_code
-
-        def save(code: str) -> None:
-            sources = getattr(_collecting, "sources", None)
-            if sources is not None:
-                sources.append(code)
-            if previous_save is not None:
-                previous_save(code)
-        GraphLowering.save_output_code = save
-        _hooked.append("sources")
-
-
-@contextlib.contextmanager
-def _collecting_from_inductor():
-    """Within it, this thread's compile keeps Inductor's generated wrappers and puts off its
-    waits for their C++ kernels: the kernels stay futures in the wrapper module's globals until
-    ``Kernel.ready`` waits for them, and g++ works on them meanwhile; a module's kernels are built
-    by one g++ run (``one_build``). Yields (sources, pending)."""
-    _hook_waits()
-    _collecting.sources, _collecting.pending = [], []
-    try:
-        with one_build.collecting():
-            yield _collecting.sources, _collecting.pending
-    finally:
-        _collecting.sources = _collecting.pending = None
 
 
 @functools.lru_cache(maxsize=None)

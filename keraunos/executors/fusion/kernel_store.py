@@ -107,7 +107,7 @@ def load(key: str, data: bytes | None = None):
     """The region's ``call`` (a list of inputs -> the outputs) from the module kept under
     ``key`` (``data``: its row, when the caller read it already), with the module's source;
     None when there is none, or it does not load. Run where Inductor's waits for C++ builds are
-    collected (``compiler._collecting_from_inductor``): the module's kernels are then futures
+    collected (``collecting.from_inductor``): the module's kernels are then futures
     until the region's first call."""
     if data is None:
         data = stored(key)

@@ -7,7 +7,7 @@ Measured on this machine (2026-12-05, load average about 6): a kernel of the 4-l
 step's backward layer region takes 0.7 CPU-seconds to build, an empty kernel 0.5; the region's five
 kernels take 3.7 CPU-seconds built one by one and 1.0 built as one file.
 
-So, while a compile's waits are collected (``compiler._collecting_from_inductor``), the
+So, while a compile's waits are collected (``collecting.from_inductor``), the
 definitions of one wrapper module are collected too (``collecting``): each kernel becomes a
 placeholder (``Pending``), and when the module reaches its ``async_compile.wait(globals())``,
 ``start`` writes every kernel of it into one file, each in a namespace of its own

@@ -323,7 +323,7 @@ def _compile(graph_module, metas, layout_choice, config_patches: dict, given: di
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from . import channels_last, compiler
+    from . import channels_last, collecting
     from .fx_graph import example_values
     # Each set only where it differs: setting one to the value it has can change another that
     # keys the cache (``set_float32_matmul_precision("highest")`` turns the per-backend
@@ -357,7 +357,7 @@ def _compile(graph_module, metas, layout_choice, config_patches: dict, given: di
     # parent's load of it will ask for them: one file of them all (``one_build``).
     with torch.no_grad(), tracing(TracingContext(fake_mode)), \
             channels_last.inductor_layout(layout_choice), \
-            compiler._collecting_from_inductor() as (_, pending):
+            collecting.from_inductor() as (_, pending):
         compile_fx(graph_module, fakes, ignore_shape_env=True,
                    config_patches=config_patches)
     for wait, scope in pending:
