@@ -1,5 +1,6 @@
 """Helpers the behaviour tests share: a jitted run checked against eager, gradients and all, and
-the litgpt model pairs and token batches of the litgpt tests.
+the litgpt model pairs and token batches of the litgpt tests; the program-store tests' runs of a
+script in a process of its own.
 
 Tests import it as a sibling module (pytest puts ``tests/`` on ``sys.path``, as for
 ``distributed_ranks``)::
@@ -16,6 +17,11 @@ Every helper asserts: a comparison that finds nothing to compare fails.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import sqlite3
+import subprocess
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 import keraunos
 
 VOCAB = 256  # the litgpt tests' vocabulary: tokens() draws from it
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 
 
 # ------------------------------------------------------------------------------ gradients
@@ -161,3 +168,29 @@ def tokens(*shape: int, seed: int, vocab: int = VOCAB, low: int = 0) -> torch.Te
     """Token ids in ``[low, vocab)`` of ``shape``, from a generator of their own (``seed``)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab, shape, generator=g)
+
+
+# ------------------------------------------------------------------------- the program store
+def run_with_store(script, args: Sequence[str], store, env: dict | None = None) -> dict:
+    """Run ``script`` with ``args`` in a process of its own, on this checkout's keraunos, with the
+    program store on in ``store`` and fusion off; what its last line printed, as JSON. No
+    bytecode is written: a test that changes the script's module never meets a stale .pyc."""
+    env = {**os.environ, **(env or {}), "KERAUNOS_CACHE_DIR": str(store),
+           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
+           "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def program_rows(store) -> list:
+    """The program store's rows in ``store`` (none when nothing was ever written there)."""
+    path = store / "store.sqlite3"
+    if not path.exists():
+        return []
+    with sqlite3.connect(path) as db:
+        if not db.execute("SELECT name FROM sqlite_master WHERE name = 'entries'").fetchall():
+            return []
+        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()

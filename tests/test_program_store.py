@@ -11,19 +11,16 @@ start from the plain model's kept program runs once per module (``kept``); each 
 restarts from a copy of the store it wrote, in the same directory (the program's key holds its
 source file's path).
 """
-import json
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import program_rows, run_with_store
 
 from keraunos.executors.fusion import compiler
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 
 MODEL = textwrap.dedent('''
     import torch
@@ -152,25 +149,12 @@ def kept(_kept_once, tmp_path):
 
 
 def _run(directory, variant="plain", store=None) -> dict:
-    # No bytecode written: a test that changes model_def.py never meets a stale .pyc of it.
-    env = {**os.environ, "KERAUNOS_CACHE_DIR": str(store or directory / "store"),
-           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
-           "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(directory / "run.py"), variant],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _rows(store) -> list:
-    with sqlite3.connect(store / "store.sqlite3") as db:
-        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
+    return run_with_store(directory / "run.py", [variant], store or directory / "store")
 
 
 def test_a_restart_loads_the_program_and_computes_what_eager_does(kept):
     directory, store, first = kept  # captured and kept by the first process (``_kept_once``)
-    assert len(_rows(store)) == 1
+    assert len(program_rows(store)) == 1
     second = _run(directory, store=store)
     assert second["store"] == "loaded" and not second["captured"], second
     assert second["out"] == first["out"]  # and each equals eager's in its process (run.py)
@@ -208,7 +192,7 @@ def test_what_the_program_depends_on_changing_misses_the_store(kept, change):
     assert changed["captured"] and changed["store"] == "kept", changed
     # A row of its own next to the first one's; a field of an object the model holds is not in
     # the key: the stored program's prologue rejected the call, and the capture replaced it.
-    assert len(_rows(store)) == (1 if change == "settings" else 2)
+    assert len(program_rows(store)) == (1 if change == "settings" else 2)
 
 
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
@@ -255,7 +239,7 @@ def _set_value(store, value: bytes, fix_checksum: bool) -> None:
 @pytest.mark.parametrize("damage", ["truncated", "checksummed garbage", "random"])
 def test_a_damaged_stored_program_is_ignored_and_written_again(kept, damage):
     directory, store, first = kept
-    (key, value), = _rows(store)
+    (key, value), = program_rows(store)
     if damage == "truncated":  # the checksum no longer matches: the store drops the row
         _set_value(store, value[:len(value) // 2], fix_checksum=False)
     elif damage == "checksummed garbage":  # a row that checksums but does not unpickle
@@ -265,7 +249,7 @@ def test_a_damaged_stored_program_is_ignored_and_written_again(kept, damage):
     second = _run(directory, store=store)
     assert second["captured"] and second["store"] == "kept", second
     assert second["out"] == first["out"]
-    (rewritten_key, rewritten), = _rows(store)
+    (rewritten_key, rewritten), = program_rows(store)
     assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
     third = _run(directory, store=store)
     assert third["store"] == "loaded" and third["out"] == first["out"]

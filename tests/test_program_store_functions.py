@@ -11,19 +11,16 @@ process of a scenario several tests start from runs once per module (``kept``); 
 restarts from a copy of the store it wrote, in the same directory (the program's key holds its
 source file's path).
 """
-import json
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import program_rows, run_with_store
 
 from keraunos.executors.fusion import compiler
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 
 PROGRAM = textwrap.dedent('''
     import torch
@@ -181,26 +178,8 @@ def kept(_kept_once, tmp_path):
 
 
 def _run(directory, variant: str, sizes=(5,), env=None, store=None) -> dict:
-    # No bytecode written: a test that changes program_def.py never meets a stale .pyc of it.
-    env = {**os.environ, **(env or {}), "KERAUNOS_CACHE_DIR": str(store or directory / "store"),
-           "KERAUNOS_PROGRAM_STORE": "1", "KERAUNOS_FUSE": "off",
-           "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(directory / "run.py"), variant,
-                           ",".join(map(str, sizes))],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _rows(store) -> list:
-    path = store / "store.sqlite3"
-    if not path.exists():
-        return []
-    with sqlite3.connect(path) as db:
-        if not db.execute("SELECT name FROM sqlite_master WHERE name = 'entries'").fetchall():
-            return []  # nothing was ever written
-        return db.execute("SELECT key, value FROM entries WHERE namespace = 'program'").fetchall()
+    return run_with_store(directory / "run.py", [variant, ",".join(map(str, sizes))],
+                          store or directory / "store", env)
 
 
 def _without_header(prologue: str) -> list[str]:
@@ -247,7 +226,7 @@ def test_what_a_function_depends_on_changing_misses_the_store(kept, change):
         (directory / "program_def.py").write_text(PROGRAM)
     assert changed["stores"] == ["kept"] and changed["captured"] == [True], changed
     assert changed["results"] != first["results"]  # and each equals eager's in its process
-    assert len(_rows(store)) == 2  # a row of its own: the key changed
+    assert len(program_rows(store)) == 2  # a row of its own: the key changed
 
 
 def test_a_symbolic_entry_loaded_serves_a_size_no_process_compiled(kept):
@@ -322,7 +301,7 @@ def test_a_loaded_symbolic_program_raises_on_overlapping_inputs_as_eager_does(pr
 def test_a_function_closing_over_a_module_is_not_kept_and_says_why(program):
     run = _run(program, "module closure")
     assert run["stores"][0].startswith("not kept: a global or closure value of type Linear"), run
-    assert not _rows(program / "store")
+    assert not program_rows(program / "store")
 
 
 def _set_value(store, value: bytes) -> None:
@@ -335,7 +314,7 @@ def _set_value(store, value: bytes) -> None:
 @pytest.mark.parametrize("variant", ["step", "step dynamic"])
 def test_a_damaged_stored_function_program_is_ignored_and_written_again(kept, variant):
     directory, store, first = kept(variant)
-    (key, value), = _rows(store)
+    (key, value), = program_rows(store)
     _set_value(store, os.urandom(len(value)))
     second = _run(directory, variant, store=store)
     assert second["stores"] == ["kept"] and second["captured"] == [True], second
