@@ -6,6 +6,7 @@ same. Split from the store along its seam: what the key covers of the code, not 
 kept or traces pickled."""
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import hashlib
@@ -21,6 +22,10 @@ class Unstorable(Exception):
 
 
 _MUTABLE = (list, dict, set, bytearray)
+_MAX_DEPTH = 32
+# The C types an object's class may derive from when its state is to be hashed: their state is
+# the contents ``structure`` reads (items, elements), not hidden in C.
+_CONTAINERS = (object, dict, list, tuple, collections.OrderedDict, collections.defaultdict)
 _SIMPLE = (int, float, bool, str, bytes, complex, type(None), type(Ellipsis))
 
 
@@ -41,7 +46,7 @@ def code_fingerprint(module: torch.nn.Module, forward) -> str:
     for sub in module.modules():
         f.cls(type(sub))
     f.value(forward, "forward")
-    return f.digest()
+    return f.run()
 
 
 def function_fingerprint(fn: types.FunctionType) -> str:
@@ -49,7 +54,15 @@ def function_fingerprint(fn: types.FunctionType) -> str:
     what the names its code reads lead to in its globals, recursively."""
     f = _Fingerprint()
     f.value(fn, "the jitted function")
-    return f.digest()
+    return f.run()
+
+
+def object_digest(obj) -> str:
+    """A hash of an object's class, the code it holds and its state, by the rules of a global
+    the code reads (``_Fingerprint.structure``); raises ``Unstorable``."""
+    f = _Fingerprint()
+    f.value(obj, "the object")
+    return f.run()
 
 
 _TORCH_PREFIXES = ("torch", "typing", "builtins", "functools", "math", "collections", "abc",
@@ -88,38 +101,86 @@ class _Fingerprint:
     def __init__(self):
         self.parts: list = []
         self.seen: set[int] = set()
+        self.depth = 0  # of objects within objects (``structure``)
+        self.names: set = set()  # the names the followed code reads (``read``)
+        self.waiting: dict = {}  # name -> class members to follow once it is read
+        self.pending: collections.deque = collections.deque()  # released, not yet followed
 
     def digest(self) -> str:
         return hashlib.sha256(repr(self.parts).encode()).hexdigest()
 
-    def cls(self, t: type) -> None:
-        if id(t) in self.seen:
-            return
-        self.seen.add(id(t))
-        self.parts.append(("class", t.__module__, t.__qualname__))
-        if _library(t.__module__):
-            return
+    def cls(self, t: type, constructed: bool = False) -> None:
+        """A class the program may use: its plain class attributes by value, and each function,
+        property, class or object member once the followed code reads its name (``read``) or
+        when torch may call it (it overrides a name a torch base defines: ``forward``,
+        ``_conv_forward``), Python may (a dunder), or the code may construct the class
+        (``constructed``: read by name, its ``__init__`` and ``__new__``). So a model's
+        ``from_pretrained`` or a config's hub download code, which no call runs, is not
+        followed into the libraries it uses."""
+        if id(t) not in self.seen:
+            self.seen.add(id(t))
+            self.parts.append(("class", t.__module__, t.__qualname__))
+            if not _library(t.__module__):
+                self._members(t)
+        if constructed:
+            self.read(("constructed", id(t)))
+
+    def _members(self, t: type) -> None:
+        torch_names = {name for base in t.__mro__ if base is not object and _library(base.__module__)
+                       for name in vars(base)}
         for base in t.__mro__:
-            if base is torch.nn.Module or base is object or _library(base.__module__):
+            if base is object or _library(base.__module__):
                 if base is not t:
                     self.parts.append(("base", base.__module__, base.__qualname__))
                 continue
             for name, member in sorted(vars(base).items()):
+                if name in _NOT_MEMBERS:
+                    continue
                 if isinstance(member, (staticmethod, classmethod)):
                     member = member.__func__
-                if isinstance(member, property):
-                    for accessor in (member.fget, member.fset, member.fdel):
-                        if accessor is not None:
-                            self.value(accessor, f"{base.__qualname__}.{name}")
-                    continue
-                if isinstance(member, types.FunctionType):
-                    self.value(member, f"{base.__qualname__}.{name}")
-                elif name not in ("__dict__", "__weakref__", "__doc__", "__module__",
-                                  "__qualname__", "__annotations__", "__slots__",
-                                  "__parameters__", "__orig_bases__", "__abstractmethods__",
-                                  "_abc_impl", "__dataclass_fields__", "__dataclass_params__",
-                                  "__match_args__", "__hash__"):
-                    self.value(member, f"{base.__qualname__}.{name}")
+                where = f"{base.__qualname__}.{name}"
+                if not isinstance(member, (types.FunctionType, property)):
+                    try:
+                        self.parts.append(("class value", where, self._plain(member)))
+                        continue
+                    except Unstorable:
+                        pass
+                follow = functools.partial(self._member, member, where)
+                if name in _CONSTRUCTION:
+                    self.when_read(("constructed", id(t)), follow)
+                elif _dunder(name) or name in torch_names:
+                    follow()
+                else:
+                    self.when_read(name, follow)
+
+    def _member(self, member, where: str) -> None:
+        self.parts.append(("member", where))
+        if isinstance(member, property):
+            for accessor in (member.fget, member.fset, member.fdel):
+                if accessor is not None:
+                    self.value(accessor, where)
+        else:
+            self.value(member, where, constructed=True)
+
+    def read(self, name) -> None:
+        """The followed code reads ``name`` (a global or an attribute, or a class's
+        construction): the class members of that name waiting for it are followed."""
+        if name not in self.names:
+            self.names.add(name)
+            self.pending.extend(self.waiting.pop(name, ()))
+
+    def when_read(self, name, follow) -> None:
+        if name in self.names:
+            follow()
+        else:
+            self.waiting.setdefault(name, []).append(follow)
+
+    def run(self) -> str:
+        """Follows the members that names read so far released, until none is left; the
+        digest of everything followed."""
+        while self.pending:
+            self.pending.popleft()()
+        return self.digest()
 
     def function(self, fn: types.FunctionType) -> None:
         if id(fn) in self.seen:
@@ -154,14 +215,17 @@ class _Fingerprint:
         builtins = builtins if isinstance(builtins, dict) else vars(builtins)
         attributes = set(code.co_names)
         for name in code.co_names:
+            self.read(name)
             if name in globals_:
-                self.value(globals_[name], name, attributes)
+                self.value(globals_[name], name, attributes, constructed=True)
             elif name in builtins:
                 self.parts.append(("builtin", name))
 
-    def value(self, v, name: str, attributes: set[str] = frozenset()) -> None:
+    def value(self, v, name: str, attributes: set[str] = frozenset(),
+              constructed: bool = False) -> None:
         """A value the code reads by ``name``; ``attributes``: names the code reads on objects
-        (those read on a module global are hashed as well)."""
+        (those read on a module global are hashed as well); ``constructed``: a class read by
+        name, which the code may call."""
         if isinstance(v, types.FunctionType):
             self.function(v)
         elif isinstance(v, types.MethodType):
@@ -170,7 +234,7 @@ class _Fingerprint:
             if issubclass(v, enum.Enum) or _library(v.__module__):
                 self.parts.append(("type", name, v.__module__, v.__qualname__))
             else:
-                self.cls(v)
+                self.cls(v, constructed)
         elif isinstance(v, types.ModuleType):
             self.parts.append(("module", name, v.__name__))
             if not _library(v.__name__) and id(v) not in self.seen:
@@ -184,10 +248,12 @@ class _Fingerprint:
         elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             self.parts.append(("op", name, str(v)))
         elif isinstance(v, torch.nn.Module):
-            # Its parameters and code are not in the key, and a stored program could not find
-            # it again: a module is kept as the jitted root only.
-            raise Unstorable(f"a global or closure value of type {type(v).__qualname__} (a "
-                             f"module read by name)")
+            # A module read by name (a function closing over a model, an activation module
+            # kept as a global): its class and state (submodules, parameters' and buffers'
+            # metadata, flags, hooks) as an object's. A trace that holds it is pickled only
+            # where the store can find it again (``program_store``), else not kept.
+            self.structure(v, name, why=Unstorable(f"a module of type {type(v).__qualname__} "
+                                                   f"read by name"))
         elif type(v).__module__.startswith("keraunos.") and hasattr(v, "_keraunos"):
             # A jitted function the program calls: capture inlines its code.
             if v._keraunos.module is not None:
@@ -205,7 +271,46 @@ class _Fingerprint:
         elif isinstance(v, (typing_special_forms())):
             self.parts.append(("typing", name, repr(v)))
         else:
-            self.parts.append(("value", name, self._plain(v)))
+            try:
+                self.parts.append(("value", name, self._plain(v)))
+            except Unstorable:
+                self.structure(v, name, why=sys.exc_info()[1])
+
+    def structure(self, v, name: str, why: Unstorable) -> None:
+        """A container or object that holds code, read by the program's code: a registry of
+        functions (``ALL_ATTENTION_FUNCTIONS`` of transformers), a dict of classes (``ACT2FN``), an
+        object of a Python class. Its class is followed like the module tree's classes and its
+        contents as they are now by the rules of a global, so a load needs the same contents;
+        the prologue checks on every call what the capture read of it. An object whose state
+        may live outside its ``__dict__`` and slots (a class with a C base other than the
+        built-in containers) stays unstorable: ``why``."""
+        if id(v) in self.seen:
+            self.parts.append(("seen object", name))
+            return
+        t = type(v)
+        if not _state_in_python(t):
+            raise why
+        self.seen.add(id(v))
+        self.depth += 1
+        try:
+            if self.depth > _MAX_DEPTH:
+                raise Unstorable(f"{name}: objects nested deeper than {_MAX_DEPTH}")
+            self.parts.append(("object", name, t.__module__, t.__qualname__))
+            if not _library(t.__module__):
+                self.cls(t)
+            if isinstance(v, (list, tuple)):
+                for i, x in enumerate(v):
+                    self.value(x, f"{name}[{i}]")
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    self.parts.append(("key", self._plain(k)))
+                    self.value(x, f"{name}[{k!r}]")
+                if isinstance(v, collections.defaultdict):
+                    self.value(v.default_factory, f"{name}.default_factory")
+            for attribute, x in _state(v):
+                self.value(x, f"{name}.{attribute}")
+        finally:
+            self.depth -= 1
 
     def _plain(self, v):
         t = type(v)
@@ -227,6 +332,40 @@ class _Fingerprint:
             return ("library object", t.__module__, t.__qualname__)
         raise Unstorable(f"a global or closure value of type {t.__qualname__} (a mutable or "
                          f"unknown object: its contents cannot be hashed soundly)")
+
+
+# Class members that are not code or state of the class's own.
+_NOT_MEMBERS = frozenset((
+    "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__",
+    "__slots__", "__parameters__", "__orig_bases__", "__abstractmethods__", "_abc_impl",
+    "__dataclass_fields__", "__dataclass_params__", "__match_args__", "__hash__",
+    "__static_attributes__", "__firstlineno__"))
+# What constructs an object: run only where the code may construct the class.
+_CONSTRUCTION = frozenset(("__init__", "__new__", "__post_init__", "__init_subclass__",
+                           "__set_name__", "__class_getitem__"))
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _state_in_python(t: type) -> bool:
+    """Whether all of an instance's state is in its ``__dict__``, its slots and, for a built-in
+    container's subclass, its elements: every class in its MRO is defined in Python (a heap
+    type) or is one of ``_CONTAINERS``."""
+    heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE
+    return all(base.__flags__ & heap or base in _CONTAINERS for base in t.__mro__)
+
+
+def _state(v) -> list:
+    """An object's attributes, from its ``__dict__`` and its classes' slots, sorted by name."""
+    state = dict(getattr(v, "__dict__", {}))
+    for base in type(v).__mro__:
+        slots = vars(base).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(v, slot):
+                state[slot] = getattr(v, slot)
+    return sorted(state.items())
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import gc
 import hashlib
 import importlib
 import io
+import logging
 import marshal
 import os
 import pathlib
@@ -47,7 +49,7 @@ from torch._guards import ShapeGuard, SLoc
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from . import store
+from . import program_fingerprint, store
 from .program_fingerprint import (_SIMPLE, Unstorable, _tensor, code_fingerprint,
                                   function_fingerprint)
 from .capture.symbolic import Symbols
@@ -216,6 +218,9 @@ class _Pickler(pickle.Pickler):
         if t is types.FunctionType:
             if _findable(obj):
                 return NotImplemented  # by name; pickle checks that it leads back to obj
+            steps = _decorated(obj)
+            if steps is not None:  # ``forward`` under a decorator: the name leads to its wrapper
+                return _undecorated, (obj.__module__, obj.__qualname__, steps)
             if not obj.__module__ or not obj.__module__.startswith("keraunos."):
                 raise Unstorable(f"the function {obj.__qualname__} of {obj.__module__}")
             return _function_by_code, _function_state(obj)
@@ -227,6 +232,11 @@ class _Pickler(pickle.Pickler):
         if t is types.MethodWrapperType:
             return getattr, (obj.__self__, obj.__name__)
         if t is types.CellType:
+            if not _held_by_a_function(obj):
+                # The cell of a function that is gone (one made by the call, or a wrapper since
+                # replaced): nothing but this program can read or change it, so a cell of the
+                # same contents does what it did.
+                return _cell_of, _contents_of(obj)
             raise Unstorable("a closure cell of a function the program called (a generator "
                              "expression, lambda or nested function reading variables of the "
                              "program): another process has no such cell")
@@ -239,6 +249,10 @@ class _Pickler(pickle.Pickler):
                 # must be like to stand in for it (``_with_call_example``).
                 return _TensorKind, (type(target), str(torch._C._dispatch_keys(target)))
             return _dead_reference, ()
+        if isinstance(obj, logging.Logger):
+            # a logger whose calls the program replays (transformers' ``warning_once``): by
+            # its name, as ``logging`` pickles it (an unnamed one raises, so is not kept)
+            return obj.__reduce__()
         if t is torch._C._dynamo.guards.GlobalStateGuard:
             return _global_state_guard, (obj.__getstate__(),)
         if isinstance(obj, torch.Tensor):
@@ -308,15 +322,30 @@ _VALUES = (*_SIMPLE, tuple, frozenset, enum.Enum, torch.dtype, torch.device, tor
 
 def _paths_of(root) -> dict[int, tuple]:
     """The live objects a trace may refer to, by id: a jitted function, its globals, its
-    closure and cells; or the module tree, its parameters and buffers, and the objects its
+    closure and cells, and the module trees its closure cells and globals hold (a function
+    closing over a model); or the module tree, its parameters and buffers, and the objects its
     modules hold in attributes (a config object)."""
-    if not isinstance(root, torch.nn.Module):
-        paths = {id(root): ("function", ""), id(root.__globals__): ("function globals", "")}
-        if root.__closure__ is not None:
-            paths[id(root.__closure__)] = ("closure", "")
-            paths.update((id(cell), ("cell", i)) for i, cell in enumerate(root.__closure__))
-        return paths
-    module, paths = root, {}
+    if isinstance(root, torch.nn.Module):
+        return _module_paths(root)
+    paths = {id(root): ("function", ""), id(root.__globals__): ("function globals", "")}
+    held = []
+    if root.__closure__ is not None:
+        paths[id(root.__closure__)] = ("closure", "")
+        for i, cell in enumerate(root.__closure__):
+            paths[id(cell)] = ("cell", i)
+            contents = _contents_of(cell)
+            if contents and isinstance(contents[0], torch.nn.Module):
+                held.append((("cell", i), contents[0]))
+    held += [(("global", name), value) for name, value in root.__globals__.items()
+             if isinstance(value, torch.nn.Module)]
+    for place, module in held:
+        for obj, pid in _module_paths(module).items():
+            paths.setdefault(obj, ("within", place, pid))
+    return paths
+
+
+def _module_paths(module: torch.nn.Module) -> dict[int, tuple]:
+    paths = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(sub), ("module", name))
         for attribute, value in vars(sub).items():
@@ -332,7 +361,84 @@ def _paths_of(root) -> dict[int, tuple]:
         paths.setdefault(id(p), ("parameter", name))
     for name, b in module.named_buffers(remove_duplicate=False):
         paths.setdefault(id(b), ("buffer", name))
+    for cell, place in _method_cells(module).items():
+        paths.setdefault(cell, place)
     return paths
+
+
+def _method_cells(module: torch.nn.Module) -> dict[int, tuple]:
+    """The closure cells of the functions a program of ``module`` may call, where another
+    process finds them again: the module tree's methods and the functions in the globals of
+    their classes' modules, and the wrappers decorators put around them (transformers'
+    ``deprecate_kwarg`` around ``forward`` or ``create_causal_mask`` holds its arguments in
+    cells, which the prologue checks). Each by its class and member, or its function's module
+    and qualified name, and its place in the wrappers, so that a load reads the loading
+    process's cell (whose contents the prologue checks, as after a capture)."""
+    cells: dict[int, tuple] = {}
+    classes = {id(type(sub)): type(sub) for sub in module.modules()}
+    modules = {}
+    for t in classes.values():
+        for base in t.__mro__:
+            if base is object:
+                continue
+            modules.setdefault(base.__module__, sys.modules.get(base.__module__))
+            for name, member in vars(base).items():
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if isinstance(member, types.FunctionType) and member.__closure__:
+                    place = ("cell at", base.__module__, base.__qualname__, name)
+                    _cells_of(member, place, (), cells, depth=3)
+    for m in modules.values():
+        for fn in list(vars(m).values()) if m is not None else ():
+            if isinstance(fn, types.FunctionType) and fn.__closure__ and _findable(fn):
+                _cells_of(fn, ("cell at", fn.__module__, fn.__qualname__, None), (), cells,
+                          depth=3)
+    return cells
+
+
+def _cells_of(fn, place: tuple, steps: tuple, cells: dict, depth: int) -> None:
+    for i, cell in enumerate(fn.__closure__ or ()):
+        cells.setdefault(id(cell), (*place, steps, i))
+        try:
+            inner = cell.cell_contents
+        except ValueError:
+            continue
+        if depth > 1 and isinstance(inner, types.FunctionType):
+            _cells_of(inner, place, (*steps, i), cells, depth - 1)
+
+
+def _held_by_a_function(cell) -> bool:
+    """Whether a live function's closure holds ``cell`` (asked only of the few cells no path
+    names: ``gc.get_referrers`` walks every object)."""
+    for closure in gc.get_referrers(cell):
+        if isinstance(closure, types.FrameType):  # a running or suspended function's
+            return True
+        if type(closure) is tuple and any(
+                isinstance(fn, types.FunctionType) and fn.__closure__ is closure
+                for fn in gc.get_referrers(closure)):
+            return True
+    return False
+
+
+def _contents_of(cell) -> tuple:
+    try:
+        return (cell.cell_contents,)
+    except ValueError:  # empty
+        return ()
+
+
+def _cell_of(*contents):
+    return types.CellType(*contents)
+
+
+def _cell_at(module_name: str, qualname: str, member: str, steps: tuple, index: int):
+    fn = _lookup(module_name, qualname)
+    fn = fn if member is None else vars(fn)[member]
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    for step in steps:
+        fn = fn.__closure__[step].cell_contents
+    return fn.__closure__[index]
 
 
 class _Unpickler(pickle.Unpickler):
@@ -344,31 +450,51 @@ class _Unpickler(pickle.Unpickler):
         self.module = root
 
     def persistent_load(self, pid):
-        kind, name, *rest = pid
-        if kind == "function":
-            return self.module
-        if kind == "function globals":
-            return self.module.__globals__
-        if kind == "closure":
-            return self.module.__closure__
-        if kind == "cell":
-            return self.module.__closure__[name]
-        if kind == "module":
-            return self.module.get_submodule(name)
-        if kind == "parameter":
-            return self.module.get_parameter(name)
-        if kind == "buffer":
-            return self.module.get_buffer(name)
-        if kind == "attribute":
-            return vars(self.module.get_submodule(name))[rest[0]]
-        if kind == "singleton":
-            return getattr(importlib.import_module(name), rest[0])
-        if kind == "import":
-            return importlib.import_module(name)
-        if kind == "globals":
-            return vars(importlib.import_module(name))
+        return _resolve(pid, self.module)
 
-        raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+
+def _resolve(pid: tuple, root):
+    """The object ``_paths_of(root)`` named ``pid``, in the loading process's ``root``."""
+    kind, name, *rest = pid
+    if kind == "within":  # in a module tree a function's closure cell or global holds
+        place, inner = name, rest[0]
+        held = root.__closure__[place[1]].cell_contents if place[0] == "cell" \
+            else root.__globals__[place[1]]
+        if not isinstance(held, torch.nn.Module):
+            raise LookupError(f"{place} no longer holds a module")
+        return _resolve(inner, held)
+    if kind == "function":
+        return root
+    if kind == "function globals":
+        return root.__globals__
+    if kind == "closure":
+        return root.__closure__
+    if kind == "cell":
+        return root.__closure__[name]
+    if kind == "module":
+        return root.get_submodule(name)
+    if kind == "parameter":
+        return root.get_parameter(name)
+    if kind == "buffer":
+        return root.get_buffer(name)
+    if kind == "attribute":
+        return vars(root.get_submodule(name))[rest[0]]
+    if kind == "singleton":
+        return getattr(importlib.import_module(name), rest[0])
+    if kind == "import":
+        return importlib.import_module(name)
+    if kind == "globals":
+        return vars(importlib.import_module(name))
+    if kind == "cell at":  # a cell of a method of the tree or of its decorators' wrappers
+        return _cell_at(name, *rest)
+    if kind == "object at":  # what an identity check of a global expects (``_guarded_globals``)
+        steps, digest = rest
+        obj = _follow(vars(importlib.import_module(name)), steps)
+        if program_fingerprint.object_digest(obj) != digest:
+            raise LookupError(f"{name}: the object at {steps} is not like the one kept")
+        return obj
+
+    raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
 class _NoSymbols:
@@ -459,6 +585,48 @@ def _with_call_example(line, value_of: dict):
     return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
 
 
+def _guarded_globals(prologue) -> dict[int, tuple]:
+    """The objects that the prologue's identity checks expect to find in a module's globals
+    (``_active_collector is <the object compiled for>``; transformers' attention registries),
+    each named by that place and the digest of its contents. In another process "the same
+    object" is the one at that place, if its contents (class, state, the code it holds) hash
+    the same; a load finds it there (``_Unpickler``), and one whose contents differ is a miss.
+    An identity check of any other object still makes the program not kept."""
+    found = {}
+    for b in prologue.bound_symbols:
+        guard = getattr(getattr(b, "fields", None), "guard", None)
+        if getattr(getattr(guard, "kind", None), "name", None) != "identity" or guard.path is None:
+            continue
+        steps, path = [], guard.path
+        while not path.is_root:
+            if not (path.is_item or path.is_attr):
+                break
+            steps.append(("item" if path.is_item else "attr", path.key))
+            path = path.parent
+        label = path.key if path.is_root else None
+        if not (isinstance(label, str) and label.startswith("<globals of ")):
+            continue
+        name, address = label[len("<globals of "):-1].rsplit(" ", 1)
+        module = sys.modules.get(name)
+        if module is None or hex(id(vars(module))) != address:
+            continue
+        steps = tuple(reversed(steps))
+        try:
+            if _follow(vars(module), steps) is not guard.expected:
+                continue
+            digest = program_fingerprint.object_digest(guard.expected)
+        except (Unstorable, LookupError, AttributeError, TypeError):
+            continue
+        found[id(guard.expected)] = ("object at", name, steps, digest)
+    return found
+
+
+def _follow(obj, steps: tuple):
+    for kind, key in steps:
+        obj = obj[key] if kind == "item" else getattr(obj, key)
+    return obj
+
+
 def _path_of(get, obj):
     return get(id(obj))
 
@@ -490,6 +658,50 @@ def _findable(fn) -> bool:
     for part in fn.__qualname__.split("."):
         target = getattr(target, part, None)
     return target is fn
+
+
+def _lookup(module_name: str, qualname: str):
+    target = sys.modules.get(module_name or "")
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target
+
+
+def _decorated(fn, depth: int = 3) -> tuple | None:
+    """How to reach ``fn`` from what its qualified name leads to, a wrapper a decorator made
+    (transformers' ``forward`` under ``can_return_tuple``): the wrapper's ``__wrapped__`` or
+    its closure cells, at most ``depth`` wrappers deep; ``None`` if it is not so reached."""
+    if "<locals>" in fn.__qualname__:
+        return None
+
+    def search(obj, depth):
+        if obj is fn:
+            return ()
+        if depth == 0 or not isinstance(obj, types.FunctionType):
+            return None
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is not None and (rest := search(inner, depth - 1)) is not None:
+            return ("__wrapped__",) + rest
+        for i, cell in enumerate(obj.__closure__ or ()):
+            try:
+                contents = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(contents, types.FunctionType) \
+                    and (rest := search(contents, depth - 1)) is not None:
+                return (i,) + rest
+        return None
+    return search(_lookup(fn.__module__, fn.__qualname__), depth)
+
+
+def _undecorated(module_name: str, qualname: str, steps: tuple):
+    target = _lookup(module_name, qualname)
+    for step in steps:
+        target = target.__wrapped__ if step == "__wrapped__" else \
+            target.__closure__[step].cell_contents
+    if not isinstance(target, types.FunctionType) or target.__qualname__ != qualname:
+        raise LookupError(f"{module_name}.{qualname} is no longer the decorated function kept")
+    return target
 
 
 def _function_state(fn) -> tuple:
@@ -608,7 +820,7 @@ def keep(key: str, stored: dict, paths: dict) -> str:
     ``key``, pickled against the module tree's ``paths`` (``_paths_of``); says what happened
     (``compile_stats().program_store``)."""
     try:
-        data = dumps(stored, paths)
+        data = dumps(stored, {**paths, **_guarded_globals(stored["prologue"])})
     except Unstorable as e:
         return f"not kept: {e}"
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
