@@ -23,6 +23,10 @@ class Unstorable(Exception):
 
 _MUTABLE = (list, dict, set, bytearray)
 _MAX_DEPTH = 32
+# What ``_plain`` must not hash as a value of its type alone (every function's type is
+# ``builtins.function``): a container holding these is followed item by item (``structure``).
+_CODE = (types.FunctionType, types.MethodType, type, types.ModuleType, property, staticmethod,
+         classmethod, functools.partial, torch.nn.Module)
 # The C types an object's class may derive from when its state is to be hashed: their state is
 # the contents ``structure`` reads (items, elements), not hidden in C.
 _CONTAINERS = (object, dict, list, tuple, collections.OrderedDict, collections.defaultdict)
@@ -45,7 +49,9 @@ def code_fingerprint(module: torch.nn.Module, forward) -> str:
     f = _Fingerprint()
     for sub in module.modules():
         f.cls(type(sub))
-    f.value(forward, "forward")
+    # The forward's code, not its module's state: the key has the module tree, the prologue
+    # checks what the program reads of it.
+    f.value(getattr(forward, "__func__", forward), "forward")
     return f.run()
 
 
@@ -191,8 +197,8 @@ class _Fingerprint:
         if _library(fn.__module__) or _library_file(fn.__code__.co_filename):
             return
         self.code(fn.__code__, fn.__globals__)
-        self.parts.append(("defaults", self._plain(fn.__defaults__),
-                           self._plain(fn.__kwdefaults__)))
+        self.value(fn.__defaults__, f"{fn.__qualname__} defaults")
+        self.value(fn.__kwdefaults__, f"{fn.__qualname__} keyword defaults")
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 contents = cell.cell_contents
@@ -230,6 +236,12 @@ class _Fingerprint:
             self.function(v)
         elif isinstance(v, types.MethodType):
             self.value(v.__func__, name)
+            if not isinstance(v.__self__, type):  # a bound method: its object's state too
+                self.value(v.__self__, f"{name}.__self__")
+        elif isinstance(v, functools.partial):
+            self.value(v.func, f"{name}.func", constructed=True)
+            self.value(v.args, f"{name}.args")
+            self.value(v.keywords, f"{name}.keywords")
         elif isinstance(v, type):
             if issubclass(v, enum.Enum) or _library(v.__module__):
                 self.parts.append(("type", name, v.__module__, v.__qualname__))
@@ -300,15 +312,15 @@ class _Fingerprint:
                 self.cls(t)
             if isinstance(v, (list, tuple)):
                 for i, x in enumerate(v):
-                    self.value(x, f"{name}[{i}]")
-            if isinstance(v, dict):
-                for k, x in v.items():
+                    self.value(x, f"{name}[{i}]", constructed=True)
+            if isinstance(v, dict):  # in key order, as a plain dict (``_plain``)
+                for k, x in sorted(v.items(), key=lambda item: repr(self._plain(item[0]))):
                     self.parts.append(("key", self._plain(k)))
-                    self.value(x, f"{name}[{k!r}]")
+                    self.value(x, f"{name}[{k!r}]", constructed=True)
                 if isinstance(v, collections.defaultdict):
                     self.value(v.default_factory, f"{name}.default_factory")
             for attribute, x in _state(v):
-                self.value(x, f"{name}.{attribute}")
+                self.value(x, f"{name}.{attribute}", constructed=True)
         finally:
             self.depth -= 1
 
@@ -316,16 +328,24 @@ class _Fingerprint:
         t = type(v)
         if t in _SIMPLE:
             return (t.__name__, repr(v))
-        if t in (tuple, frozenset, list):
+        if isinstance(v, _CODE):  # not a value: followed by ``value`` (as a container's item too)
+            raise Unstorable(f"code ({t.__qualname__}) where a plain value was hashed")
+        if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            return ("builtin function", getattr(v, "__module__", None),
+                    getattr(v, "__qualname__", repr(v)))
+        if t in (tuple, list):
             return (t.__name__, tuple(self._plain(x) for x in v))
-        if t is set:
-            return ("set", tuple(sorted(repr(self._plain(x)) for x in v)))
+        if t in (set, frozenset):  # sorted: their order is the process's string hashing's
+            return (t.__name__, tuple(sorted(repr(self._plain(x)) for x in v)))
         if isinstance(v, enum.Enum):
             return ("enum", type(v).__module__, type(v).__qualname__, v.name)
         if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return (t.__name__, str(v))
-        if t is dict:  # its contents as they are now, in order
-            return ("dict", tuple((self._plain(k), self._plain(x)) for k, x in v.items()))
+        if t is dict:
+            # Its contents as they are now, sorted: a dict filled from the file system or a set
+            # (transformers' ``PACKAGE_DISTRIBUTION_MAPPING``) has another order in each process.
+            return ("dict", tuple(sorted(((self._plain(k), self._plain(x)) for k, x in v.items()),
+                                         key=repr)))
         if _library(t.__module__) and not isinstance(v, _MUTABLE):
             # A sentinel or setting object of torch or the standard library (dataclasses'
             # ``MISSING``): what it does is its library's version.

@@ -124,8 +124,10 @@ RUN = textwrap.dedent('''
             if "same memory" in variant:  # two views of one memory: b sees the write
                 return x, x.view(n, 4)
             return x, x.clone()
-    elif variant == "module closure":  # a closure holding a module: not kept
-        linear = torch.nn.Linear(8, 8)
+    elif variant == "module closure":  # a closure holding a module, its weights and width
+        torch.manual_seed(int(os.environ.get("CLOSURE_SEED", "0")))
+        linear = torch.nn.Sequential(torch.nn.Linear(8, int(os.environ.get("CLOSURE_WIDTH", "8"))),
+                                     torch.nn.LayerNorm(int(os.environ.get("CLOSURE_WIDTH", "8"))))
         fn = lambda x: linear(x).relu()
         make_args = lambda n: (torch.randn(n, 8, generator=torch.Generator().manual_seed(n)),)
     jitted = keraunos.jit(fn, **options)
@@ -298,10 +300,19 @@ def test_a_loaded_symbolic_program_raises_on_overlapping_inputs_as_eager_does(pr
     assert overlapping["results"] == ["raised RuntimeError"] * 2, overlapping
 
 
-def test_a_function_closing_over_a_module_is_not_kept_and_says_why(program):
-    run = _run(program, "module closure")
-    assert run["stores"][0].startswith("not kept: a global or closure value of type Linear"), run
-    assert not program_rows(program / "store")
+def test_a_function_closing_over_a_module_is_loaded_with_the_modules_weights_of_its_process(
+        program):
+    """The module a function closes over is part of the key by its structure (classes, flags,
+    parameters' metadata) and found again in the loading process's closure: its weights are
+    that process's (each process compares with eager)."""
+    assert _run(program, "module closure")["stores"] == ["kept"]
+    again = _run(program, "module closure")
+    assert again["stores"] == ["loaded"] and again["captured"] == [False], again
+    other_weights = _run(program, "module closure", env={"CLOSURE_SEED": "1"})
+    assert other_weights["stores"] == ["loaded"], other_weights
+    assert other_weights["results"] != again["results"]
+    wider = _run(program, "module closure", env={"CLOSURE_WIDTH": "16"})
+    assert wider["stores"] == ["kept"] and wider["captured"] == [True], wider
 
 
 def _set_value(store, value: bytes) -> None:
