@@ -218,6 +218,9 @@ class _Pickler(pickle.Pickler):
         if t is types.FunctionType:
             if _findable(obj):
                 return NotImplemented  # by name; pickle checks that it leads back to obj
+            attribute = _module_attribute(obj)
+            if attribute is not None:  # ``torch.nn.functional.max_pool2d``, made by a factory
+                return getattr, (importlib.import_module(obj.__module__), attribute)
             steps = _decorated(obj)
             if steps is not None:  # ``forward`` under a decorator: the name leads to its wrapper
                 return _undecorated, (obj.__module__, obj.__qualname__, steps)
@@ -257,7 +260,8 @@ class _Pickler(pickle.Pickler):
             return _global_state_guard, (obj.__getstate__(),)
         if isinstance(obj, torch.Tensor):
             raise Unstorable(f"a tensor that is not the module's ({type(obj).__qualname__})")
-        if t in (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format):
+        if t in (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format) \
+                or t.__module__ == "torch.return_types":  # ``topk``'s (values, indices)
             return NotImplemented
         if t is type and not _findable(obj) and len(obj.__mro__) > 1 \
                 and obj.__mro__[1].__qualname__ == obj.__qualname__:
@@ -665,6 +669,16 @@ def _lookup(module_name: str, qualname: str):
     for part in qualname.split("."):
         target = getattr(target, part, None)
     return target
+
+
+def _module_attribute(fn) -> str | None:
+    """The name under which ``fn``'s module holds it, for a function a factory made there
+    (``boolean_dispatch(...)`` in ``torch.nn.functional``: qualified name ``boolean_dispatch.
+    <locals>.fn``); None if the module does not hold it."""
+    module = sys.modules.get(fn.__module__ or "")
+    if module is None:
+        return None
+    return next((name for name, value in vars(module).items() if value is fn), None)
 
 
 def _decorated(fn, depth: int = 3) -> tuple | None:
