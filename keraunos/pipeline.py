@@ -10,13 +10,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import executors as executors_module
 from . import tiers
 from .autograd import make_autograd_computation, split_forward_backward
 from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
-from .cache import CacheEntry, CacheMode, sharing_of
+from .cache import CacheEntry, CacheMode, sharing_of, storage_alias_pattern
 from . import program_store
 from .capture.program import Program, capture_program
 from .capture.state import _active
@@ -207,13 +208,25 @@ def program_key(state, args, kwargs) -> tuple[str | None, str | None, float]:
     sizes = _predicted_sizes(dynamic)
     try:
         key = program_store.key_of(module if module is not None else state.fn, state.fn,
-                                   repr(options), args, kwargs, sizes)
+                                   repr(options), args, kwargs, sizes,
+                                   _call_sharing(module, args, kwargs))
     except program_store.Unstorable as e:
         return None, f"not kept: {e}", time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation
         return None, f"not kept: the key failed ({type(e).__name__}: {e})", 0.0
     _active.predicted_sizes = sizes
     return key, None, time.perf_counter() - t0
+
+
+def _call_sharing(module, args, kwargs) -> tuple | None:
+    """How the call's tensors and the module's parameters and buffers share memory, for the
+    program store's key: two calls that share it otherwise (``f(x, x.view(...))`` and ``f(x,
+    y)``) keep programs of their own instead of overwriting one row. (The row's own ``sharing``,
+    over what the prologue returned, still decides whether a loaded program serves a call.)"""
+    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    return storage_alias_pattern(tensors)
 
 
 def _predicted_sizes(request: DynamicRequest | None) -> DynamicRequest | None:

@@ -71,21 +71,23 @@ def enabled() -> bool:
 
 # ------------------------------------------------------------------------------------ the key
 def key_of(root, forward, options_text: str, args: tuple, kwargs: dict,
-           sizes=None) -> str:
+           sizes=None, sharing=None) -> str:
     """The store's key for a capture of ``root`` on this call: a module (called through
     ``forward``) or a jitted Python function. It covers keraunos's own source, torch's and
     Python's versions, the options, the code the program may run (``code_fingerprint``), the
     module tree (paths, classes, parameters' and buffers' metadata) or the function's name, the
     call's input metadata and the global state. ``sizes``: the ``DynamicRequest`` that decides
     which sizes and ints of the call are symbols (a scratch copy, asked here as capture will ask
-    it), whose symbolic sizes are keyed as symbols, not by value. Raises ``Unstorable``."""
+    it), whose symbolic sizes are keyed as symbols, not by value. ``sharing``: how the call's
+    tensors, parameters and buffers share memory (``pipeline._call_sharing``), so that programs
+    of calls that share it otherwise are rows of their own. Raises ``Unstorable``."""
     if isinstance(root, torch.nn.Module):
         tree, code = _module_tree(root), code_fingerprint(root, forward)
     else:
         tree, code = _function_name(root), function_fingerprint(root)
     parts = [FORMAT, _keraunos_source_hash(), __version__, torch.__version__,
              torch.version.git_version, sys.version, platform.machine(), options_text,
-             _global_state(), tree, code, _inputs(args, kwargs, sizes)]
+             _global_state(), tree, code, _inputs(args, kwargs, sizes), sharing]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

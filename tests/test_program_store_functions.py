@@ -276,9 +276,21 @@ def test_a_loaded_symbolic_prologue_rejects_what_its_program_cannot_serve(progra
     assert second["misses"] == 3  # each compared with eager: cos for 6, sin for 7 and 1
 
 
+def test_programs_of_calls_that_share_memory_otherwise_are_rows_of_their_own(program):
+    """How the call's tensors share memory is in the key: the program of shared inputs does
+    not overwrite the row of inputs of their own, so a later process with inputs of their own
+    still loads (before, the second capture replaced the first row, and it captured again)."""
+    assert _run(program, "accumulate", sizes=(5,))["stores"] == ["kept"]
+    shared = _run(program, "accumulate same memory", sizes=(5,))
+    assert shared["captured"] == [True], shared
+    assert len(program_rows(program / "store")) == 2
+    again = _run(program, "accumulate", sizes=(5,))
+    assert again["stores"] == ["loaded"] and again["captured"] == [False], again
+
+
 def test_a_loaded_program_serves_only_inputs_that_share_memory_as_it_was_captured(program):
-    """The key does not see whether two inputs share memory; the row holds how the capturing
-    call's did, and a call whose inputs share it otherwise captures anew. Kept for inputs of
+    """The row holds how the capturing call's inputs shared memory (over what its prologue
+    returned), and a call whose inputs share it otherwise captures anew. Kept for inputs of
     their own, ``accumulate`` works on copies of inputs that require grad and would hand back
     the ``b`` from before the write, where eager's ``b`` is ``a`` itself (each process compares
     with eager)."""
