@@ -610,13 +610,21 @@ def _guarded_globals(prologue) -> dict[int, tuple]:
             steps.append(("item" if path.is_item else "attr", path.key))
             path = path.parent
         label = path.key if path.is_root else None
-        if not (isinstance(label, str) and label.startswith("<globals of ")):
-            continue
-        name, address = label[len("<globals of "):-1].rsplit(" ", 1)
-        module = sys.modules.get(name)
-        if module is None or hex(id(vars(module))) != address:
-            continue
         steps = tuple(reversed(steps))
+        if label == "globals" and steps:  # the jitted forward's module's: a module holding it
+            module = next((m for m in list(sys.modules.values())
+                           if isinstance(m, types.ModuleType)
+                           and _follow_or_none(vars(m), steps) is guard.expected), None)
+            name = getattr(module, "__name__", None)
+        elif isinstance(label, str) and label.startswith("<globals of "):
+            name, address = label[len("<globals of "):-1].rsplit(" ", 1)
+            module = sys.modules.get(name)
+            if module is not None and hex(id(vars(module))) != address:
+                module = None
+        else:
+            continue
+        if module is None:
+            continue
         try:
             if _follow(vars(module), steps) is not guard.expected:
                 continue
@@ -625,6 +633,13 @@ def _guarded_globals(prologue) -> dict[int, tuple]:
             continue
         found[id(guard.expected)] = ("object at", name, steps, digest)
     return found
+
+
+def _follow_or_none(obj, steps: tuple):
+    try:
+        return _follow(obj, steps)
+    except (LookupError, AttributeError, TypeError):
+        return None
 
 
 def _follow(obj, steps: tuple):
