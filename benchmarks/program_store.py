@@ -1,7 +1,7 @@
 """What a restart saves when the program store (keraunos/program_store.py) holds a jitted
 function's program and a symbolic entry's.
 
-Run: python benchmarks/program_store.py [--repeats 3] [--cases function,generate]
+Run: python benchmarks/program_store.py [--repeats 3] [--cases function,generate,transformers]
 
 Each case runs in fresh processes, on one cache directory per repeat: ``cold`` (an empty store:
 capture, then kept), ``restart`` (the store holds what ``cold`` kept: loaded) and ``restart,
@@ -16,6 +16,8 @@ compiles, so the figures are capture and the passes against a load). Medians ove
   of 7, 11 and 16 tokens, 8 new tokens each: the second prompt length makes the prefill's
   sequence dimension symbolic (automatic dynamic), and the third is served by that symbolic
   entry. The time of each prompt's first generate, and where its program came from.
+- ``transformers``: a Hugging Face Llama (the model zoo's tiny config, random weights), one
+  forward under ``no_grad``: the first call and the same call once compiled.
 """
 from __future__ import annotations
 
@@ -110,6 +112,31 @@ def child_generate() -> dict:
     return out
 
 
+def child_transformers() -> dict:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import keraunos
+    from keraunos.testing.zoo import inputs_of, make_models
+    model, eager = make_models("llama")
+    inputs = inputs_of("llama", seed=0, mask=False, labels=False)
+    jitted = keraunos.jit(model)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = jitted(**inputs)
+        first = time.perf_counter() - t0
+        torch.testing.assert_close(out.logits, eager(**inputs).logits)
+        t0 = time.perf_counter()
+        jitted(**inputs)
+        again = time.perf_counter() - t0
+    keraunos.program_store.wait_for_keeps()
+    return {"first call": first, "compiled call": again,
+            "store": [keraunos.compile_stats(jitted).program_store]}
+
+
+CHILDREN = {"function": child_function, "generate": child_generate,
+            "transformers": child_transformers}
+
+
 # ------------------------------------------------------------------------------ the driver
 def run_child(case: str, directory: str, store: bool) -> dict:
     env = {**os.environ, "KERAUNOS_CACHE_DIR": directory, "KERAUNOS_FUSE": "off",
@@ -131,7 +158,7 @@ def main() -> None:
     if a.child:
         import torch
         torch.set_num_threads(1)
-        print(json.dumps(child_function() if a.child == "function" else child_generate()))
+        print(json.dumps(CHILDREN[a.child]()))
         return
     for case in a.cases.split(","):
         runs: dict[str, list[dict]] = {"cold": [], "restart": [], "restart, no store": []}
