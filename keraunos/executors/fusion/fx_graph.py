@@ -6,6 +6,9 @@ walked (``core.interpreter.Interpreter``, with FX nodes as the values): a placeh
 trace calls, and an output tuple. FX names the other nodes after their targets (``linear``,
 ``linear_1``), so two regions made of the same ops in the same order print the same code, which
 is what Inductor's own caches and keraunos's key compare.
+
+One line is rewritten on the way: a ``cat`` of one non-empty tensor becomes a ``clone`` in the
+memory format the trace records (``_cat_of_one``), so that Inductor lays it out as eager does.
 """
 from __future__ import annotations
 
