@@ -1,7 +1,7 @@
 """Where one steady step of benchmarks/train.py goes: keraunos fused against torch.compile, and the
 floor that any compiler of the model's forward and backward pays when AdamW runs eagerly.
 
-Run: python benchmarks/step_account.py [--rounds N] [--repeats R] [--floor]
+Run: python benchmarks/step_account.py [--rounds N] [--repeats R] [--floor] [--compile-optimizer]
 
 Default (the account): both systems (and eager with --eager) are compiled and warmed in one
 process, then take profiled steps in turns (``torch.profiler``, CPU); each event's self time is
@@ -18,7 +18,9 @@ both systems' steps (no profiler): the step's ``aten::mm`` calls with the shapes
 torch.compile's step (read from one profiled step of it), its flash-attention kernels forward and
 backward, the loss (``cross_entropy``, eager on every side), ``zero_grad`` and the eager AdamW
 step. Their sum is a lower bound on any step with the same BLAS and the eager optimizer; against
-0.9x torch.compile's step it says how much room the issue 23 target leaves.
+0.9x torch.compile's step it says how much room the issue 23 target leaves. With
+--compile-optimizer both sides compile AdamW's step (as ``train.py --compile-optimizer``), and the
+floor's optimizer step is torch.compile's.
 """
 from __future__ import annotations
 
@@ -97,16 +99,19 @@ def account(prof) -> collections.Counter:
     return rows
 
 
-def make_steps(base, idx, targets, eager: bool) -> dict:
-    systems = {"keraunos fused": lambda m: keraunos.jit(m, fuse="wait"),
-               "torch.compile": torch.compile}
+def make_steps(base, idx, targets, eager: bool, compile_optimizer: bool) -> dict:
+    """Each system's step; with ``compile_optimizer``, each compiles AdamW's step as well."""
+    def fused(fn):
+        return keraunos.jit(fn, fuse="wait")
+    systems = {"keraunos fused": fused, "torch.compile": torch.compile}
     if eager:
-        systems = {"eager": lambda m: m, **systems}
+        systems = {"eager": lambda fn: fn, **systems}
     steps = {}
     for name, wrap in systems.items():
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        steps[name] = step_fn(wrap(model), optimizer, idx, targets)
+        steps[name] = step_fn(wrap(model), optimizer, idx, targets,
+                              wrap(optimizer.step) if compile_optimizer else None)
         for _ in range(5):  # the compile, the optimizer's state, the first calls' checks
             steps[name]()
     return steps
@@ -199,7 +204,8 @@ def replayed(calls: list) -> dict:
             f"flash attention ({len(attention)} calls)": run(attention)}
 
 
-def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int) -> None:
+def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int,
+                compile_optimizer: bool) -> None:
     parts = replayed(library_calls(steps["torch.compile"]))
     model = copy.deepcopy(base)  # AdamW on a copy of its own, with one backward's gradients
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -217,8 +223,11 @@ def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int) -> N
         optimizer.zero_grad(set_to_none=True)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
+    adamw = torch.compile(optimizer.step) if compile_optimizer else optimizer.step
+    for _ in range(3):
+        adamw()
     parts.update({"loss (cross_entropy forward and backward)": loss, "zero_grad": zero_grad,
-                  "eager AdamW step": optimizer.step})
+                  ("torch.compile'd" if compile_optimizer else "eager") + " AdamW step": adamw})
 
     def floor():
         for part in parts.values():
@@ -246,16 +255,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="--floor: runs of --rounds")
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--eager", action="store_true", help="the account of eager's step too")
+    parser.add_argument("--compile-optimizer", action="store_true",
+                        help="both sides compile AdamW's step (the floor: torch.compile's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = make_model(4, 256)
     idx = torch.randint(0, VOCAB, (1, 64))
     targets = torch.randint(0, VOCAB, (1, 64))
-    steps = make_steps(base, idx, targets, args.eager and not args.floor)
-    print(f"torch {torch.__version__}, 1 thread; benchmarks/train.py's model and step "
-          f"(AdamW eager on every side)")
+    steps = make_steps(base, idx, targets, args.eager and not args.floor, args.compile_optimizer)
+    print(f"torch {torch.__version__}, 1 thread; benchmarks/train.py's model and step (AdamW "
+          f"{'compiled by each side' if args.compile_optimizer else 'eager on every side'})")
     if args.floor:
-        print_floor(base, idx, targets, steps, args.rounds, args.repeats)
+        print_floor(base, idx, targets, steps, args.rounds, args.repeats, args.compile_optimizer)
     else:
         print_account(steps, args.rounds)
 
