@@ -512,6 +512,21 @@ def test_a_cat_of_one_non_empty_tensor_keeps_the_traced_layout_and_eagers_gradie
     assert [n.kwargs["memory_format"] for n in clones] == [torch.contiguous_format] * 2
 
 
+def test_a_cat_of_one_non_empty_tensor_used_inside_the_region_is_left_to_inductor():
+    """Under no_grad the query and key stay inside the region: the ``cat`` stays, and Inductor
+    lays it out as it finds best; the values are eager's."""
+    torch.manual_seed(0)
+    model = _RotaryAttention()
+    x, cos, sin = torch.randn(2, 10, 32), torch.randn(10, 16), torch.randn(10, 16)
+    jitted = keraunos.jit(copy.deepcopy(model), executors=FUSED, fuse="wait")
+    with torch.no_grad():
+        assert_close(jitted(x, cos, sin), model(x, cos, sin), **TOL)
+    graphs = [r.graph.graph for r in keraunos.last_fusions(jitted)]
+    assert graphs and not any(n.target is torch.ops.aten.clone.default
+                              for g in graphs for n in g.nodes)
+    assert any(n.target is torch.cat for g in graphs for n in g.nodes)
+
+
 @pytest.mark.parametrize("layout", ["permuted", "channels_last"])
 def test_a_cat_of_one_non_empty_tensor_returns_eagers_strides(layout):
     def f(x, empty):
