@@ -479,6 +479,69 @@ def test_output_strides_are_the_traced_ones():
         assert a.stride() == b.stride()
 
 
+class _RotaryAttention(nn.Module):
+    """litgpt's attention in small: the rotary embedding joins each head's rotated half with an
+    empty rest (``torch.cat((roped, q[..., 16:]), -1)``), then attention, then a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(32, 96, bias=False), nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, cos, sin):
+        def rope(t):
+            half = torch.cat((-t[..., 8:16], t[..., :8]), dim=-1)
+            return torch.cat((t[..., :16] * cos + half * sin, t[..., 16:]), dim=-1)
+        q, k, v = (t.view(2, 10, 2, 16).transpose(1, 2) for t in self.qkv(x).split(32, dim=-1))
+        y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(2, 10, 32))
+
+
+def test_a_cat_of_one_non_empty_tensor_keeps_the_traced_layout_and_eagers_gradients():
+    """Inductor clones the one non-empty tensor of a ``cat`` in its own layout; the region's graph
+    asks for eager's, so its outputs (query, key, attention output, saved for the backward) come
+    back as the trace says, with no copy after the call, and values and gradients are eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    cos, sin = torch.randn(10, 16), torch.randn(10, 16)
+    jitted = check_grads(_RotaryAttention(), x, cos, sin, executors=FUSED, fuse="wait",
+                         **TOL)
+    calls = [fl.symbol.call for fl in fusion_lines(keraunos.last_traces(jitted)[-1])]
+    assert calls and all(c.fixed_outputs == () and c.copied_outputs == () for c in calls)
+    clones = [n for r in keraunos.last_fusions(jitted) if r.trace_name == "computation"
+              for n in r.graph.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert [n.kwargs["memory_format"] for n in clones] == [torch.contiguous_format] * 2
+
+
+def test_a_cat_of_one_non_empty_tensor_used_inside_the_region_is_left_to_inductor():
+    """Under no_grad the query and key stay inside the region: the ``cat`` stays, and Inductor
+    lays it out as it finds best; the values are eager's."""
+    torch.manual_seed(0)
+    model = _RotaryAttention()
+    x, cos, sin = torch.randn(2, 10, 32), torch.randn(10, 16), torch.randn(10, 16)
+    jitted = keraunos.jit(copy.deepcopy(model), executors=FUSED, fuse="wait")
+    with torch.no_grad():
+        assert_close(jitted(x, cos, sin), model(x, cos, sin), **TOL)
+    graphs = [r.graph.graph for r in keraunos.last_fusions(jitted)]
+    assert graphs and not any(n.target is torch.ops.aten.clone.default
+                              for g in graphs for n in g.nodes)
+    assert any(n.target is torch.cat for g in graphs for n in g.nodes)
+
+
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_a_cat_of_one_non_empty_tensor_returns_eagers_strides(layout):
+    def f(x, empty):
+        return torch.cat((empty, x * 2, empty), dim=1) + 1, torch.cat((x.exp(), empty), dim=1)
+
+    x = torch.randn(2, 3, 4, 5)
+    x = x.permute(0, 2, 3, 1) if layout == "permuted" else x.contiguous(
+        memory_format=torch.channels_last)
+    empty = torch.randn(x.shape[0], 0, *x.shape[2:])
+    out, ref = keraunos.jit(f, executors=FUSED, fuse="wait")(x, empty), f(x, empty)
+    for a, b in zip(out, ref):
+        assert_close(a, b, **TOL)
+        assert a.stride() == b.stride()
+
+
 def test_random_ops_give_eager_values_and_leave_the_stream_where_eager_does():
     def f(x):
         y = torch.sigmoid(x * 2) + 1

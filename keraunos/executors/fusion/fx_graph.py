@@ -6,6 +6,10 @@ walked (``core.interpreter.Interpreter``, with FX nodes as the values): a placeh
 trace calls, and an output tuple. FX names the other nodes after their targets (``linear``,
 ``linear_1``), so two regions made of the same ops in the same order print the same code, which
 is what Inductor's own caches and keraunos's key compare.
+
+One line is rewritten on the way: a ``cat`` of one non-empty tensor that the region returns
+becomes a ``clone`` in the memory format the trace records (``_cat_of_one``), so that Inductor
+lays it out as eager does.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
     layout = layout or symbolic.Layout(inputs)
     for k, (_, _, symbol) in enumerate(layout.extra, start=len(inputs)):
         symbols[symbol] = graph.placeholder(f"i{k}")  # a size read from a tensor, by the caller
-    _GraphBuilder(graph, env, symbols).run(lines)
+    _GraphBuilder(graph, env, symbols, {p.name for p in outputs}).run(lines)
     graph.output(tuple(env[p.name] for p in outputs))
     return graph
 
@@ -40,10 +44,12 @@ class _GraphBuilder(Interpreter):
     """Walks a region's lines with FX nodes as the values: each line becomes the node calling its
     torch callable, each output the node (or a ``getitem`` of it) that makes it."""
 
-    def __init__(self, graph: fx.Graph, env: dict[str, fx.Node], symbols: dict):
+    def __init__(self, graph: fx.Graph, env: dict[str, fx.Node], symbols: dict,
+                 leaving: set[str]):
         super().__init__(env)
         self.graph = graph
         self.symbols = symbols  # size symbol -> the node giving it
+        self.leaving = leaving  # the names the region returns
 
     def constant(self, x):
         if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
@@ -58,6 +64,11 @@ class _GraphBuilder(Interpreter):
         return x
 
     def run_line(self, index, bsym, args, kwargs):
+        alone = _cat_of_one(bsym, self.leaving)
+        if alone is not None:  # a copy in the layout the trace says, not Inductor's ``clone``
+            k, memory_format = alone
+            return self.graph.call_function(torch.ops.aten.clone.default, (args[0][k],),
+                                            {"memory_format": memory_format})
         return _node(self.graph, bsym.symbol, tuple(args), dict(kwargs))
 
     def bind(self, proxies, node) -> None:
@@ -68,6 +79,44 @@ class _GraphBuilder(Interpreter):
         for k, item in enumerate(proxies):
             if item is not None:
                 self.bind(item, self.graph.call_function(operator.getitem, (node, k)))
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default)
+
+
+def _cat_of_one(bsym: BoundSymbol, leaving: set[str]) -> tuple[int, torch.memory_format] | None:
+    """For a ``cat`` whose tensors are all empty but one (litgpt's rotary embedding joins the
+    rotated part of each head with an empty rest, ``torch.cat((roped, x[..., 64:]), -1)``):
+    that tensor's position and the memory format of the output the trace records. Inductor's
+    decomposition drops the empty tensors and clones the one left *in its own layout*, where
+    eager's ``cat`` (and so the trace) makes a contiguous tensor; the region then hands back
+    the query and key, and the attention output made from them, in another layout than the
+    trace says, and each call copied all three back (litgpt's training step: three copies of
+    every layer's forward, and a clone of the attention output's reshape, which came back as
+    a view of it). A ``clone`` in the recorded format keeps Inductor's layout equal to the
+    trace's. Only a ``cat`` whose value the region returns (in ``leaving``): one used inside
+    alone is laid out as Inductor finds best, as before (litgpt's forward under ``no_grad``).
+    None for any other line (sizes that are symbolic, a format that is neither contiguous nor
+    channels-last, or an empty tensor of another dtype: ``cat`` promotes)."""
+    if getattr(bsym.symbol, "fn", None) not in _CATS or not bsym.args:
+        return None
+    tensors, out = bsym.args[0], bsym.output_proxies()
+    if not isinstance(tensors, (tuple, list)) or len(out) != 1 or out[0].name not in leaving or \
+            not all(isinstance(t, TensorProxy) for t in (*tensors, out[0])):
+        return None
+    if any(not isinstance(n, int) for t in (*tensors, out[0]) for n in (*t.shape, *t.stride)):
+        return None
+    full = [k for k, t in enumerate(tensors) if 0 not in t.shape]
+    if len(full) != 1 or any(t.dtype != out[0].dtype for t in tensors):
+        return None
+    made = torch.empty_strided(out[0].shape, out[0].stride, device="meta")
+    for memory_format in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        try:
+            if made.is_contiguous(memory_format=memory_format):
+                return full[0], memory_format
+        except RuntimeError:  # channels-last of a tensor that is not 4-D (5-D)
+            continue
+    return None
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:
