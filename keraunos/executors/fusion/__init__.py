@@ -57,16 +57,7 @@ class InductorExecutor(FusionExecutor):
                     layer_of_name=self._layers_of(forward, min_shared_layers),
                     records_autograd=records_autograd, counter=counter, executor=self,
                     min_shared_layers=min_shared_layers,
-                    saved=self._saved_candidates(trace, backward, min_shared_layers),
-                    propagate=self._propagates(trace, backward, forward))
-
-    @staticmethod
-    def _propagates(trace, backward, forward) -> bool:
-        """Layouts propagate between the regions of a training step's traces: a forward given
-        its backward, and the backward (given its forward)."""
-        if backward is not None:
-            return True
-        return forward is not None and trace.bound_symbols[-1].symbol is glue.RETURN_GRADIENTS
+                    saved=self._saved_candidates(trace, backward, min_shared_layers))
 
     def _saved_candidates(self, forward, backward, min_shared_layers: int) -> set[str]:
         """The forward's saved tensors its regions may hand out in Inductor's layout
@@ -157,8 +148,7 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
          executor: Executor, records_autograd: bool = False,
          counter: list[int] | None = None, min_shared_layers: int = 2,
-         saved: set[str] = frozenset(),
-         propagate: bool = False) -> tuple[Trace, list[FusionRegion]]:
+         saved: set[str] = frozenset()) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
     ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
@@ -166,9 +156,8 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
     records the torch ops they run; a compiled region would give outputs without a graph);
-    ``propagate``: a region's outputs that only later regions read (and, in a forward, the
-    backward, where ``saved`` names them) leave it in the layout Inductor chose for them
-    (``saved_layout``)."""
+    ``saved``: the forward's saved tensors a region may hand out in the layout Inductor chose
+    for them (``saved_layout``)."""
     formed = _formed(trace, observable, layer_of_name, executor, records_autograd,
                      min_shared_layers)
     if formed is None:
@@ -182,15 +171,10 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
-    free = saved_layout.free_names(lines, regions, observable, saved) if propagate else set()
-    prepared = [_prepare(r, environment, always_checked, saved_layout.free_outputs(r, free))
-                for r in regions]
+    free = [saved_layout.free_outputs(r, saved, lines) for r in regions]
+    prepared = [_prepare(r, environment, always_checked, f) for r, f in zip(regions, free)]
     _prefetch(regions, prepared, skip_first=True)
-    for k, r in enumerate(regions):
-        p = prepared[k]
-        if free and p is not None and any(q.name in free for q in r.inputs):
-            # compiled for the layouts the regions before it gave (``saved_layout``)
-            p = _prepare(r, environment, always_checked, p.free_outputs)
+    for r, p in zip(regions, prepared):
         made = _fuse_region(r, p, trace.name, counter, always_checked, done) if p else None
         if made is not None:
             fused[r.start] = (made, r)

@@ -37,72 +37,53 @@ from ...core.proxies import TensorProxy
 from ...core.trace import Trace
 
 _FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-WITHIN_TRACE = True
-_LAYOUT_BLIND = (glue.DELETE, glue.SIZE, glue.RETURN_FORWARD)  # lines that read no elements
 
 
 def candidates(forward: Trace, backward: Trace | None, backward_regions) -> set[str]:
-    """The names of the forward's saved tensors that the backward may read in any layout (see
-    the module docstring; what the forward itself reads is checked by ``free_names``)."""
+    """The names of the forward's saved tensors that a forward region may hand out in any
+    layout (see the module docstring; what the forward itself reads is checked per region)."""
     if backward is None or not backward_regions:
         return set()
     last = forward.bound_symbols[-1]
     if last.symbol is not glue.RETURN_FORWARD:
         return set()
     returned = {p.name for p in last.args[0] if isinstance(p, TensorProxy)}
-    saved = {p.name for p in last.args[1]
+    saved = {p.name: p for p in last.args[1]
              if isinstance(p, TensorProxy) and p.name not in returned and _plain_4d(p)}
-    return _read_only_in_regions(saved, backward.bound_symbols, backward_regions)
-
-
-def free_names(lines, regions, observable: set[str], saved_ok: set[str]) -> set[str]:
-    """The outputs of ``regions`` (of a trace's ``lines``) that may leave their region in the
-    layout Inductor chose: not ``observable`` (the trace's returned values), read only by lines
-    of later regions, and, where the forward saves them for the backward, in ``saved_ok``
-    (``candidates``)."""
-    made = {p.name for r in regions for p in r.outputs
-            if isinstance(p, TensorProxy) and p.name not in observable and _plain_4d(p)}
-    for b in lines:
-        if b.symbol is glue.RETURN_FORWARD:
-            made -= {p.name for p in b.args[1] if isinstance(p, TensorProxy)} - set(saved_ok)
-    if not WITHIN_TRACE:  # (experiment) only what no later line of the trace reads
-        for b in lines:
-            if b.symbol not in _LAYOUT_BLIND:
-                made -= {p.name for p in b.input_proxies()} - {q.name for r in regions
-                                                               for q in r.outputs
-                                                               if any(b is x for x in r.lines)}
-        if not saved_ok:
-            return set()
-    return _read_only_in_regions(made, lines, regions)
-
-
-def _read_only_in_regions(names: set[str], lines, regions) -> set[str]:
-    """Those of ``names`` that every line reading them reads inside a region (the return of a
-    forward, ``del`` and ``Size`` lines aside), in none of them through a view, and whose
-    reading regions' graphs run with them channels-last (on fake tensors)."""
-    names = set(names)
-    inside = {id(b) for r in regions for b in r.lines}
-    for b in lines:
-        if b.symbol in _LAYOUT_BLIND:
-            continue
-        read = [p for p in b.input_proxies() if p.name in names]
+    if not saved:
+        return set()
+    inside = {id(b) for r in backward_regions for b in r.lines}
+    for b in backward.bound_symbols:
+        read = [p for p in b.input_proxies() if p.name in saved]
         if not read:
             continue
         if id(b) not in inside:
-            names -= {p.name for p in read}
+            for p in read:
+                saved.pop(p.name, None)
             continue
-        views = {q.storage for q in b.output_proxies() if isinstance(q, TensorProxy)}
-        names -= {p.name for p in read if p.storage is not None and p.storage in views}
-    for r in regions:
-        read = [k for k, p in enumerate(r.inputs) if p.name in names]
+        made = {q.storage for q in b.output_proxies() if isinstance(q, TensorProxy)}
+        for p in read:
+            if p.storage is not None and p.storage in made:  # a view of it
+                saved.pop(p.name, None)
+    for r in backward_regions:
+        read = [k for k, p in enumerate(r.inputs) if p.name in saved]
         if read and not _runs_channels_last(r, read):
-            names -= {r.inputs[k].name for k in read}
-    return names
+            for k in read:
+                saved.pop(r.inputs[k].name, None)
+    return set(saved)
 
 
-def free_outputs(region, names: set[str]) -> tuple[int, ...]:
-    """Positions of ``region``'s outputs among ``names`` (``free_names``)."""
-    return tuple(k for k, p in enumerate(region.outputs) if p.name in names)
+def free_outputs(region, candidate_names: set[str], lines) -> tuple[int, ...]:
+    """Positions of ``region``'s outputs that are free: candidates that no line of the trace
+    after the region reads (the forward's return aside)."""
+    if not candidate_names:
+        return ()
+    wanted = {p.name for p in region.outputs} & candidate_names
+    for b in lines[region.stop:]:
+        if b.symbol is glue.RETURN_FORWARD:
+            continue
+        wanted -= {p.name for p in b.input_proxies()}
+    return tuple(k for k, p in enumerate(region.outputs) if p.name in wanted)
 
 
 def adopt_strides(outputs: list[TensorProxy], free: tuple[int, ...], strides) -> None:
@@ -113,9 +94,7 @@ def adopt_strides(outputs: list[TensorProxy], free: tuple[int, ...], strides) ->
     for k in free:
         given = strides[k] if k < len(strides) else None
         p = outputs[k]
-        # Only channels-last: the lines reading it were run on fakes of that layout (any other
-        # stays as recorded, and the region call lays it out so).
-        if given is not None and tuple(given) == _channels_last(p.shape):
+        if given is not None and len(given) == len(p.shape):
             p.stride = tuple(given)
 
 
@@ -161,9 +140,7 @@ def _plain_4d(p: TensorProxy) -> bool:
         return False
     if not all(type(v) is int for v in (*p.shape, *p.stride)):
         return False
-    # (channels-last too: a program loaded from the store has the strides an earlier
-    # compile adopted, and must make the same choices again)
-    return tuple(p.stride) in (_contiguous(p.shape), _channels_last(p.shape))
+    return tuple(p.stride) == _contiguous(p.shape)
 
 
 def _contiguous(shape) -> tuple[int, ...]:
