@@ -461,13 +461,9 @@ def fuse_regions(c: Compilation) -> None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
                               always_checked=_varying_grads(c), forward=forward,
                               min_shared_layers=shared)
-        # A backward in one piece may read saved tensors in the layout the forward's regions
-        # chose for them (executors/fusion/saved_layout.py), for executors that choose one.
-        chooses = getattr(executor, "chooses_saved_layouts", False) and c.segments is None
         fused, regions = fuse(
             forward, executors, observable=_returned(forward),
-            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared,
-            **({"backward": c.backward} if chooses else {}))
+            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared)
         c.fusion_regions += regions
         if fused is not forward:
             c.computations.append(fused)

@@ -26,8 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import (channels_last, compiler, fx_graph, layers, regions, saved_layout, symbolic, warming,
-               workers)
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic, warming, workers
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
@@ -44,41 +43,16 @@ class InductorExecutor(FusionExecutor):
     """Fuses regions of the forward and backward traces with TorchInductor."""
 
     name = "inductor"
-    # ``fuse`` of a forward takes its ``backward``: saved tensors may keep Inductor's layout
-    chooses_saved_layouts = True
 
     def claims(self, bsym):
         return fusible(bsym)
 
     def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
-             records_autograd=False, forward=None, counter=None, min_shared_layers=2,
-             backward=None):
+             records_autograd=False, forward=None, counter=None, min_shared_layers=2):
         return fuse(trace, executors, observable=observable, always_checked=always_checked,
                     layer_of_name=self._layers_of(forward, min_shared_layers),
                     records_autograd=records_autograd, counter=counter, executor=self,
-                    min_shared_layers=min_shared_layers,
-                    saved=self._saved_candidates(trace, backward, min_shared_layers),
-                    propagate=self._propagates(trace, backward, forward))
-
-    @staticmethod
-    def _propagates(trace, backward, forward) -> bool:
-        """Layouts propagate between the regions of a training step's traces: a forward given
-        its backward, and the backward (given its forward)."""
-        if backward is not None:
-            return True
-        return forward is not None and trace.bound_symbols[-1].symbol is glue.RETURN_GRADIENTS
-
-    def _saved_candidates(self, forward, backward, min_shared_layers: int) -> set[str]:
-        """The forward's saved tensors its regions may hand out in Inductor's layout
-        (``saved_layout``), given the backward's regions as its ``fuse`` will form them."""
-        if backward is None:
-            return set()
-        formed = _formed(backward, _returned(backward),
-                         self._layers_of(forward, min_shared_layers), self, False,
-                         min_shared_layers)
-        if formed is None or formed[2] is not None:
-            return set()
-        return saved_layout.candidates(forward, backward, formed[1])
+                    min_shared_layers=min_shared_layers)
 
     def prefetch(self, trace, *, observable, always_checked=frozenset(), forward=None,
                  min_shared_layers=2):
@@ -156,19 +130,15 @@ FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
          executor: Executor, records_autograd: bool = False,
-         counter: list[int] | None = None, min_shared_layers: int = 2,
-         saved: set[str] = frozenset(),
-         propagate: bool = False) -> tuple[Trace, list[FusionRegion]]:
+         counter: list[int] | None = None,
+         min_shared_layers: int = 2) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
     ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
     whose strides can change from call to call (the backward's incoming gradients);
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
-    records the torch ops they run; a compiled region would give outputs without a graph);
-    ``propagate``: a region's outputs that only later regions read (and, in a forward, the
-    backward, where ``saved`` names them) leave it in the layout Inductor chose for them
-    (``saved_layout``)."""
+    records the torch ops they run; a compiled region would give outputs without a graph)."""
     formed = _formed(trace, observable, layer_of_name, executor, records_autograd,
                      min_shared_layers)
     if formed is None:
@@ -182,15 +152,9 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     environment = compiler.environment() if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
-    free = saved_layout.free_names(lines, regions, observable, saved) if propagate else set()
-    prepared = [_prepare(r, environment, always_checked, saved_layout.free_outputs(r, free))
-                for r in regions]
+    prepared = [_prepare(r, environment, always_checked) for r in regions]
     _prefetch(regions, prepared, skip_first=True)
-    for k, r in enumerate(regions):
-        p = prepared[k]
-        if free and p is not None and any(q.name in free for q in r.inputs):
-            # compiled for the layouts the regions before it gave (``saved_layout``)
-            p = _prepare(r, environment, always_checked, p.free_outputs)
+    for r, p in zip(regions, prepared):
         made = _fuse_region(r, p, trace.name, counter, always_checked, done) if p else None
         if made is not None:
             fused[r.start] = (made, r)
@@ -241,11 +205,6 @@ def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = f
     environment = compiler.environment()
     _prefetch(regions_, [_prepare(r, environment, always_checked) for r in regions_],
               skip_first=False)
-
-
-def _returned(trace: Trace) -> set[str]:
-    """The names a trace hands to its caller (as ``pipeline`` gives ``observable``)."""
-    return {p.name for p in trace.bound_symbols[-1].args[0] if hasattr(p, "name")}
 
 
 def _varying_with(always_checked, lines, regions) -> set[str]:
@@ -329,24 +288,20 @@ class _Prepared:
     graph: object
     channels_last_choice: bool | None
     key: tuple
-    free_outputs: tuple[int, ...] = ()  # outputs in Inductor's layout (``saved_layout``)
 
 
-def _prepare(r: Region, environment, always_checked,
-             free_outputs: tuple[int, ...] = ()) -> _Prepared | None:
+def _prepare(r: Region, environment, always_checked) -> _Prepared | None:
     """None for a region that is not compiled: one writing an incoming gradient in place (a call
     that relaid the gradient, of any strides, would write the copy)."""
     checked = {k for k, p in enumerate(r.inputs) if p.name in always_checked}
     if set(r.written_inputs) & checked:
         return None
     layout = symbolic.Layout(r.inputs)  # sizes read from the inputs: one for every use below
-    graph = saved_layout.channels_last_outputs(
-        fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout), free_outputs)
+    graph = fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout)
     choice = channels_last.layout_optimization(r.lines)
-    extra = (("layout_optimization", choice),) + ((("free_outputs", free_outputs),)
-                                                   if free_outputs else ())
     return _Prepared(layout, graph, choice,
-                     fx_graph.region_key(graph, r.inputs, environment + extra), free_outputs)
+                     fx_graph.region_key(graph, r.inputs,
+                                         environment + (("layout_optimization", choice),)))
 
 
 def _prefetch(regions_, prepared, skip_first: bool) -> None:
@@ -355,7 +310,7 @@ def _prefetch(regions_, prepared, skip_first: bool) -> None:
     meanwhile; this thread takes back any that no helper has started by the time it gets there."""
     if not workers.available():
         return
-    keys = list(dict.fromkeys(p.key for p in prepared if p is not None and not p.free_outputs))
+    keys = list(dict.fromkeys(p.key for p in prepared if p is not None))
     for key in keys[1 if skip_first else 0:]:
         r, p = next((r, p) for r, p in zip(regions_, prepared) if p is not None and p.key == key)
         compiler.prefetch(key, p.graph, r.inputs, p.channels_last_choice)
@@ -370,17 +325,14 @@ def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_che
     channels_last_choice = prepared.channels_last_choice
     with channels_last.inductor_layout(channels_last_choice):
         kernel, existed = compiler.kernel_for(
-            key, lambda: fx_graph.graph_module(saved_layout.channels_last_outputs(
-                fx_graph.region_graph(r.lines, r.inputs, r.outputs, layout),
-                prepared.free_outputs)),
-            r.inputs, r.outputs, name, layout, graph, ())
+            key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,
+                                                                     r.outputs, layout)),
+            r.inputs, r.outputs, name, layout, graph)
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "
                            f"{len(r.lines)} lines run on the next executor.")
         return None
-    if prepared.free_outputs:  # before anything records the outputs' strides
-        saved_layout.adopt_channels_last(r.outputs, prepared.free_outputs)
     region_trace = Trace(name, list(r.inputs), list(r.lines) + [
         glue.RETURN_REGION.bind(*r.outputs)])
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines

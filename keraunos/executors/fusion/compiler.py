@@ -44,8 +44,7 @@ import torch
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
 from ..base import IMPORT_LOCK
-from . import (collecting, fx_graph, kernel_store, saved_layout, symbolic, turns, warming,
-               workers)
+from . import collecting, fx_graph, kernel_store, symbolic, turns, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -84,7 +83,6 @@ class Kernel:
     guards: list = field(default_factory=list)  # symbolic sizes: facts it assumes (sympy)
     pending: list = field(default_factory=list)  # Inductor's put-off waits for its C++ kernels
     store_key: str | None = None  # its key in keraunos's store (None: not kept there)
-    output_strides: list | None = None  # of free outputs' graphs (``saved_layout``)
     _lock: object = field(default_factory=threading.Lock, repr=False)
     _unwrapped: object = field(default=None, repr=False)  # see ``direct``; False: none
 
@@ -287,26 +285,23 @@ def prefetch(key: tuple, graph, inputs: list[TensorProxy], layout_choice) -> Non
 
 def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[TensorProxy],
                region_name: str, layout: symbolic.Layout | None = None,
-               graph=None, free_outputs: tuple[int, ...] = ()
-               ) -> tuple["Kernel | CompileFailure", bool]:
+               graph=None) -> tuple["Kernel | CompileFailure", bool]:
     """The kernel for ``key`` and whether it was already there (compiled for another region);
     ``make_graph()`` builds the region's FX graph module, only when it must be compiled;
     ``graph``: an FX graph of the region already built (for the key), shown as the kernel's,
-    and ``layout`` the inputs' ``symbolic.Layout``, when the caller has them; ``free_outputs``:
-    outputs whose layout Inductor may choose (``saved_layout``; such a kernel is not kept in
-    keraunos's store, whose modules do not say their output strides)."""
+    and ``layout`` the inputs' ``symbolic.Layout``, when the caller has them."""
     found = _kernels.get(key)
     if found is not None:
         return found, True
     warming.wait_for_warming_imports()
-    store_key = kernel_store.key_of(key) if not free_outputs else None
+    store_key = kernel_store.key_of(key)
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
     if kernel is None:
         if store_key is not None:
             workers.wait_for(store_key)  # a helper compiling it fills Inductor's caches
         try:
             kernel = _compile(make_graph, inputs, outputs, region_name,
-                              layout or symbolic.Layout(inputs), graph, free_outputs)
+                              layout or symbolic.Layout(inputs), graph)
             kernel.store_key = store_key
         except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
             kernel = CompileFailure(e)
@@ -353,16 +348,13 @@ def _stored_call(call):
     return run
 
 
-def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
-             free_outputs=()) -> Kernel:
+def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
     turns.dynamo_takes_turns()
     with turns.tracing.turn():
-        return _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph,
-                                free_outputs)
+        return _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph)
 
 
-def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=None,
-                     free_outputs=()) -> Kernel:
+def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
@@ -385,13 +377,10 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
         warming.before_the_first_pick()
         collecting.hook_sources()
         before = _cache_counts(counters)
-        options = {"config_patches": dict(CONFIG_PATCHES)}
-        if free_outputs:
-            options["config_patches"]["keep_output_stride"] = False
-            options["inner_compile"] = saved_layout.inner_compile(free_outputs)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
                 collecting.from_inductor() as (sources, pending):
-            fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None, **options)
+            fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
+                            config_patches=dict(CONFIG_PATCHES))
         # Facts about the sizes that Inductor assumed beyond the prologue's checks (``4 < s0``):
         # each call checks them (``RegionCall``), and runs the region's own lines where one fails.
         guards = symbolic.added_facts(compile_env) if compile_env is not None else []
@@ -401,8 +390,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
         code = sources[-1] if sources else ""
         path = PyCodeCache.write(code)[1] if code else None
     return Kernel(fn, shown, next(_kernel_numbers), region_name, code, path,
-                  elapsed(), cache, guards, pending,
-                  output_strides=saved_layout.output_strides(fn) if free_outputs else None)
+                  elapsed(), cache, guards, pending)
 
 
 def _cache_counts(counters) -> tuple[int, int]:
