@@ -14,6 +14,14 @@ by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed o
 (``model.to(memory_format=torch.channels_last)``): then keraunos's regions need no layout
 conversions at their borders, as torch.compile's single graph needs none.
 
+``--profile N`` then runs N calls of each system under ``torch.profiler``, in turns (three
+rounds, the first dropped), and prints each ATen op's self time per call for every system,
+largest first: where keraunos's call and torch.compile's differ, op by op, in one process. The
+fused kernels of keraunos's regions have no event of their own (called past Inductor's wrappers,
+``executors/fusion/compiler.py``): in training they are in ``KeraunosFunction``'s and
+``KeraunosFunctionBackward``'s self time, in eval in no row (the rows then sum to less than the
+call).
+
 ``--region-layout-optimization off`` compiles every one of keraunos's regions with Inductor's
 ``layout_optimization`` off (torch.compile keeps its default, on); by default (``auto``) each
 region's layout is keraunos's choice (``executors/fusion/channels_last.py``: off where a region's
@@ -67,7 +75,8 @@ def _caller(system: str, model: torch.nn.Module, x: torch.Tensor, train: bool):
 
 
 def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
-            regions_layout_off: bool = False, channels_last: bool = False) -> dict:
+            regions_layout_off: bool = False, channels_last: bool = False,
+            profile: int = 0) -> dict:
     torch.manual_seed(0)
     base = getattr(import_torchvision().models, name)()
     if channels_last:
@@ -88,7 +97,39 @@ def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
             t0 = time.perf_counter()
             call()
             samples[system].append(time.perf_counter() - t0)
+    if profile:
+        _print_profile(f"{name} {'train' if train else 'eval'}", calls, profile)
     return {system: statistics.median(s) for system, s in samples.items()}
+
+
+def _print_profile(title: str, calls: dict, count: int, rows: int = 25) -> None:
+    """Each op's self CPU time per call under ``torch.profiler``, for every system: ``count``
+    calls per system and round, in turns, three rounds with the first dropped (warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+    totals = {system: {} for system in calls}
+    for round_ in range(3):
+        for system, call in calls.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(count):
+                    call()
+            if round_ == 0:
+                continue
+            for event in prof.key_averages():
+                spent, seen = totals[system].get(event.key, (0.0, 0))
+                totals[system][event.key] = (spent + event.self_cpu_time_total, seen + event.count)
+    per_call = 2 * count  # two rounds kept
+    keys = sorted({k for t in totals.values() for k in t},
+                  key=lambda k: -max(t.get(k, (0.0, 0))[0] for t in totals.values()))
+    print(f"  profile, {title}: self CPU ms per call (op calls per call)")
+    print("    " + f"{'op':<58}" + "".join(f"{system:>22}" for system in calls))
+    for key in keys[:rows]:
+        cells = []
+        for t in totals.values():
+            spent, seen = t.get(key, (0.0, 0))
+            cells.append(f"{spent / 1e3 / per_call:12.3f} ({seen / per_call:6.1f})")
+        print(f"    {key[:58]:<58}{''.join(cells)}")
+    print("    " + f"{'all ops':<58}" + "".join(
+        f"{sum(v[0] for v in t.values()) / 1e3 / per_call:12.3f}{'':10}" for t in totals.values()))
 
 
 def main() -> int:
@@ -102,6 +143,9 @@ def main() -> int:
                         help="Inductor's layout_optimization for keraunos's regions")
     parser.add_argument("--channels-last", action="store_true",
                         help="the model and the input in channels-last memory format")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N calls of each system, in turns: each op's self "
+                             "time per call")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 3, args.size, args.size)
@@ -112,7 +156,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             results.append((name, mode, measure(name, mode == "train", args.rounds, x,
                                                 args.region_layout_optimization == "off",
-                                                args.channels_last)))
+                                                args.channels_last, args.profile)))
     print(f"torch {torch.__version__}, 1 thread, ({args.batch}, 3, {args.size}, {args.size}), "
           f"medians of {args.rounds} rounds in turns; ratios to torch.compile; regions' layout "
           f"optimization {args.region_layout_optimization}"
