@@ -209,6 +209,73 @@ def test_modulelist_gradients_match_eager(stack):
     assert_grads_match(model, reference, **TOL)
 
 
+class _Widening(nn.Module):
+    """Two stages of layers of one class, as a convnet's: at widths 16 and 16 (alike), then 16
+    to 32 and 32 to 64 (of one class, but not alike)."""
+
+    def __init__(self):
+        super().__init__()
+
+        def layer(i, o):
+            return nn.Sequential(nn.LayerNorm(i), nn.Linear(i, o), nn.Tanh())
+        self.first = nn.ModuleList([layer(16, 16), layer(16, 16)])
+        self.second = nn.ModuleList([layer(16, 32), layer(32, 64)])
+
+    def forward(self, x):
+        for layer in [*self.first, *self.second]:
+            x = layer(x)
+        return x.sum(-1) * 0.5
+
+
+def test_only_alike_layers_are_cut_into_regions_of_their_own():
+    """Regions are cut at layers so that alike layers (the same ops on the same shapes) share a
+    kernel; layers of one class none of which are alike share nothing, and stay in the region
+    around them: the two 16-wide layers are a region each (one kernel between them in the
+    forward), and the 32- and 64-wide ones are one region with what follows. Values and
+    gradients are eager's, forward and backward."""
+    torch.manual_seed(0)
+    model = _Widening()
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
+    for _ in range(2):
+        x = torch.randn(3, 16, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        model.zero_grad(), reference.zero_grad()
+        out, expected = jitted(x), reference(x_ref)
+        assert_close(out, expected, **TOL)
+        grad = torch.randn(3)
+        out.backward(grad)
+        expected.backward(grad)
+        assert_close(x.grad, x_ref.grad, **TOL)
+        assert_grads_match(model, reference, **TOL)
+    for trace_name in ("computation", "backward"):
+        regions = [r for r in keraunos.last_fusions(jitted) if r.trace_name == trace_name]
+        layers = [r for r in regions if r.layer is not None]
+        assert sorted(r.layer for r in layers) == ["first.0", "first.1"], trace_name
+        assert len(regions) == 3, (trace_name, [r.layer for r in regions])
+    forward = [r for r in keraunos.last_fusions(jitted) if r.trace_name == "computation"]
+    assert forward[0].kernel is forward[1].kernel  # (in the backward the first layer's region
+    # differs from the second's: the gradient of its tanh is computed in the second's)
+
+
+def test_layers_of_one_class_are_cut_where_some_of_them_are_alike():
+    """``layers_of_stacks``: a parent's children of one class are layers when at least
+    ``min_repeats`` of them recorded the same ops on the same shapes (then all of them are)."""
+    from keraunos.executors.fusion import layers
+    torch.manual_seed(0)
+    jitted = keraunos.jit(_Widening(), executors=FUSED, fuse="wait")
+    with torch.no_grad():
+        jitted(torch.randn(3, 16))
+    lines = keraunos.last_traces(jitted)[0].bound_symbols
+    assert layers.layers_of_stacks(lines) == {"first.0", "first.1"}
+    assert layers.layers_of_stacks(lines, min_repeats=3) == set()
+    jitted = keraunos.jit(Stack(3), executors=FUSED, fuse="wait")
+    with torch.no_grad():
+        jitted(torch.randn(3, 16))
+    lines = keraunos.last_traces(jitted)[0].bound_symbols
+    assert layers.layers_of_stacks(lines, min_repeats=3) == {"layers.0", "layers.1", "layers.2"}
+
+
 def test_incoming_gradient_with_other_strides(stack):
     model, jitted, x, _ = stack
     # Strides 2 and 0 where the backward was compiled for 1 (``.sum().backward()`` expands).
@@ -672,11 +739,11 @@ def test_a_layer_ending_in_a_lowered_batch_norm_is_one_region_in_training():
     the norm, since no line of the layer followed the ATen calls). Values, gradients and the
     running statistics are eager's."""
     torch.manual_seed(0)
-    model = nn.Sequential(_ConvNormActivation(3, 8), _ConvNormActivation(8, 8)).train()
+    model = nn.Sequential(_ConvNormActivation(8, 8), _ConvNormActivation(8, 8)).train()
     reference = copy.deepcopy(model)
     jitted = keraunos.jit(model, executors=FUSED, fuse="wait")
     for _ in range(2):
-        x = torch.randn(2, 3, 6, 6)
+        x = torch.randn(2, 8, 6, 6)  # (alike layers: regions are cut only between those)
         model.zero_grad(), reference.zero_grad()
         out, expected = jitted(x), reference(x)
         assert_close(out, expected, **TOL)

@@ -15,20 +15,50 @@ from ...core.symbols import TorchSymbol
 
 def layers_of_stacks(lines, min_repeats: int = 2) -> set[str]:
     """The layers among the module calls of ``lines`` (their ``module_stack``s): a call of an
-    indexed child (``h.3``, ``layers.0``: a ``ModuleList`` or ``Sequential`` entry) whose class
-    at least ``min_repeats`` called children of the same parent share (itself included), and
-    which called submodules of its own (a transformer block, not a lone ReLU of a
-    ``Sequential``, which would cut every small op into a region of its own)."""
-    paths = {path: cls for b in lines for path, cls in b.module_stack}
-    siblings: dict[tuple[str, type], int] = {}
+    indexed child (``h.3``, ``layers.0``: a ``ModuleList`` or ``Sequential`` entry) of a class
+    whose children of the same parent include at least ``min_repeats`` alike ones, and which
+    called submodules of its own (a transformer block, not a lone ReLU of a ``Sequential``, which
+    would cut every small op into a region of its own).
+
+    Alike: reading parameters and buffers of their own of the same names and shapes
+    (``_signature``). A cut is there for sharing: alike layers make regions of one kernel,
+    compiled once. Children of one class none of which are alike share nothing, and each cut
+    between them costs a cold compile a region of its own (Inductor's fixed work per graph, a
+    g++ run) and every call a region call: resnet18's blocks, two per width, each width's first
+    one different (it downsamples), made nine distinct regions of which one was shared; now the
+    first width's two alike blocks are cut and the rest is one region. Where some children are
+    alike, all of that class are cut, as before. (Layers whose parameters have no provenance in
+    the module, on the torch.compile route, are all alike: cut as before.)"""
+    paths: dict[str, type] = {}
+    lines_of: dict[str, list] = {}
+    for b in lines:
+        for path, cls in b.module_stack:
+            paths[path] = cls
+            lines_of.setdefault(path, []).append(b)
+    alike: dict[tuple, int] = {}  # (parent, class, signature) -> how many children
     for path, cls in paths.items():
         parent, _, key = path.rpartition(".")
         if key.isdigit():
-            siblings[(parent, cls)] = siblings.get((parent, cls), 0) + 1
+            kind = (parent, cls, _signature(path, lines_of[path]))
+            alike[kind] = alike.get(kind, 0) + 1
+    repeated = {(parent, cls) for (parent, cls, _), count in alike.items()
+                if count >= max(min_repeats, 2)}
     return {path for path, cls in paths.items()
             if path.rpartition(".")[2].isdigit()
-            and siblings[(path.rpartition(".")[0], cls)] >= max(min_repeats, 2)
+            and (path.rpartition(".")[0], cls) in repeated
             and any(p.startswith(path + ".") for p in paths)}
+
+
+def _signature(path: str, lines) -> tuple:
+    """What makes a layer's call alike another's: the parameters and buffers of its own that its
+    lines read (where they are in the layer, their shapes and dtypes). Not the ops it records: a
+    litgpt model's first layer also computes values every layer reads (its mask), and yet its
+    own lines make the same regions as the others'."""
+    prefix = f"module.{path}."
+    own = {(p.provenance[len(prefix):], str(getattr(p, "shape", "")), str(getattr(p, "dtype", "")))
+           for b in lines for p in b.input_proxies()
+           if isinstance(getattr(p, "provenance", None), str) and p.provenance.startswith(prefix)}
+    return tuple(sorted(own))
 
 
 def _layer_of(bsym, layers: set[str]) -> str | None:
