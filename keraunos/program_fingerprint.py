@@ -144,6 +144,8 @@ class _Fingerprint:
                     continue
                 if isinstance(member, (staticmethod, classmethod)):
                     member = member.__func__
+                if isinstance(member, (functools.cached_property, functools.partialmethod)):
+                    member = member.func  # its code, not the descriptor's type
                 where = f"{base.__qualname__}.{name}"
                 if not isinstance(member, (types.FunctionType, property)):
                     try:
@@ -195,6 +197,7 @@ class _Fingerprint:
         self.seen.add(id(fn))
         self.parts.append(("function", fn.__module__, fn.__qualname__))
         if _library(fn.__module__) or _library_file(fn.__code__.co_filename):
+            self._wrapped(fn)
             return
         self.code(fn.__code__, fn.__globals__)
         self.value(fn.__defaults__, f"{fn.__qualname__} defaults")
@@ -206,6 +209,19 @@ class _Fingerprint:
                 self.parts.append(("empty cell", name))
                 continue
             self.value(contents, name)
+
+    def _wrapped(self, wrapper) -> None:
+        """The program's own function inside a wrapper that torch or the standard library made
+        (a decorator's: ``functools.lru_cache``, ``torch.no_grad()``): its code is the
+        program's, not the library's, so it is followed (before, a changed ``lru_cache`` helper
+        left the key as it was, and a restart loaded the old program)."""
+        inner = [getattr(wrapper, "__wrapped__", None)]
+        if isinstance(wrapper, types.FunctionType):
+            inner += [c[0] for c in map(_cell_contents, wrapper.__closure__ or ()) if c]
+        for fn in inner:
+            if isinstance(fn, types.FunctionType) and not (
+                    _library(fn.__module__) or _library_file(fn.__code__.co_filename)):
+                self.value(fn, f"{getattr(wrapper, '__qualname__', '?')} wraps")
 
     def code(self, code: types.CodeType, globals_: dict) -> None:
         self.parts.append(("code", code.co_code, code.co_names, code.co_varnames,
@@ -276,6 +292,7 @@ class _Fingerprint:
             # wrappers): their behaviour is torch's version.
             self.parts.append(("library callable", name, type(v).__module__,
                                type(v).__qualname__, getattr(v, "__qualname__", None)))
+            self._wrapped(v)
         elif type(v) in (torch.Tensor, torch.nn.Parameter):
             # Read by the program as an input at its path (``fn_globals['w']``) on every call,
             # and checked by the prologue: its metadata here, not its values.
@@ -367,6 +384,13 @@ _CONSTRUCTION = frozenset(("__init__", "__new__", "__post_init__", "__init_subcl
 
 def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
+
+
+def _cell_contents(cell) -> tuple:
+    try:
+        return (cell.cell_contents,)
+    except ValueError:  # empty
+        return ()
 
 
 def _state_in_python(t: type) -> bool:

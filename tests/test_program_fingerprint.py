@@ -149,3 +149,18 @@ def test_the_fingerprint_is_the_same_in_another_process():
                               check=True, env={"PYTHONHASHSEED": seed, "PYTHONPATH": ROOT}
                               ).stdout for seed in ("1", "2", "3")}
     assert len(digests) == 1, digests
+
+
+def test_a_function_under_a_library_decorator_is_followed():
+    """``functools.lru_cache`` and ``functools.cached_property`` wrap the program's own code in
+    objects of the standard library; hashing those by their type alone left a changed helper
+    out of the key, and a restart loaded the old program."""
+    cached = BASE.replace("def helper(x):", "import functools\n@functools.lru_cache\ndef factor():\n"
+                          "    return 2.0\n\ndef helper(x):").replace("return x * SCALE",
+                                                                    "return x * factor()")
+    assert _key(cached.replace("return 2.0", "return 3.0")) != _key(cached)
+    prop = BASE.replace("    def save(self, path):", "    @functools.cached_property\n"
+                        "    def gain(self):\n        return 2.0\n\n    def save(self, path):"
+                        ).replace("return helper(x)", "return helper(x) * self.gain"
+                                  ).replace("import torch\n", "import functools\nimport torch\n", 1)
+    assert _key(prop.replace("return 2.0", "return 3.0")) != _key(prop)
