@@ -12,7 +12,7 @@ intra-op thread:
 - dense convolutions (resnet18): the copies cost more than channels-last gains; in eager's
   layout the regions call the kernels eager calls (resnet18's eval call went from 1.03-1.27x
   torch.compile's to 0.62-0.69x);
-- grouped (depthwise) convolutions: ATen's mkldnn kernel runs their forward 1.4-2x faster on
+- grouped (depthwise) convolutions: ATen's mkldnn kernel runs their forward 1.4-2.6x faster on
   channels-last tensors, and their backward as fast or faster in eager's layout (a 5x5 one at
   1152 channels, 2x2 pixels: 0.8 ms against 1.8 ms);
 - 1x1 convolutions of stride 1 that ATen runs on its ``_slow_conv2d`` path (CPU, float32, one
@@ -20,19 +20,21 @@ intra-op thread:
   layout that is one matrix product per image with as many columns as the image has pixels,
   and at 2x2 pixels it runs 2-3x slower than the same product on channels-last tensors
   (forward, 1152 to 192 channels: 110 against 45 us with the copies; backward 250 against
-  130 us). From 4x4 pixels up the forward is faster in eager's layout; the backward gains up
-  to 4x4 and is even at 8x8.
+  130 us). From 4x4 pixels up eager's layout is as fast or faster once the copies are
+  counted (in efficientnet_b0's training step, relaying the backward up to 4, 16 or 64 pixels
+  measured alike). Matrix products of our own (``torch.matmul`` per image, ``bmm``) and
+  Inductor's ``conv_1x1_as_mm`` were slower or no faster.
 
-So no region is handed to Inductor's layout optimization (``layout_optimization`` off wherever
-keraunos knows every convolution's shapes): a region keeps eager's layout, and the
-convolutions that gain run on channels-last copies made inside the region (``aten.clone`` with
-``memory_format``, which Inductor writes from the kernel that makes the value, not as a copy
-of its own where it can), their results copied back to eager's layout:
+So a region whose every convolution keraunos places itself is not handed to Inductor's layout
+optimization (``layout_optimization`` off): it keeps eager's layout, and the convolutions that
+gain run on channels-last copies made inside the region's graph (``aten.clone`` with a
+``memory_format``, which Inductor may write from the kernel that makes the value), their
+results copied back to eager's layout:
 
 - forward: a grouped 2-D convolution, and a 1x1 stride-1 unpadded one on the ``_slow_conv2d``
-  path whose output has 2 to ``FORWARD_PIXELS`` pixels;
-- backward: ``aten.convolution_backward`` of such a 1x1 convolution with 2 to
-  ``BACKWARD_PIXELS`` pixels (the grouped ones' backward stays in eager's layout).
+  path whose images have 2 to ``SMALL_IMAGE_PIXELS`` pixels;
+- backward: ``aten.convolution_backward`` of such a 1x1 convolution (the grouped ones'
+  backward stays in eager's layout).
 
 Only tensors the trace records in eager's contiguous layout are relaid (a program already
 channels-last is left as it is), and only on the CPU. ``torch._inductor.config.patch`` is
@@ -56,10 +58,9 @@ _CONVOLUTIONS = {id(f): f for f in (
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 _CLONE = torch.ops.aten.clone.default
 
-# The largest output (forward) and image (backward) of a 1x1 convolution, in pixels, that runs
-# channels-last (the measurements above: 2x2 gains in both, 4x4 only in the backward).
-FORWARD_PIXELS = 4
-BACKWARD_PIXELS = 16
+# The largest image of a 1x1 convolution, in pixels, that runs channels-last (above: 2x2 gains,
+# 4x4 does not).
+SMALL_IMAGE_PIXELS = 4
 
 
 def _is_dense_convolution(bsym: BoundSymbol) -> bool | None:
@@ -128,7 +129,7 @@ def _forward_runs_channels_last(bsym: BoundSymbol) -> bool:
         return False
     if not dense:
         return True
-    return _on_slow_conv2d(x, weight) and 1 < _pixels(out) <= FORWARD_PIXELS and \
+    return _on_slow_conv2d(x, weight) and 1 < _pixels(out) <= SMALL_IMAGE_PIXELS and \
         tuple(out.shape[2:]) == tuple(x.shape[2:])  # (a 1x1 kernel: stride 1, no padding)
 
 
@@ -140,7 +141,7 @@ def _backward_runs_channels_last(bsym: BoundSymbol) -> bool:
     grad_input = bsym.outputs[0] if isinstance(bsym.outputs, (tuple, list)) else None
     return (_eager_layout_2d(x, grad) and isinstance(weight, TensorProxy) and groups == 1
             and not transposed and tuple(stride) == (1, 1) and tuple(padding) == (0, 0)
-            and _on_slow_conv2d(x, weight) and 1 < _pixels(x) <= BACKWARD_PIXELS
+            and _on_slow_conv2d(x, weight) and 1 < _pixels(x) <= SMALL_IMAGE_PIXELS
             and (grad_input is None or _eager_layout_2d(grad_input)))
 
 
