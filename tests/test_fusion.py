@@ -1713,6 +1713,54 @@ def test_pointwise_convolutions_off_the_slow_path_keep_eager_layout(case):
     assert not [t for r in regions if r.trace_name == "backward" for t in _relaid(r)]
 
 
+class _FunctionalConvolutions(nn.Module):
+    """``F.conv2d`` with its options by keyword, as a user writes it: a grouped 3x3 one with
+    ``padding="same"``, then a 1x1 one with a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.grouped = nn.Parameter(torch.randn(16, 4, 3, 3) * 0.2)
+        self.pointwise = nn.Parameter(torch.randn(24, 16, 1, 1) * 0.2)
+        self.bias = nn.Parameter(torch.randn(24))
+
+    def forward(self, x):
+        h = F.silu(F.conv2d(x, self.grouped, padding="same", groups=4))
+        return F.conv2d(h, self.pointwise, bias=self.bias).tanh()
+
+
+def _convolution_case(case: str):
+    torch.manual_seed(0)
+    if case == "grouped, strided, with bias":
+        model = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1, groups=4),
+                              nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 8, 1))
+        return model, torch.randn(2, 16, 8, 8), 1
+    if case == "functional, by keyword":
+        return _FunctionalConvolutions(), torch.randn(2, 16, 2, 2), 2
+    if case == "one image, 1x1 with bias":
+        model = nn.Sequential(nn.Conv2d(32, 48, 1), nn.BatchNorm2d(48), nn.Hardswish(),
+                              nn.Conv2d(48, 16, 1))
+        return model, torch.randn(1, 32, 2, 2), 2
+    if case == "squeeze-excitation, 1x1 pixels":
+        model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(32, 8, 1), nn.ReLU(),
+                              nn.Conv2d(8, 32, 1), nn.Sigmoid())
+        return model, torch.randn(2, 32, 4, 4), 0
+    # a model and images already channels-last: nothing to relay
+    model = _pointwise_convolutions().to(memory_format=torch.channels_last)
+    return model, torch.randn(2, 64, 2, 2).contiguous(memory_format=torch.channels_last), 0
+
+
+@pytest.mark.parametrize("case", ["grouped, strided, with bias", "functional, by keyword",
+                                  "one image, 1x1 with bias", "squeeze-excitation, 1x1 pixels",
+                                  "channels-last model and images"])
+def test_relaid_convolutions_train_as_eager_does(case, one_thread):
+    """Convolutions of other shapes and spellings than torchvision's: each fused training step
+    against eager's, and which of them the rule relays in the forward."""
+    model, x, relaid = _convolution_case(case)
+    regions = _fused_training_step(model.train(), x)
+    assert len([t for r in regions if r.trace_name == "computation"
+                for t in _relaid(r)]) == relaid
+
+
 def test_write_through_a_view_of_a_written_input_in_a_training_forward_is_kept():
     """Fuzz 7000:173. The forward of the autograd split holds the capture's ``a[:, 1:3]`` and the
     lowered ``aten.clamp_`` of it, whose proxies carry different storage numbers for one memory;
