@@ -1686,31 +1686,26 @@ def _fused_training_step(model, x):
     return keraunos.last_fusions(jitted)
 
 
-def test_small_pointwise_convolutions_and_their_backward_run_on_channels_last_copies(one_thread):
-    """At 2x2 pixels ATen's ``_slow_conv2d`` runs 2-3x faster channels-last: both 1x1
-    convolutions (forward) and their ``convolution_backward`` read channels-last copies; the
-    grouped convolution's backward stays in eager's layout."""
-    regions = _fused_training_step(_pointwise_convolutions().train(), torch.randn(2, 64, 2, 2))
-    forward = [t for r in regions if r.trace_name == "computation" for t in _relaid(r)]
-    backward = [t for r in regions if r.trace_name == "backward" for t in _relaid(r)]
-    assert forward == ["conv2d"] * 3  # the two 1x1 convolutions and the grouped one
-    assert backward == ["convolution_backward.default"] * 2
-
-
-@pytest.mark.parametrize("case", ["larger images", "two threads"])
-def test_pointwise_convolutions_off_the_slow_path_keep_eager_layout(case):
-    """At 8x8 pixels eager's layout is as fast, and with two threads ATen runs 1x1
-    convolutions on mkldnn: there only the grouped convolution is relaid."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if case == "larger images" else 2)
+@pytest.mark.parametrize("size, threads, forward, backward", [
+    (2, 1, ["conv2d"] * 3, ["convolution_backward.default"] * 2),
+    (4, 1, ["conv2d"], ["convolution_backward.default"] * 2),
+    (8, 1, ["conv2d"], []),
+    (2, 2, ["conv2d"], []),
+])
+def test_small_pointwise_convolutions_run_on_channels_last_copies(size, threads, forward,
+                                                                  backward):
+    """On ATen's ``_slow_conv2d`` path (one thread) a 1x1 convolution runs channels-last at
+    2x2 pixels, its backward up to 4x4; the grouped convolution's forward always does, its
+    backward never. With two threads ATen runs 1x1 convolutions on mkldnn: not relaid."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        size = 8 if case == "larger images" else 2
         regions = _fused_training_step(_pointwise_convolutions().train(),
                                        torch.randn(2, 64, size, size))
     finally:
-        torch.set_num_threads(threads)
-    assert [t for r in regions if r.trace_name == "computation" for t in _relaid(r)] == ["conv2d"]
-    assert not [t for r in regions if r.trace_name == "backward" for t in _relaid(r)]
+        torch.set_num_threads(saved)
+    assert [t for r in regions if r.trace_name == "computation" for t in _relaid(r)] == forward
+    assert [t for r in regions if r.trace_name == "backward" for t in _relaid(r)] == backward
 
 
 class _FunctionalConvolutions(nn.Module):

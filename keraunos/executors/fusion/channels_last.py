@@ -20,10 +20,13 @@ intra-op thread:
   layout that is one matrix product per image with as many columns as the image has pixels,
   and at 2x2 pixels it runs 2-3x slower than the same product on channels-last tensors
   (forward, 1152 to 192 channels: 110 against 45 us with the copies; backward 250 against
-  130 us). From 4x4 pixels up eager's layout is as fast or faster once the copies are
-  counted (in efficientnet_b0's training step, relaying the backward up to 4, 16 or 64 pixels
-  measured alike). Matrix products of our own (``torch.matmul`` per image, ``bmm``) and
-  Inductor's ``conv_1x1_as_mm`` were slower or no faster.
+  130 us). At 4x4 pixels the forward is 1.2-1.6x faster in eager's layout and the backward
+  1.1-1.6x faster channels-last (the kernels alone); from 8x8 up neither wins by much once
+  the copies are counted. In
+  efficientnet_b0's training step, relaying the backward up to 16 or 64 pixels measured
+  0.5-1.5% faster than up to 4, and up to 1024 slower. Matrix products of our own
+  (``torch.matmul`` per image, ``bmm``) and Inductor's ``conv_1x1_as_mm`` were slower or no
+  faster.
 
 So a region whose every convolution keraunos places itself is not handed to Inductor's layout
 optimization (``layout_optimization`` off): it keeps eager's layout, and the convolutions that
@@ -32,9 +35,9 @@ gain run on channels-last copies made inside the region's graph (``aten.clone`` 
 results copied back to eager's layout:
 
 - forward: a grouped 2-D convolution, and a 1x1 stride-1 unpadded one on the ``_slow_conv2d``
-  path whose images have 2 to ``SMALL_IMAGE_PIXELS`` pixels;
-- backward: ``aten.convolution_backward`` of such a 1x1 convolution (the grouped ones'
-  backward stays in eager's layout).
+  path whose images have 2 to ``FORWARD_PIXELS`` pixels;
+- backward: ``aten.convolution_backward`` of such a 1x1 convolution whose images have 2 to
+  ``BACKWARD_PIXELS`` pixels (the grouped ones' backward stays in eager's layout).
 
 Only tensors the trace records in eager's contiguous layout are relaid (a program already
 channels-last is left as it is), and only on the CPU. ``torch._inductor.config.patch`` is
@@ -58,9 +61,10 @@ _CONVOLUTIONS = {id(f): f for f in (
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 _CLONE = torch.ops.aten.clone.default
 
-# The largest image of a 1x1 convolution, in pixels, that runs channels-last (above: 2x2 gains,
-# 4x4 does not).
-SMALL_IMAGE_PIXELS = 4
+# The largest image of a 1x1 convolution, in pixels, that runs channels-last (above: 2x2 in the
+# forward, up to 4x4 in the backward).
+FORWARD_PIXELS = 4
+BACKWARD_PIXELS = 16
 
 
 def _is_dense_convolution(bsym: BoundSymbol) -> bool | None:
@@ -129,7 +133,7 @@ def _forward_runs_channels_last(bsym: BoundSymbol) -> bool:
         return False
     if not dense:
         return True
-    return _on_slow_conv2d(x, weight) and 1 < _pixels(out) <= SMALL_IMAGE_PIXELS and \
+    return _on_slow_conv2d(x, weight) and 1 < _pixels(out) <= FORWARD_PIXELS and \
         tuple(out.shape[2:]) == tuple(x.shape[2:])  # (a 1x1 kernel: stride 1, no padding)
 
 
@@ -141,7 +145,7 @@ def _backward_runs_channels_last(bsym: BoundSymbol) -> bool:
     grad_input = bsym.outputs[0] if isinstance(bsym.outputs, (tuple, list)) else None
     return (_eager_layout_2d(x, grad) and isinstance(weight, TensorProxy) and groups == 1
             and not transposed and tuple(stride) == (1, 1) and tuple(padding) == (0, 0)
-            and _on_slow_conv2d(x, weight) and 1 < _pixels(x) <= SMALL_IMAGE_PIXELS
+            and _on_slow_conv2d(x, weight) and 1 < _pixels(x) <= BACKWARD_PIXELS
             and (grad_input is None or _eager_layout_2d(grad_input)))
 
 
