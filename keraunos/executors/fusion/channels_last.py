@@ -139,10 +139,11 @@ def _forward_runs_channels_last(bsym: BoundSymbol) -> bool:
 
 def _backward_runs_channels_last(bsym: BoundSymbol) -> bool:
     if getattr(bsym.symbol, "fn", None) is not _CONVOLUTION_BACKWARD or len(bsym.args) != 11 \
-            or bsym.kwargs:
+            or bsym.kwargs or not isinstance(bsym.outputs, (tuple, list)) \
+            or len(bsym.outputs) != 3:
         return False
     grad, x, weight, _, stride, padding, _, transposed, _, groups, _ = bsym.args
-    grad_input = bsym.outputs[0] if isinstance(bsym.outputs, (tuple, list)) else None
+    grad_input = bsym.outputs[0]
     return (_eager_layout_2d(x, grad) and isinstance(weight, TensorProxy) and groups == 1
             and not transposed and tuple(stride) == (1, 1) and tuple(padding) == (0, 0)
             and _on_slow_conv2d(x, weight) and 1 < _pixels(x) <= BACKWARD_PIXELS
