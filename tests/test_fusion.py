@@ -1622,7 +1622,15 @@ def test_in_place_activation_after_a_write_that_another_line_read_stays_exact():
         assert_close(jitted(x, y), fn(x, y), **TOL)  # the cached entry
 
 
-def test_regions_of_dense_convolutions_keep_eager_layout_and_grouped_ones_go_channels_last():
+def _relaid(region) -> list[str]:
+    """The targets of the nodes that read a channels-last copy made in the region's graph."""
+    copies = {n for n in region.graph.graph.nodes if n.target is torch.ops.aten.clone.default
+              and n.kwargs.get("memory_format") is torch.channels_last}
+    return [n.target.__name__ for n in region.graph.graph.nodes
+            if n.op == "call_function" and any(a in copies for a in n.args)]
+
+
+def test_regions_keep_eager_layout_and_grouped_convolutions_run_on_channels_last_copies():
     from keraunos.executors.fusion import channels_last
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1),
@@ -1630,14 +1638,122 @@ def test_regions_of_dense_convolutions_keep_eager_layout_and_grouped_ones_go_cha
     grouped = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.Hardswish(),
                             nn.Conv2d(8, 8, 3, groups=8), nn.BatchNorm2d(8))
     x = torch.randn(2, 3, 8, 8)
-    for model, choice in ((dense, False), (grouped, None)):
+    for model, relaid in ((dense, []), (grouped, ["conv2d"])):
         jitted = keraunos.jit(model.eval(), fuse="wait")
         with torch.no_grad():
             assert_close(jitted(x), model(x), **TOL)
         (region,) = keraunos.last_fusions(jitted)
-        assert channels_last.layout_optimization(region.lines) is choice
-        # Inductor's copy of the images into channels-last, only where it is chosen
-        assert ("(192, 1, 24, 3)" in region.kernel_code) is (choice is None)
+        # keraunos places every convolution: Inductor's per-graph choice is off in both
+        assert channels_last.layout_optimization(region.lines) is False
+        # only the grouped convolution reads a channels-last copy
+        assert _relaid(region) == relaid
+        # and Inductor no longer copies the images into channels-last
+        assert "(192, 1, 24, 3)" not in region.kernel_code
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread (ATen runs a 1x1 convolution of a small batch on ``_slow_conv2d``
+    only then), restored after the test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _pointwise_convolutions() -> nn.Module:
+    """1x1 convolutions as efficientnet_b0's last blocks have them, on images of 2x2 pixels."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(64, 96, 1, bias=False), nn.BatchNorm2d(96), nn.SiLU(),
+                         nn.Conv2d(96, 96, 3, padding=1, groups=96, bias=False),
+                         nn.BatchNorm2d(96), nn.SiLU(), nn.Conv2d(96, 32, 1, bias=False),
+                         nn.BatchNorm2d(32))
+
+
+def _fused_training_step(model, x):
+    """One fused training step of ``model`` against eager's: outputs, gradients, running
+    statistics; the regions of the fused program."""
+    ref = copy.deepcopy(model)
+    jitted = keraunos.jit(model, fuse="wait")
+    out, want = jitted(x), ref(x)
+    assert_close(out, want, **TOL)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    assert_grads_match(model, ref, require_all=True, **TOL)
+    for (name, got), wanted in zip(model.named_buffers(), ref.buffers()):
+        assert_close(got, wanted, **TOL, msg=name)
+    assert keraunos.compile_stats(jitted).tier == "fused"
+    return keraunos.last_fusions(jitted)
+
+
+@pytest.mark.parametrize("size, threads, forward, backward", [
+    (2, 1, ["conv2d"] * 3, ["convolution_backward.default"] * 2),
+    (4, 1, ["conv2d"], ["convolution_backward.default"] * 2),
+    (8, 1, ["conv2d"], []),
+    (2, 2, ["conv2d"], []),
+])
+def test_small_pointwise_convolutions_run_on_channels_last_copies(size, threads, forward,
+                                                                  backward):
+    """On ATen's ``_slow_conv2d`` path (one thread) a 1x1 convolution runs channels-last at
+    2x2 pixels, its backward up to 4x4; the grouped convolution's forward always does, its
+    backward never. With two threads ATen runs 1x1 convolutions on mkldnn: not relaid."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        regions = _fused_training_step(_pointwise_convolutions().train(),
+                                       torch.randn(2, 64, size, size))
+    finally:
+        torch.set_num_threads(saved)
+    assert [t for r in regions if r.trace_name == "computation" for t in _relaid(r)] == forward
+    assert [t for r in regions if r.trace_name == "backward" for t in _relaid(r)] == backward
+
+
+class _FunctionalConvolutions(nn.Module):
+    """``F.conv2d`` with its options by keyword, as a user writes it: a grouped 3x3 one with
+    ``padding="same"``, then a 1x1 one with a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.grouped = nn.Parameter(torch.randn(16, 4, 3, 3) * 0.2)
+        self.pointwise = nn.Parameter(torch.randn(24, 16, 1, 1) * 0.2)
+        self.bias = nn.Parameter(torch.randn(24))
+
+    def forward(self, x):
+        h = F.silu(F.conv2d(x, self.grouped, padding="same", groups=4))
+        return F.conv2d(h, self.pointwise, bias=self.bias).tanh()
+
+
+def _convolution_case(case: str):
+    torch.manual_seed(0)
+    if case == "grouped, strided, with bias":
+        model = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1, groups=4),
+                              nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 8, 1))
+        return model, torch.randn(2, 16, 8, 8), 1
+    if case == "functional, by keyword":
+        return _FunctionalConvolutions(), torch.randn(2, 16, 2, 2), 2
+    if case == "one image, 1x1 with bias":
+        model = nn.Sequential(nn.Conv2d(32, 48, 1), nn.BatchNorm2d(48), nn.Hardswish(),
+                              nn.Conv2d(48, 16, 1))
+        return model, torch.randn(1, 32, 2, 2), 2
+    if case == "squeeze-excitation, 1x1 pixels":
+        model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(32, 8, 1), nn.ReLU(),
+                              nn.Conv2d(8, 32, 1), nn.Sigmoid())
+        return model, torch.randn(2, 32, 4, 4), 0
+    # a model and images already channels-last: nothing to relay
+    model = _pointwise_convolutions().to(memory_format=torch.channels_last)
+    return model, torch.randn(2, 64, 2, 2).contiguous(memory_format=torch.channels_last), 0
+
+
+@pytest.mark.parametrize("case", ["grouped, strided, with bias", "functional, by keyword",
+                                  "one image, 1x1 with bias", "squeeze-excitation, 1x1 pixels",
+                                  "channels-last model and images"])
+def test_relaid_convolutions_train_as_eager_does(case, one_thread):
+    """Convolutions of other shapes and spellings than torchvision's: each fused training step
+    against eager's, and which of them the rule relays in the forward."""
+    model, x, relaid = _convolution_case(case)
+    regions = _fused_training_step(model.train(), x)
+    assert len([t for r in regions if r.trace_name == "computation"
+                for t in _relaid(r)]) == relaid
 
 
 def test_write_through_a_view_of_a_written_input_in_a_training_forward_is_kept():

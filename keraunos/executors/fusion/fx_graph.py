@@ -7,9 +7,10 @@ trace calls, and an output tuple. FX names the other nodes after their targets (
 ``linear_1``), so two regions made of the same ops in the same order print the same code, which
 is what Inductor's own caches and keraunos's key compare.
 
-One line is rewritten on the way: a ``cat`` of one non-empty tensor that the region returns
-becomes a ``clone`` in the memory format the trace records (``_cat_of_one``), so that Inductor
-lays it out as eager does.
+Two kinds of line are rewritten on the way: a ``cat`` of one non-empty tensor that the region
+returns becomes a ``clone`` in the memory format the trace records (``_cat_of_one``), so that
+Inductor lays it out as eager does; and the convolutions that run faster channels-last run on
+channels-last copies made in the graph (``channels_last.relaid_line``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ...core.symbolic import SymbolicValue
 from ...core.interpreter import Interpreter
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol
-from . import symbolic
+from . import channels_last, symbolic
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
@@ -69,12 +70,21 @@ class _GraphBuilder(Interpreter):
             k, memory_format = alone
             return self.graph.call_function(torch.ops.aten.clone.default, (args[0][k],),
                                             {"memory_format": memory_format})
+        relaid = channels_last.relaid_line(self.graph, bsym, tuple(args), dict(kwargs))
+        if relaid is not None:  # a convolution run on channels-last copies
+            return relaid
         return _node(self.graph, bsym.symbol, tuple(args), dict(kwargs))
 
     def bind(self, proxies, node) -> None:
-        """Name ``proxies`` (a proxy, or nested tuples of them) by ``node`` and its items."""
+        """Name ``proxies`` (a proxy, or nested tuples of them) by ``node`` and its items (a
+        tuple of nodes: one per proxy)."""
         if isinstance(proxies, Proxy):
             self.bind_name(proxies.name, node)
+            return
+        if isinstance(node, tuple):
+            for item, value in zip(proxies, node):
+                if item is not None:
+                    self.bind(item, value)
             return
         for k, item in enumerate(proxies):
             if item is not None:
