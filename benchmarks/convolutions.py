@@ -22,13 +22,12 @@ variant and their ratios to ``nchw``; then the sums under keraunos's rule agains
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from keraunos.testing.vision import import_torchvision
+from turns import medians_in_turns
 
 CL = torch.channels_last
 BACKWARD = torch.ops.aten.convolution_backward.default
@@ -95,15 +94,9 @@ def rule(conv: torch.nn.Conv2d, in_shape, out_shape) -> tuple[bool, bool]:
 
 
 def timed(calls: dict, rounds: int) -> dict:
-    for call in calls.values():
+    for call in calls.values():  # the first call of each: allocations, oneDNN's primitives
         call()
-    samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return medians_in_turns(calls, rounds)
 
 
 def main() -> int:

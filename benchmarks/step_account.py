@@ -44,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keraunos  # noqa: E402
 from train import make_model, step_fn  # noqa: E402
+from turns import samples_in_turns  # noqa: E402
 
 VOCAB = 512
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -117,16 +118,6 @@ def make_steps(base, idx, targets, eager: bool, compile_optimizer: bool) -> dict
     return steps
 
 
-def in_turns(calls: dict, rounds: int) -> dict:
-    samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
 def print_account(steps: dict, rounds: int) -> None:
     tables = {name: collections.defaultdict(list) for name in steps}
     for _ in range(rounds):
@@ -141,7 +132,7 @@ def print_account(steps: dict, rounds: int) -> None:
                 v for k, v in rows.items() if k != "profiled step (wall)")
             for k, v in rows.items():
                 tables[name][k].append(v)
-    plain = {k: statistics.median(v) for k, v in in_turns(steps, rounds).items()}
+    plain = {k: statistics.median(v) for k, v in samples_in_turns(steps, rounds).items()}
     names = sorted({k for t in tables.values() for k in t}, key=lambda k: (
         k.startswith("profiled"), k))
     print(f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}; "
@@ -237,7 +228,7 @@ def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int,
         call()
     for repeat in range(repeats):
         load = " ".join(open("/proc/loadavg").read().split()[:3])
-        samples = in_turns(calls, rounds)
+        samples = samples_in_turns(calls, rounds)
         medians = {k: statistics.median(v) for k, v in samples.items()}
         compiled = medians["torch.compile"]
         per_round = statistics.median(

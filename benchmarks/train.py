@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import keraunos
+
+# benchmarks/fusion.py (keraunos bench) loads this file by its path: its folder is not on sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from turns import medians_in_turns  # noqa: E402
 
 
 def make_model(layers: int, width: int):
@@ -69,18 +75,6 @@ def time_2n(step, n: int):
     return compile_and_warmup, statistics.median(times[n:]), times[0]
 
 
-def interleaved_medians(steps: dict, rounds: int) -> dict:
-    """Each system's median step when all take steps in turns (one step each per round), so
-    that a busy machine slows them alike."""
-    samples = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def optimizer_only(base, idx, targets, rounds: int) -> None:
     """The AdamW step alone, on gradients of one backward, every system in turns."""
     steps = {}
@@ -97,7 +91,7 @@ def optimizer_only(base, idx, targets, rounds: int) -> None:
         steps[name] = wrap(optimizer.step)
         for _ in range(3):  # the state, the capture, the fused compile
             steps[name]()
-    medians = interleaved_medians(steps, rounds)
+    medians = medians_in_turns(steps, rounds)
     print(f"  AdamW step alone, interleaved ({rounds} rounds), median: " + ", ".join(
         f"{k} {v * 1e3:.2f} ms ({v / medians['eager']:.2f}x eager, "
         f"{v / medians['torch.compile']:.2f}x torch.compile)" for k, v in medians.items()))
@@ -173,7 +167,7 @@ def main():
         saved_ratio = f"{r[3] / eager[3]:8.2f}x" if len(r) > 3 else f"{'':>9}"
         print(f"  {name:<14} {r[0]:13.3f} s {r[1] * 1e3:12.2f} ms {r[1] / eager[1]:8.2f}x "
               f"{saved} {saved_ratio}")
-    interleaved = interleaved_medians(steps, args.iters)
+    interleaved = medians_in_turns(steps, args.iters)
     base_name = "torch.compile" if "torch.compile" in interleaved else "eager"
     print(f"  interleaved (every system's steps in turns, {args.iters} rounds, after the above), "
           f"median step: " + ", ".join(

@@ -39,6 +39,7 @@ import torch
 
 import keraunos
 from keraunos.testing.vision import import_torchvision
+from turns import samples_in_turns
 
 SYSTEMS = ("eager", "keraunos", "torch.compile")
 
@@ -91,12 +92,7 @@ def measure(name: str, train: bool, rounds: int, x: torch.Tensor,
               f"{time.perf_counter() - start:.1f} s", flush=True)
         call()
         calls[system] = call
-    samples = {system: [] for system in calls}
-    for _ in range(rounds):
-        for system, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[system].append(time.perf_counter() - t0)
+    samples = samples_in_turns(calls, rounds)
     if profile:
         _print_profile(f"{name} {'train' if train else 'eval'}", calls, profile)
     return {system: statistics.median(s) for system, s in samples.items()}
