@@ -58,7 +58,7 @@ from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_s
                        hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
 from .pipeline import compile_entry
 from .rebind import rebind_entry
-from .tiers import IMPORT_LOCK, FuseMode, default_mode
+from .tiers import FuseMode, default_mode
 from .transforms import Transform
 
 
@@ -616,8 +616,7 @@ def set_dynamo_backend(load: Callable[[], Callable]) -> None:
 def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     """An entry that runs the program through torch.compile with the keraunos backend, with
     this callable's executors and transforms; warns once, naming the line that forced it."""
-    with IMPORT_LOCK:  # the fusion worker may be importing Inductor's circle of modules
-        backend = _dynamo_backend()  # imports torch._dynamo: only paid by programs that fall back
+    backend = _dynamo_backend()  # imports torch._dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
     compiled = torch.compile(target, backend=backend(executors=state.options.executors,
                                                      transforms=state.options.transforms,

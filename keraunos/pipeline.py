@@ -6,6 +6,7 @@ import copy
 import time
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,6 +82,8 @@ class Compilation:
     # For a loaded one: how the inputs of the call that captured it shared memory
     # (``cache.sharing_of``), which a call it serves must repeat.
     sharing: tuple | None = None
+    # Where the fusion executors compile regions (``compiler.CompileSite``; None: here, now).
+    site: Any = None
 
     @property
     def computation(self) -> Trace:
@@ -158,8 +161,10 @@ def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
         if type(r) is not tuple or sharing_of(entry, r[0]) != c.sharing:
             raise _StoredProgramRejected()
     if mode is FuseMode.BACKGROUND:
+        # What the helpers' compiles depend on is read now, on the user's thread.
+        fused.site = executors_module.fusion_executors(fused.executors)[0].compile_site(True)
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
-                       lambda made: _switch(state, entry, *made))
+                       _switcher(weakref.ref(state), weakref.ref(entry)), entry, state)
     return entry
 
 
@@ -315,25 +320,50 @@ def _fuse_mode(c: Compilation) -> FuseMode | None:
     return mode
 
 
+class _Detached:
+    """What the fused tier's stages read of the jitted callable's state: its options. Not the
+    state itself, which holds the user's module: the background job must not keep it alive."""
+
+    def __init__(self, options):
+        self.options = options
+
+
 def _fork(c: Compilation) -> Compilation:
     """A copy of ``c`` whose later stages record into lists of their own (the traces so far are
-    shared: stages derive new traces, never change one)."""
-    return replace(c, prologues=list(c.prologues), computations=list(c.computations),
+    shared: stages derive new traces, never change one), holding nothing of the user's."""
+    return replace(c, state=_Detached(c.state.options), program=None,
+                   prologues=list(c.prologues), computations=list(c.computations),
                    epilogues=list(c.epilogues), backwards=list(c.backwards), stages={},
                    fusion_regions=[])
 
 
-def _fused_tier(c: Compilation):
-    """On the worker: the fused tier's claims, regions and code; every region's C++ kernels
-    built before the switch, so that no call waits for g++."""
-    for stage in TIER_STAGES:
+def _fused_tier(c: Compilation) -> Compilation:
+    """In the background: the fused tier's claims and regions, each region compiled by a helper
+    process (``BACKGROUND_STAGES``). Nothing here reads or writes what the user's thread sees."""
+    for stage in BACKGROUND_STAGES:
         stage(c)
-    for region in c.fusion_regions:
-        region.ready()
-    t0 = time.perf_counter()
-    fn = _computation_callable(c)
-    c.time("codegen", time.perf_counter() - t0)
-    return fn, c
+    return c
+
+
+def _switcher(state_ref, entry_ref):
+    """The switch to the fused tier ``c``, made on the user's thread (``tiers.schedule``): its
+    regions' kernels loaded, the stages that may run the user's code (Transforms) or generate
+    code, then the entry's program replaced (``_switch``)."""
+    def switch(c: Compilation) -> None:
+        state, entry = state_ref(), entry_ref()
+        if state is None or entry is None:
+            return
+        t0 = time.perf_counter()
+        for region in c.fusion_regions:
+            region.ready()
+        c.time("load fused regions", time.perf_counter() - t0)
+        for stage in SWITCH_STAGES:
+            stage(c)
+        t0 = time.perf_counter()
+        computation_fn = _computation_callable(c)
+        c.time("codegen", time.perf_counter() - t0)
+        _switch(state, entry, computation_fn, c)
+    return switch
 
 
 def _switch(state, entry: CacheEntry, computation_fn, c: Compilation) -> None:
@@ -359,13 +389,12 @@ def capture(state, args, kwargs) -> Compilation:
     # FSDP2's, which run eagerly around the program (jitted.py, _jit_fsdp).
     target = state.module if state.module is not None and not state.forward_only else state.fn
     fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
-    # A module's capture takes long enough (0.8 s for 32 layers) that Inductor's one-time set-up,
-    # the vector-ISA probe, pays to start beside it, whatever the fuse mode. Not a function's:
-    # most are small, never fused, and their first call would share the interpreter with
-    # Inductor's imports for nothing.
-    if fusing and state.module is not None:
+    # A module's capture takes long enough (0.8 s for 32 layers) that the helper processes, which
+    # import torch and Inductor for seconds, pay to start beside it when its fused tier will be
+    # compiled by them. Not a function's: most are small, never fused.
+    if fusing and state.module is not None and state.options.fuse is FuseMode.BACKGROUND:
         for executor in executors_module.fusion_executors(state.options.executors):
-            executor.start_warming()
+            executor.start_helpers()
     program = capture_program(target, state.module, args, kwargs,
                               state.options.cache is not CacheMode.SAME_INPUT,
                               state.options.specialize_data)
@@ -469,14 +498,15 @@ def fuse_regions(c: Compilation) -> None:
             for segment in c.segments.segments:
                 executor.prefetch(segment.trace, observable=_returned(segment.trace),
                                   always_checked=set(), forward=forward,
-                                  min_shared_layers=shared)
+                                  min_shared_layers=shared, site=c.site)
         elif c.backward is not None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
                               always_checked=_varying_grads(c), forward=forward,
-                              min_shared_layers=shared)
+                              min_shared_layers=shared, site=c.site)
         fused, regions = fuse(
             forward, executors, observable=_returned(forward),
-            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared)
+            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared,
+            site=c.site)
         c.fusion_regions += regions
         if fused is not forward:
             c.computations.append(fused)
@@ -488,7 +518,7 @@ def fuse_regions(c: Compilation) -> None:
             for segment in c.segments.segments:
                 segment.trace, regions = fuse(
                     segment.trace, executors, observable=_returned(segment.trace),
-                    forward=forward, counter=counter, min_shared_layers=shared)
+                    forward=forward, counter=counter, min_shared_layers=shared, site=c.site)
                 c.fusion_regions += regions
                 c.time("fusion", segment.trace.seconds)
             continue
@@ -497,7 +527,7 @@ def fuse_regions(c: Compilation) -> None:
         # others, and regions check those (and what is made from them) on every call.
         fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
-            forward=forward, counter=counter, min_shared_layers=shared)
+            forward=forward, counter=counter, min_shared_layers=shared, site=c.site)
         c.fusion_regions += regions
         if fused is not backward:
             c.backwards.append(fused)
@@ -577,9 +607,13 @@ def fast_prologue_stage(c: Compilation) -> None:
 # The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
 # What they leave is what the program store keeps; the fast prologue follows (``compile_entry``).
 STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs)
-# Then, once per tier (the fused tier on the worker, see tiers.py): from the claims on.
-TIER_STAGES = (functionalize_for_fusion, executor_claims, split_at_ddp_buckets, fuse_regions, transforms_after_optimization,
-               delete_dead_names, show_segments)
+# Then, once per tier: from the claims on. The fused tier of ``fuse="background"`` runs the
+# first four in the background (``_fused_tier``), the rest on the user's thread at the switch
+# (``_switcher``): Transforms are the user's code.
+BACKGROUND_STAGES = (functionalize_for_fusion, executor_claims, split_at_ddp_buckets,
+                     fuse_regions)
+SWITCH_STAGES = (transforms_after_optimization, delete_dead_names, show_segments)
+TIER_STAGES = BACKGROUND_STAGES + SWITCH_STAGES
 
 
 def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:

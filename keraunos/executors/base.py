@@ -2,7 +2,6 @@
 ``OperatorExecutor``s of yours; the registry and the claims (see the package docstring)."""
 from __future__ import annotations
 
-import threading
 
 from ..core.glue import Glue
 from ..core.symbols import BoundSymbol, TorchSymbol
@@ -46,12 +45,15 @@ class FusionExecutor(Executor):
       calls at least this many layers of one kind (``JitOptions.min_shared_layers``).
     - ``computes_in_region(bsym)``: whether a region would compute this line itself (what the
       rule for programs worth fusing counts, ``tiers.worth_fusing``).
-    - ``start_warming()``: a callable that may fuse was just made (``keraunos.jit``), or a program
-      is about to be captured for fusion on the caller's thread: one-time set-up may start in
-      the background, without making the caller wait for it (called again each time).
-    - ``prefetch(trace, *, observable, always_checked, forward, min_shared_layers)``: optional; ``trace`` (the
-      backward) will be fused after another trace (the forward): work on its regions may start
-      now, elsewhere (the Inductor executor hands them to helper processes).
+    - ``start_helpers()``: a program whose fused tier will be compiled in the background is
+      about to be captured: processes that compile it may start now (called again each time).
+    - ``compile_site(elsewhere)``: on the user's thread, what ``fuse`` and ``prefetch`` take as
+      ``site``: where regions are compiled and what of the user's process that depends on
+      (``elsewhere``: not in this process; see ``tiers.py``).
+    - ``prefetch(trace, *, observable, always_checked, forward, min_shared_layers, site)``:
+      optional; ``trace`` (the backward) will be fused after another trace (the forward): work
+      on its regions may start now, elsewhere (the Inductor executor hands them to helper
+      processes).
 
     A region line's symbol is ``glue.FusionCall(region, call)``; the region has ``name``,
     ``layer``, ``lines``, ``written``, ``describe_kernel()`` (the trace header's words for what
@@ -63,18 +65,21 @@ class FusionExecutor(Executor):
     def fuse(self, trace: Trace, executors: list[Executor], *, observable: set[str],
              always_checked: set[str] = frozenset(), records_autograd: bool = False,
              forward: Trace | None = None, counter: list[int] | None = None,
-             min_shared_layers: int = 2):
+             min_shared_layers: int = 2, site=None):
         raise NotImplementedError
 
     def computes_in_region(self, bsym: BoundSymbol) -> bool:
         return self.claims(bsym)
 
-    def start_warming(self) -> None:
+    def start_helpers(self) -> None:
         pass
+
+    def compile_site(self, elsewhere: bool):
+        return None
 
     def prefetch(self, trace: Trace, *, observable: set[str],
                  always_checked: set[str] = frozenset(), forward: Trace | None = None,
-                 min_shared_layers: int = 2) -> None:
+                 min_shared_layers: int = 2, site=None) -> None:
         pass
 
 
@@ -157,12 +162,6 @@ register(PythonExecutor())
 # executor, later ones on Inductor's regions; ``jit(..., fuse="off")`` leaves just "torch".
 DEFAULT_EXECUTORS = ("inductor", "torch")
 
-# Taken while torch._dynamo's and Inductor's modules are first imported: two threads importing
-# that circle of modules at once can meet one of them half initialized. The fusion worker
-# imports them under it (at its start, and Inductor's compiler at the first region a process
-# compiles), and so does the caller's thread before it imports torch._dynamo itself (the dynamo
-# fallback).
-IMPORT_LOCK = threading.RLock()
 
 
 def resolve(executors) -> list[Executor]:

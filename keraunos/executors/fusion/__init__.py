@@ -26,17 +26,11 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import channels_last, compiler, fx_graph, layers, regions, symbolic, warming, workers
+from . import channels_last, compiler, fx_graph, layers, regions, symbolic, workers
 from .regions import Region, find_regions, fusible
 
-__all__ = ["InductorExecutor", "FusionRegion", "fuse", "start_warming", "computes_in_region"]
+__all__ = ["InductorExecutor", "FusionRegion", "fuse", "computes_in_region"]
 
-
-
-def start_warming() -> None:
-    """Start Inductor's one-time set-up in the background, while a program is captured for
-    fusion on this thread (in the background tier, the worker does it)."""
-    warming.start_warming()
 
 
 class InductorExecutor(FusionExecutor):
@@ -48,17 +42,24 @@ class InductorExecutor(FusionExecutor):
         return fusible(bsym)
 
     def fuse(self, trace, executors, *, observable, always_checked=frozenset(),
-             records_autograd=False, forward=None, counter=None, min_shared_layers=2):
+             records_autograd=False, forward=None, counter=None, min_shared_layers=2,
+             site=None):
         return fuse(trace, executors, observable=observable, always_checked=always_checked,
                     layer_of_name=self._layers_of(forward, min_shared_layers),
                     records_autograd=records_autograd, counter=counter, executor=self,
-                    min_shared_layers=min_shared_layers)
+                    min_shared_layers=min_shared_layers, site=site)
 
     def prefetch(self, trace, *, observable, always_checked=frozenset(), forward=None,
-                 min_shared_layers=2):
+                 min_shared_layers=2, site=None):
         prefetch(trace, observable=observable, always_checked=always_checked,
                  layer_of_name=self._layers_of(forward, min_shared_layers), executor=self,
-                 min_shared_layers=min_shared_layers)
+                 min_shared_layers=min_shared_layers, site=site)
+
+    def compile_site(self, elsewhere: bool):
+        return compiler.CompileSite.in_helpers() if elsewhere else compiler.CompileSite.here()
+
+    def start_helpers(self):
+        workers.start()
 
     @staticmethod
     def _layers_of(forward, min_shared_layers: int):
@@ -71,8 +72,6 @@ class InductorExecutor(FusionExecutor):
     def computes_in_region(self, bsym):
         return computes_in_region(bsym)
 
-    def start_warming(self):
-        start_warming()
 
 
 @dataclass
@@ -130,15 +129,16 @@ FusionSymbol = glue.FusionCall  # one fused region's line (the glue vocabulary's
 def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
          always_checked: set[str] = frozenset(), layer_of_name: dict[str, str] | None = None,
          executor: Executor, records_autograd: bool = False,
-         counter: list[int] | None = None,
-         min_shared_layers: int = 2) -> tuple[Trace, list[FusionRegion]]:
+         counter: list[int] | None = None, min_shared_layers: int = 2,
+         site: compiler.CompileSite | None = None) -> tuple[Trace, list[FusionRegion]]:
     """Fuse the runs of lines the fusion executors claimed in ``trace`` (after ``claim``).
 
     ``observable``: names whose memory sharing the caller can see; ``always_checked``: inputs
     whose strides can change from call to call (the backward's incoming gradients);
     ``records_autograd``: the trace runs with grad mode on and no backward trace of ours, so
     lines reading or making a tensor that requires grad stay with the next executor (autograd
-    records the torch ops they run; a compiled region would give outputs without a graph)."""
+    records the torch ops they run; a compiled region would give outputs without a graph).
+    ``site``: where the regions are compiled (``compiler.CompileSite``; None: here, now)."""
     formed = _formed(trace, observable, layer_of_name, executor, records_autograd,
                      min_shared_layers)
     if formed is None:
@@ -149,13 +149,15 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
                             "Fusion: no regions"), []
     always_checked = _varying_with(always_checked, lines, regions)
     counter = counter if counter is not None else [0]
-    environment = compiler.environment() if regions else ()
+    if site is None and regions:
+        site = compiler.CompileSite.here()
+    environment = site.environment if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
     prepared = [_prepare(r, environment, always_checked) for r in regions]
-    _prefetch(regions, prepared, skip_first=True)
+    _prefetch(regions, prepared, site, skip_first=not site.elsewhere if regions else True)
     for r, p in zip(regions, prepared):
-        made = _fuse_region(r, p, trace.name, counter, always_checked, done) if p else None
+        made = _fuse_region(r, p, trace.name, counter, always_checked, done, site) if p else None
         if made is not None:
             fused[r.start] = (made, r)
     result = _assemble(lines, fused, executors, executor)
@@ -190,11 +192,12 @@ def _formed(trace, observable, layer_of_name, executor, records_autograd,
 
 def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = frozenset(),
              layer_of_name: dict[str, str] | None = None, executor: Executor,
-             min_shared_layers: int = 2) -> None:
+             min_shared_layers: int = 2, site: compiler.CompileSite | None = None) -> None:
     """Hand the distinct regions ``fuse`` will compile for ``trace`` to the helper processes
     now, while this thread compiles another trace's first (the backward's, during the forward's:
     ``pipeline.fuse_regions``). The regions are formed again by ``fuse``, as they were here."""
-    if not workers.available():
+    elsewhere = site is not None and site.elsewhere
+    if not elsewhere and not workers.available():
         return
     formed = _formed(trace, observable, layer_of_name, executor, records_autograd=False,
                      min_shared_layers=min_shared_layers)
@@ -202,9 +205,9 @@ def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = f
         return
     lines, regions_ = formed[0], formed[1]
     always_checked = _varying_with(always_checked, lines, regions_)
-    environment = compiler.environment()
-    _prefetch(regions_, [_prepare(r, environment, always_checked) for r in regions_],
-              skip_first=False)
+    site = site or compiler.CompileSite.here()
+    _prefetch(regions_, [_prepare(r, site.environment, always_checked) for r in regions_],
+              site, skip_first=False)
 
 
 def _varying_with(always_checked, lines, regions) -> set[str]:
@@ -304,30 +307,37 @@ def _prepare(r: Region, environment, always_checked) -> _Prepared | None:
                                          environment + (("layout_optimization", choice),)))
 
 
-def _prefetch(regions_, prepared, skip_first: bool) -> None:
+def _prefetch(regions_, prepared, site, skip_first: bool) -> None:
     """Hand the trace's distinct regions (but the first, which this thread compiles at once,
     when ``skip_first``) to the helper processes (``workers``): they fill Inductor's caches
-    meanwhile; this thread takes back any that no helper has started by the time it gets there."""
-    if not workers.available():
+    meanwhile; this thread takes back any that no helper has started by the time it gets there.
+    With a ``site`` that compiles ``elsewhere``, every region goes to them, at once."""
+    if not regions_ or (not site.elsewhere and not workers.available()):
         return
     keys = list(dict.fromkeys(p.key for p in prepared if p is not None))
     for key in keys[1 if skip_first else 0:]:
         r, p = next((r, p) for r, p in zip(regions_, prepared) if p is not None and p.key == key)
-        compiler.prefetch(key, p.graph, r.inputs, p.channels_last_choice)
+        compiler.prefetch(key, p.graph, r.inputs, p.channels_last_choice, site)
 
 
-def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_checked, done):
+def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_checked, done,
+                 site):
     checked = tuple(k for k, p in enumerate(r.inputs) if p.name in always_checked)
     writes_memory = any(regions.writes(b) is not None for b in r.lines)
     written = tuple(r.written_inputs)
     name = f"inductor_region{counter[0]}"
     layout, graph, key = prepared.layout, prepared.graph, prepared.key
     channels_last_choice = prepared.channels_last_choice
-    with channels_last.inductor_layout(channels_last_choice):
-        kernel, existed = compiler.kernel_for(
-            key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,
-                                                                     r.outputs, layout)),
-            r.inputs, r.outputs, name, layout, graph)
+    kernel, existed = compiler.kernel_for(
+        key, lambda: fx_graph.graph_module(fx_graph.region_graph(r.lines, r.inputs,
+                                                                 r.outputs, layout)),
+        r.inputs, r.outputs, name, layout, graph, channels_last_choice, site)
+    if isinstance(kernel, compiler.CompileFailure) and isinstance(
+            kernel.error, compiler.NotCompiledElsewhere):
+        if not kernel.error.expected:
+            compiler.warn_once(f"keraunos: a region was not fused in the background "
+                               f"({kernel.error}); its lines run on the next executor.")
+        return None
     if isinstance(kernel, compiler.CompileFailure):
         compiler.warn_once(f"keraunos: Inductor could not compile a region of {trace_name} "
                            f"({type(kernel.error).__name__}: {kernel.error}); its "

@@ -43,8 +43,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
-from ..base import IMPORT_LOCK
-from . import collecting, fx_graph, kernel_store, symbolic, turns, warming, workers
+from . import channels_last, collecting, fx_graph, kernel_store, symbolic, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -83,7 +82,8 @@ class Kernel:
     guards: list = field(default_factory=list)  # symbolic sizes: facts it assumes (sympy)
     pending: list = field(default_factory=list)  # Inductor's put-off waits for its C++ kernels
     store_key: str | None = None  # its key in keraunos's store (None: not kept there)
-    _lock: object = field(default_factory=threading.Lock, repr=False)
+    row: bytes | None = None  # a stored module not loaded yet (``compiled`` is None till then)
+    _lock: object = field(default_factory=threading.RLock, repr=False)
     _unwrapped: object = field(default=None, repr=False)  # see ``direct``; False: none
 
     @property
@@ -93,7 +93,11 @@ class Kernel:
         return self.compiled
 
     def ready(self) -> None:
-        """Wait for the kernels g++ is still building (raises what the build raised)."""
+        """Load the kernel's module if it is not loaded yet (on the user's thread: see
+        ``CompileSite``), and wait for the kernels g++ is still building (raises what the load
+        or the build raised)."""
+        if self.compiled is None:
+            self._load()
         if not self.pending:
             return
         with self._lock, stopwatch() as elapsed:
@@ -103,6 +107,25 @@ class Kernel:
                 self.pending.pop(0)
             self.seconds += elapsed()
 
+
+    def _load(self) -> None:
+        with self._lock, stopwatch() as elapsed:
+            if self.compiled is not None:
+                return
+            warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA
+            with collecting.from_inductor() as (_, pending):
+                loaded = kernel_store.load(self.store_key, self.row)
+            if loaded is None:
+                raise NotCompiledElsewhere("the module the helper made did not load")
+            call, code, path, writes = loaded
+            for wait, scope in pending:  # its C++ kernels, built by the helper: loads
+                wait(scope)
+            if not isinstance(self.graph, torch.fx.GraphModule):
+                self.graph = fx_graph.graph_module(self.graph)
+            self.code, self.path, self.row = code, path, None
+            self._unwrapped = False  # ``compiled`` is already the module's own call
+            self.compiled = _stored_call(call, writes)
+            self.seconds += elapsed()
 
     def direct(self, args, outs, grad_free: bool = False):
         """The kernel as a callable past ``compile_fx``'s wrappers, or ``compiled`` where that is
@@ -263,50 +286,134 @@ class CompileFailure:
 
 def environment() -> tuple:
     """What besides the graph and its inputs decides the compiled code: CPU kernels bake the
-    thread count in; the default dtype, determinism flag, torch version and Inductor's config."""
-    from torch._inductor import config
+    thread count in; the default dtype, determinism flag, torch version and Inductor's config
+    (its entries this process changed: ``inductor_config_changes``). Read on the user's thread."""
     return (torch.get_num_threads(), torch.get_default_dtype(),
-            torch.are_deterministic_algorithms_enabled(), torch.__version__, config.get_hash(),
+            torch.are_deterministic_algorithms_enabled(), torch.__version__,
+            repr(sorted(inductor_config_changes().items())),
             tuple(sorted(CONFIG_PATCHES.items())))
 
 
-def prefetch(key: tuple, graph, inputs: list[TensorProxy], layout_choice) -> None:
+def inductor_config_changes() -> dict:
+    """Inductor's config entries this process set away from their defaults: {} when nothing of
+    Inductor was imported yet (then it has the defaults, which a helper process starts with too;
+    reading them would import torch._dynamo, a second on a restart's first call). A helper
+    process applies these on top of its own defaults (``workers``)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return {}
+    portable = config.save_config_portable()
+    is_default = getattr(config, "_is_default", None)
+    if is_default is None:  # (a torch without it: every entry, which keys alike in every process)
+        return portable
+    return {name: value for name, value in portable.items() if not is_default(name)}
+
+
+@dataclass(frozen=True)
+class CompileSite:
+    """Where a fused tier's regions are compiled, and what of the user's process their compile
+    depends on, read on the user's thread when the compile was asked for.
+
+    ``elsewhere``: in the helper processes (``workers``), from a description of each region;
+    this process only loads what they made, and only on the user's thread (``Kernel.ready``).
+    The thread that forms the regions and waits for the helpers reads keraunos's own traces and
+    this snapshot, nothing the user's thread can change or see."""
+
+    elsewhere: bool
+    environment: tuple
+    settings: dict
+
+    @staticmethod
+    def here() -> "CompileSite":
+        return CompileSite(False, environment(), {})
+
+    @staticmethod
+    def in_helpers() -> "CompileSite":
+        return CompileSite(True, environment(), workers.settings(inductor_config_changes()))
+
+
+def prefetch(key: tuple, graph, inputs: list[TensorProxy], layout_choice,
+             site: CompileSite | None = None) -> None:
     """Hand the compile of a region of ``key`` (its FX ``graph``) to a helper process ahead of
     ``kernel_for`` (``workers``): a region not compiled in this process yet, nor kept in the
-    store, of static sizes on the CPU."""
+    store, of static sizes on the CPU. With a site that compiles ``elsewhere`` it is always
+    sent (``kernel_for`` then waits for it); otherwise only while the machine has cores to
+    spare, and the region is compiled here if no helper took it yet."""
     if key in _kernels:
         return
     store_key = kernel_store.key_of(key)
     if store_key is None or kernel_store.has(store_key):
         return
-    workers.prefetch(store_key, fx_graph.graph_module(graph), inputs, layout_choice,
-                     dict(CONFIG_PATCHES))
+    elsewhere = site is not None and site.elsewhere
+    workers.prefetch(store_key, graph, inputs, layout_choice, dict(CONFIG_PATCHES),
+                     site.settings if elsewhere else None, always=elsewhere)
 
 
 def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[TensorProxy],
                region_name: str, layout: symbolic.Layout | None = None,
-               graph=None) -> tuple["Kernel | CompileFailure", bool]:
+               graph=None, layout_choice: bool | None = None,
+               site: CompileSite | None = None) -> tuple["Kernel | CompileFailure", bool]:
     """The kernel for ``key`` and whether it was already there (compiled for another region);
     ``make_graph()`` builds the region's FX graph module, only when it must be compiled;
     ``graph``: an FX graph of the region already built (for the key), shown as the kernel's,
-    and ``layout`` the inputs' ``symbolic.Layout``, when the caller has them."""
+    and ``layout`` the inputs' ``symbolic.Layout``, when the caller has them;
+    ``layout_choice``: Inductor's ``layout_optimization`` for it (``channels_last``).
+    With a ``site`` that compiles ``elsewhere``, the kernel comes from a helper process (or the
+    store) and is loaded by its first ``ready``, on the user's thread."""
     found = _kernels.get(key)
     if found is not None:
         return found, True
-    warming.wait_for_warming_imports()
     store_key = kernel_store.key_of(key)
+    if site is not None and site.elsewhere:
+        kernel = _from_elsewhere(store_key, graph, inputs, region_name, layout_choice, site)
+        if not isinstance(kernel, CompileFailure):
+            _kernels.setdefault(key, kernel)
+        return kernel, False
+    if store_key is not None:
+        workers.wait_for(store_key)  # a helper compiling it fills the store and Inductor's caches
     kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
     if kernel is None:
-        if store_key is not None:
-            workers.wait_for(store_key)  # a helper compiling it fills Inductor's caches
         try:
             kernel = _compile(make_graph, inputs, outputs, region_name,
-                              layout or symbolic.Layout(inputs), graph)
+                              layout or symbolic.Layout(inputs), graph, layout_choice)
             kernel.store_key = store_key
         except Exception as e:  # noqa: BLE001 - whatever Inductor raises, the region runs on torch
             kernel = CompileFailure(e)
     _kernels[key] = kernel
     return kernel, False
+
+
+class NotCompiledElsewhere(Exception):
+    """A region the helper processes do not compile (symbolic sizes, not the CPU, a graph whose
+    generated module alone does not reproduce it), or whose compile there failed. ``expected``:
+    a kind of region they never compile, which is no news to warn about."""
+
+    def __init__(self, message: str, expected: bool = False):
+        super().__init__(message)
+        self.expected = expected
+
+
+def _from_elsewhere(store_key, graph, inputs, region_name, layout_choice,
+                    site: CompileSite) -> "Kernel | CompileFailure":
+    """A kernel not loaded yet, whose module a helper process generated (or one kept in the
+    store); on a thread other than the user's, this reads the store and waits for the helper,
+    nothing else."""
+    if store_key is None:
+        return CompileFailure(NotCompiledElsewhere(
+            "symbolic sizes or not the CPU: compiled only where the program runs "
+            "(fuse=\"wait\")", expected=True))
+    with stopwatch() as elapsed:
+        row = kernel_store.stored(store_key)
+        cache = STORED
+        if row is None:
+            answer = workers.compile_elsewhere(store_key, graph, inputs, layout_choice,
+                                               dict(CONFIG_PATCHES), site.settings)
+            if not answer.ok:
+                return CompileFailure(NotCompiledElsewhere(
+                    answer.reason, expected=answer.reason.startswith("Refused")))
+            row, cache = answer.row, "compiled in a helper process"
+    return Kernel(None, graph, next(_kernel_numbers), region_name, "", None, elapsed(), cache,
+                  [], [], store_key, row=row)
 
 
 STORED = "keraunos store"
@@ -318,24 +425,34 @@ def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Ke
     with stopwatch() as elapsed:
         data = kernel_store.stored(store_key)
         if data is None:
-            return None  # (no wait for the probe: a compile overlaps it, see ``_compile_in_turn``)
+            return None
         warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
         with collecting.from_inductor() as (_, pending):
             loaded = kernel_store.load(store_key, data)
         if loaded is None:
             return None
-        call, code, path = loaded
+        call, code, path, writes = loaded
         shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
-    kernel = Kernel(_stored_call(call), shown, next(_kernel_numbers), region_name, code, path,
-                    elapsed(), STORED, [], pending, store_key)
+    kernel = Kernel(_stored_call(call, writes), shown, next(_kernel_numbers), region_name, code,
+                    path, elapsed(), STORED, [], pending, store_key)
     kernel._unwrapped = False  # ``compiled`` is already the module's own call
     return kernel
 
 
-def _stored_call(call):
+def _stored_call(call, writes: tuple = ()):
     """A stored module's ``call`` as ``compile_fx``'s callables are called (``*inputs``), with
-    what its wrappers do where it matters: grad mode off, and Dynamo kept out (a jitted call
-    inside a torch.compile'd function must not trace Inductor's generated code)."""
+    what its wrappers do where it matters: grad mode off, Dynamo kept out (a jitted call inside
+    a torch.compile'd function must not trace Inductor's generated code), and the version
+    counters of the inputs it writes counted up (``_counting_writes``)."""
+    if writes:
+        plain = call
+
+        def call(args):
+            inputs = [args[i] for i in writes]  # (the module empties its list of inputs)
+            outs = plain(args)
+            _increment_version(inputs)
+            return outs
+
     @torch._disable_dynamo
     def wrapped(args):
         with torch.no_grad():
@@ -348,18 +465,14 @@ def _stored_call(call):
     return run
 
 
-def _compile(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
-    turns.dynamo_takes_turns()
-    with turns.tracing.turn():
-        return _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph)
-
-
-def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=None) -> Kernel:
+def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
+             layout_choice: bool | None = None) -> Kernel:
+    """Compile the region in this process, on the calling thread (the user's: ``fuse="wait"``,
+    or the ``torch.compile`` backend's compile)."""
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
     from torch._inductor.codecache import PyCodeCache
-    with IMPORT_LOCK:  # the first region a process compiles: see ``warming.start_warming``
-        from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     with stopwatch() as elapsed:
@@ -378,6 +491,7 @@ def _compile_in_turn(make_graph, inputs, outputs, region_name, layout, graph=Non
         collecting.hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+                channels_last.inductor_layout(layout_choice), \
                 collecting.from_inductor() as (sources, pending):
             fn = compile_fx(gm, fakes, ignore_shape_env=shape_env is None,
                             config_patches=dict(CONFIG_PATCHES))
@@ -612,9 +726,31 @@ def _note_exiting() -> None:
 
 def warn_once(message: str) -> None:
     """Warn once per process: a missing compiler concerns every compilation alike. Not while
-    the process exits: a fused tier compiling then fails for that reason alone (tiers.py)."""
+    the process exits: a fused tier compiling then fails for that reason alone (tiers.py).
+    On a thread that keeps its warnings for the user's (``kept_warnings``), the message is
+    kept: ``warnings.warn`` reads the filters the user's thread may be changing."""
     if _exiting or sys.is_finalizing():
+        return
+    kept = getattr(_keeping, "messages", None)
+    if kept is not None:
+        kept.append(message)
         return
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=2)
+
+
+_keeping = threading.local()
+
+
+class kept_warnings:
+    """Within it, this thread's ``warn_once`` messages are kept in ``messages`` instead of
+    warned; ``warn_once`` them later on the user's thread."""
+
+    def __enter__(self) -> list:
+        self.messages = _keeping.messages = []
+        return self.messages
+
+    def __exit__(self, *exc) -> bool:
+        _keeping.messages = None
+        return False

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import platform
 import re
 
@@ -39,7 +40,7 @@ from ... import store
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
-FORMAT = 3                     # bump when what a row holds, or how it is loaded, changes
+FORMAT = 4                     # bump when what a row holds, or how it is loaded, changes
 
 
 def key_of(region_key: tuple) -> str | None:
@@ -81,16 +82,25 @@ def _backends() -> tuple:
             torch.backends.mkldnn.enabled, os.environ.get("ATEN_CPU_CAPABILITY", ""))
 
 
-def save(key: str, graph) -> bool:
-    """Keep ``graph`` (Inductor's ``CompiledFxGraph``) under ``key`` when its module alone
-    reproduces it: no written inputs, no constants. Whether it was kept."""
-    if (graph.mutated_input_idxs or graph.constants or getattr(graph, "torchbind_constants", None)
+def row(graph) -> bytes | None:
+    """What is kept of ``graph`` (Inductor's ``CompiledFxGraph``): its generated module and the
+    inputs it writes in place; None when its module alone does not reproduce it (constants)."""
+    if (graph.constants or getattr(graph, "torchbind_constants", None)
             or getattr(graph, "opaque_value_type_classes", None)):
-        return False
+        return None
     source = getattr(graph, "source_code", None)
     if not source:
+        return None
+    return pickle.dumps({"source": _lighter_imports(source),
+                         "writes": tuple(sorted(graph.mutated_input_idxs))})
+
+
+def save(key: str, graph) -> bool:
+    """Keep ``graph`` under ``key`` (``row``). Whether it was kept."""
+    data = row(graph)
+    if data is None:
         return False
-    store.default_store().put(NAMESPACE, key, _lighter_imports(source).encode())
+    store.default_store().put(NAMESPACE, key, data)
     return True
 
 
@@ -105,19 +115,21 @@ def stored(key: str) -> bytes | None:
 
 def load(key: str, data: bytes | None = None):
     """The region's ``call`` (a list of inputs -> the outputs) from the module kept under
-    ``key`` (``data``: its row, when the caller read it already), with the module's source;
-    None when there is none, or it does not load. Run where Inductor's waits for C++ builds are
-    collected (``collecting.from_inductor``): the module's kernels are then futures
-    until the region's first call."""
+    ``key`` (``data``: its row, when the caller read it already), with the module's source and
+    path and the positions of the inputs it writes; None when there is none, or it does not
+    load. Run where Inductor's waits for C++ builds are collected
+    (``collecting.from_inductor``): the module's kernels are then futures until the region's
+    first call."""
     if data is None:
         data = stored(key)
     if data is None:
         return None
     try:
-        source = data.decode()
+        kept = pickle.loads(data)
+        source, writes = kept["source"], tuple(kept["writes"])
         from torch._inductor.codecache import PyCodeCache
         module = PyCodeCache.load(source)
-        return module.call, source, module.__file__
+        return module.call, source, module.__file__, writes
     except Exception:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
         return None
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import os
 import pickle
 import struct
@@ -52,7 +53,7 @@ def worker_count() -> int:
             return max(0, int(value))
         except ValueError:
             raise ValueError(f"{ENV} must be a whole number of helper processes, not {value!r}")
-    return max(0, min((os.cpu_count() or 1) - 1, 8))
+    return max(1, min((os.cpu_count() or 1) - 1, 8))
 
 
 @dataclass
@@ -62,11 +63,17 @@ class Job:
     helper: "Helper | None" = None  # the helper compiling it; None while queued
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    row: bytes | None = None  # what the helper generated (``kernel_store.row``), when ok
+    reason: str = "the helper process was lost"  # why not, when not ok
 
 
-def settings() -> dict:
-    """What besides the graph decides Inductor's code and cache key, as this process has it."""
-    from torch._inductor import config
+def settings(inductor_config: dict | None = None) -> dict:
+    """What besides the graph decides Inductor's code and cache key, as this process has it;
+    ``inductor_config``: the entries of Inductor's config to set in the helper
+    (``compiler.inductor_config_changes``; by default every entry, as this process has it)."""
+    if inductor_config is None:
+        from torch._inductor import config
+        inductor_config = config.save_config_portable()
     matmul = torch.backends.cuda.matmul
     return {"threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
@@ -78,7 +85,7 @@ def settings() -> dict:
             "cuda_matmul": (matmul.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
                             matmul.allow_bf16_reduced_precision_reduction),
             "mkldnn": torch.backends.mkldnn.enabled,
-            "inductor_config": config.save_config_portable()}
+            "inductor_config": inductor_config}
 
 
 def busy() -> bool:
@@ -93,14 +100,70 @@ def busy() -> bool:
         return False
 
 
-def job_payload(graph_module, inputs, layout_choice, config_patches: dict) -> bytes | None:
-    """The pickled job for ``graph_module`` (a static region's) with inputs of the proxies'
-    metadata; None when the graph does not pickle (a target that is no importable function)."""
+def job_payload(graph, inputs, layout_choice, config_patches: dict,
+                given: dict | None = None) -> bytes | None:
+    """The pickled job for a static region's FX ``graph`` with inputs of the proxies' metadata
+    and sharing; None when the graph does not pickle (a target that is no importable function).
+    Made from keraunos's own objects only (no ``GraphModule``, whose making registers source
+    in ``linecache``): it may be made off the user's thread."""
     metas = [(tuple(p.shape), tuple(p.stride), p.dtype, str(p.device)) for p in inputs]
+    first: dict = {}
+    aliases = tuple(first.setdefault(p.storage, k) if getattr(p, "storage", None) is not None
+                    else k for k, p in enumerate(inputs))
     try:
-        return pickle.dumps((graph_module, metas, layout_choice, config_patches, settings()))
+        buffer = io.BytesIO()
+        _GraphPickler(buffer).dump((_nodes(graph), metas, aliases, layout_choice, config_patches,
+                                    given if given is not None else settings()))
+        return buffer.getvalue()
     except Exception:  # noqa: BLE001 - such a region is compiled in this process only
         return None
+
+
+class _Ref:
+    """A node of the graph, by name, in a pickled graph."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _op(name: str, overload: str):
+    namespace, op = name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+class _GraphPickler(pickle.Pickler):
+    """Pickles a graph's nodes: each node an ``_Ref`` by name, each ATen operator by its name."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.fx.Node):
+            return _Ref, (obj.name,)
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj._schema.name, obj._overloadname)
+        return NotImplemented
+
+
+def _nodes(graph) -> list:
+    return [(n.op, n.name, n.target, n.args, n.kwargs) for n in graph.nodes]
+
+
+def _graph_module(nodes: list):
+    """The ``GraphModule`` of a pickled graph's nodes (in a helper)."""
+    graph = torch.fx.Graph()
+    made: dict[str, torch.fx.Node] = {}
+
+    def find(value):
+        if isinstance(value, _Ref):
+            return made[value.name]
+        if isinstance(value, (tuple, list)):
+            return type(value)(find(v) for v in value)
+        if isinstance(value, dict):
+            return {k: find(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(find(value.start), find(value.stop), find(value.step))
+        return value
+    for op, name, target, args, kwargs in nodes:
+        made[name] = graph.create_node(op, target, find(args), find(kwargs), name=name)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 _HELPER_MAIN = "from keraunos.executors.fusion import workers; workers.serve()"
@@ -131,8 +194,8 @@ class Helper:
     def _read(self) -> None:
         try:
             while True:
-                key, ok = _read(self.process.stdout)
-                self.pool.finished(self, key, ok)
+                key, ok, row, reason = _read(self.process.stdout)
+                self.pool.finished(self, key, ok, row, reason)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError, struct.error):
             self.pool.lost(self)
 
@@ -161,14 +224,17 @@ class Pool:
                 self.spawned += 1
                 self.helpers.append(helper)  # idle once it says it is ready (``finished``)
 
-    def prefetch(self, key: str, payload: bytes) -> None:
+    def prefetch(self, key: str, payload: bytes) -> Job | None:
         with self.lock:
-            if self.stopped or key in self.jobs or not self.helpers:
-                return
+            if key in self.jobs:
+                return self.jobs[key]
+            if self.stopped or not self.helpers:
+                return None
             job = Job(key, payload)
             self.jobs[key] = job
             self.queue.append(job)
             self._dispatch()
+            return job
 
     def claim(self, key: str) -> Job | None:
         """The helper's job for ``key`` if one started it (wait for ``job.done``); None when no
@@ -194,7 +260,8 @@ class Pool:
                 self.queue.append(job)
                 self.lost(helper)  # (re-entrant lock: see ``Pool.__init__``)
 
-    def finished(self, helper: Helper, key: str | None, ok: bool) -> None:
+    def finished(self, helper: Helper, key: str | None, ok: bool, row: bytes | None = None,
+                 reason: str = "") -> None:
         """``helper`` compiled ``key`` (``ok``: without an error); a key of None: it is ready for
         its first job, torch and Inductor imported."""
         with self.lock:
@@ -208,7 +275,7 @@ class Pool:
                 reaper.daemon = True
                 reaper.start()
         if job is not None:
-            job.ok = ok
+            job.ok, job.row, job.reason = ok, row, reason
             job.done.set()
 
     def _end_if_idle(self) -> None:
@@ -266,21 +333,44 @@ def available() -> bool:
     return bool(_the_pool().size) and not busy()
 
 
-def prefetch(key: str, graph_module, inputs, layout_choice, config_patches: dict) -> bool:
-    """Send a region's compile to a helper; whether it was sent. Not while the machine is busy:
-    a helper then takes a core from the compiling thread or from the program itself.
+def start() -> None:
+    """Start the helpers now (they take seconds to import torch and Inductor), for a fused tier
+    that will be compiled by them: at the capture of a program that may be fused."""
+    pool = _the_pool()
+    if pool.size:
+        pool.start()
+
+
+def prefetch(key: str, graph, inputs, layout_choice, config_patches: dict,
+             given: dict | None = None, always: bool = False) -> Job | None:
+    """Send a region's compile to a helper; its job (None: not sent). Not while the machine is
+    busy, unless ``always`` (the fused tier is compiled nowhere else): a helper then takes a
+    core from the compiling thread or from the program itself.
 
     The helpers start with the first region sent (they take seconds to import torch and
     Inductor, and the compiling thread does not wait for them), not with the first fused compile:
     a process whose regions all load from the store, or are all compiled already, starts none."""
-    if not available():
-        return False
-    payload = job_payload(graph_module, inputs, layout_choice, config_patches)
+    if not (always and _the_pool().size) and not available():
+        return None
+    payload = job_payload(graph, inputs, layout_choice, config_patches, given)
     if payload is None:
-        return False
+        return None
     _pool.start()  # (none yet, or some lost)
-    _pool.prefetch(key, payload)
-    return True
+    return _pool.prefetch(key, payload)
+
+
+def compile_elsewhere(key: str, graph, inputs, layout_choice, config_patches: dict,
+                      given: dict) -> Job:
+    """Have a helper compile the region and wait for it: the job says whether it did, with the
+    row it made (``kernel_store.row``) or why not. Never compiles in this process."""
+    job = prefetch(key, graph, inputs, layout_choice, config_patches, given, always=True)
+    if job is None:
+        failed = Job(key, b"")
+        failed.reason = ("no helper process to compile it (KERAUNOS_COMPILE_WORKERS=0)"
+                         if not _the_pool().size else "its graph could not be sent to a helper")
+        return failed
+    job.done.wait()
+    return job
 
 
 def wait_for(key: str) -> bool:
@@ -315,19 +405,66 @@ def _read(stream):
     return pickle.loads(data)
 
 
-def _compile(graph_module, metas, layout_choice, config_patches: dict, given: dict) -> None:
-    """In a helper: compile the region as ``compiler._compile_in_turn`` does (same inputs, same
-    options, same settings), so that the parent's compile of it finds Inductor's caches full."""
+def _compile(nodes, metas, aliases, layout_choice, config_patches: dict,
+             given: dict) -> bytes:
+    """In a helper: compile the region as ``compiler._compile`` does (same inputs, same options,
+    same settings), so that Inductor's caches hold it, and make the row a parent loads
+    (``kernel_store.row``): the generated module, once a call of it alone is seen to give what
+    a call through ``compile_fx``'s wrappers gives (``compiler._unwrapped``), on inputs of the
+    region's layouts. Kept in the store too. Raises ``Refused`` where no row can be made."""
     from torch._guards import TracingContext, tracing
-    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from . import channels_last, collecting
+    from . import channels_last, collecting, compiler, kernel_store
     from .fx_graph import example_values
-    # Each set only where it differs: setting one to the value it has can change another that
-    # keys the cache (``set_float32_matmul_precision("highest")`` turns the per-backend
-    # ``fp32_precision`` from "none" into "ieee").
+    _apply(given)
+    graph_module = _graph_module(nodes)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                 for shape, stride, dtype, device in metas]
+    example_values(graph_module, fakes, fake_mode)
+    # Collected as the parent collects them, so that the module's kernels are built as the
+    # parent's load of it will ask for them: one file of them all (``one_build``).
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
+            channels_last.inductor_layout(layout_choice), \
+            collecting.from_inductor() as (_, pending):
+        compiled = compile_fx(graph_module, fakes, ignore_shape_env=True,
+                              config_patches=config_patches)
+    for wait, scope in pending:
+        wait(scope)
+    if any(a != k for k, a in enumerate(aliases)):
+        raise Refused("inputs that share memory")
+    args = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            for shape, stride, dtype, device in metas]
+    with torch.no_grad():
+        outs = compiled(*args)
+    graph = compiler._unwrapped(compiled, args, outs)
+    if graph is None:
+        raise Refused("its outputs share memory with its inputs (views), which only "
+                      "compile_fx's wrappers remake")
+    row = kernel_store.row(graph)
+    if row is None:
+        raise Refused("its generated module holds constants of its own")
+    from ... import store
+    store.default_store().put(kernel_store.NAMESPACE, _key, row)
+    return row
+
+
+class Refused(Exception):
+    """A region compiled in a helper whose generated module alone cannot stand in for it."""
+
+
+_key = ""  # the key of the job under way in a helper
+
+
+def _apply(given: dict) -> None:
+    """In a helper: the parent's settings (``settings``), each set only where it differs:
+    setting one to the value it has can change another that keys the cache
+    (``set_float32_matmul_precision("highest")`` turns the per-backend ``fp32_precision`` from
+    "none" into "ieee")."""
+    from torch._inductor import config
     if torch.get_num_threads() != given["threads"]:
         torch.set_num_threads(given["threads"])
     if torch.get_default_dtype() != given["default_dtype"]:
@@ -347,26 +484,19 @@ def _compile(graph_module, metas, layout_choice, config_patches: dict, given: di
     matmul.allow_bf16_reduced_precision_reduction = bf16
     if torch.backends.mkldnn.enabled != given["mkldnn"]:
         torch.backends.mkldnn.enabled = given["mkldnn"]
-    config.load_config(given["inductor_config"])
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    with fake_mode:
-        fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                 for shape, stride, dtype, device in metas]
-    example_values(graph_module, fakes, fake_mode)
-    # Collected as the parent collects them, so that the module's kernels are built as the
-    # parent's load of it will ask for them: one file of them all (``one_build``).
-    with torch.no_grad(), tracing(TracingContext(fake_mode)), \
-            channels_last.inductor_layout(layout_choice), \
-            collecting.from_inductor() as (_, pending):
-        compile_fx(graph_module, fakes, ignore_shape_env=True,
-                   config_patches=config_patches)
-    for wait, scope in pending:
-        wait(scope)
+    global _defaults
+    if _defaults is None:
+        _defaults = config.save_config_portable()
+    config.load_config({**_defaults, **given["inductor_config"]})
+
+
+_defaults: dict | None = None  # a helper's own Inductor config, as it started
 
 
 def serve() -> None:
-    """A helper's loop: read a job, compile it, answer (key, whether it compiled), until the
-    parent closes the pipe."""
+    """A helper's loop: read a job, compile it, answer (key, whether it compiled, the row it
+    made, why not), until the parent closes the pipe."""
+    global _key
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
     import torch._inductor.compile_fx  # noqa: F401
@@ -375,16 +505,15 @@ def serve() -> None:
     isa_probe.install()
     with contextlib.suppress(Exception):  # (a compile meets and reports the same problem)
         cpu_vec_isa.pick_vec_isa()  # one thread here: no race for the probe's flags
-    _write(sink, (None, True))  # ready
+    _write(sink, (None, True, None, ""))  # ready
     while True:
         try:
             key, payload = _read(source)
         except EOFError:
             return
+        _key = key
         try:
-            _compile(*pickle.loads(payload))
-            ok = True
-        except Exception:  # noqa: BLE001 - the parent compiles it itself
-            ok = False
-        _write(sink, (key, ok))
-
+            row, ok, reason = _compile(*pickle.loads(payload)), True, ""
+        except Exception as e:  # noqa: BLE001 - the parent runs the region's lines unfused
+            row, ok, reason = None, False, f"{type(e).__name__}: {e}"[:500]
+        _write(sink, (key, ok, row, reason))

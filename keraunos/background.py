@@ -1,0 +1,143 @@
+"""Every job keraunos runs off the user's thread goes through one queue, on one thread.
+
+What may run here, and why that is safe: a job reads and writes keraunos's own objects (traces,
+proxies, snapshots the user's thread took for it), files of keraunos's store, and pipes to its
+helper processes. It never touches what the user's thread sees: no user module or tensor (the
+user's thread snapshots what a job needs before submitting it), no ``warnings.warn`` or
+``warnings.catch_warnings`` (the filters are one process-wide list the user's thread may be
+swapping; ``compiler.kept_warnings`` keeps a job's messages for the user's thread), no torch
+flags, configs, modes or class dictionaries, and no import of torch's compiler stack (two
+threads importing Dynamo's circle of modules at once can meet one half initialized). Whatever
+must touch those (loading a fused tier's kernels, generating its code) is left for the user's
+thread at a call boundary (``tiers.py``).
+
+Jobs run one at a time, by priority (lower first), then oldest first. A job belongs to an owner
+(a jitted callable's state): ``cancel(owner)`` drops its jobs that have not started, and a job
+holds its owner only weakly, so that deleting a jitted callable frees it and cancels its jobs.
+At exit, jobs not started are dropped; the one under way is keraunos's own Python waiting on a
+pipe or a file, and the thread is a daemon: the process does not wait for it.
+"""
+from __future__ import annotations
+
+import atexit
+import heapq
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+# Priorities: a fused tier first (the program runs faster once it is there), then what is kept
+# for later processes.
+FUSED_TIER = 0
+KEEP = 1
+
+
+@dataclass(order=True)
+class Job:
+    priority: int
+    number: int
+    run: Callable[[], None] = field(compare=False)
+    owner: object = field(compare=False, default=None)  # a weak reference, or None
+    cancelled: bool = field(compare=False, default=False)
+    done: threading.Event = field(compare=False, default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Queue:
+    """The one thread, and the jobs waiting for it."""
+
+    def __init__(self, name: str = "keraunos-background"):
+        self.name = name
+        self._heap: list[Job] = []
+        self._numbers = itertools.count()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.running: Job | None = None
+
+    def submit(self, run: Callable[[], None], priority: int = FUSED_TIER,
+               owner: object = None) -> Job:
+        """Queue ``run()``; ``owner`` (held weakly) lets ``cancel`` drop it."""
+        ref = weakref.ref(owner) if owner is not None else None
+        job = Job(priority, next(self._numbers), run, ref)
+        with self._changed:
+            if self._stopping:
+                job.cancelled = True
+                job.done.set()
+                return job
+            heapq.heappush(self._heap, job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        return job
+
+    def cancel(self, owner: object) -> int:
+        """Drop the jobs of ``owner`` not started yet; how many."""
+        return self._cancel_where(lambda job: job.owner is not None and job.owner() is owner)
+
+    def _cancel_where(self, matches) -> int:
+        with self._changed:
+            dropped = [job for job in self._heap if matches(job)]
+            for job in dropped:
+                job.cancel()
+            self._heap = [job for job in self._heap if not job.cancelled]
+            heapq.heapify(self._heap)
+        for job in dropped:
+            job.done.set()
+        return len(dropped)
+
+    def pending(self) -> int:
+        with self._changed:
+            return len(self._heap) + (self.running is not None)
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while not self._heap and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                job = heapq.heappop(self._heap)
+                self.running = job
+            try:
+                # An owner already gone (the jitted callable deleted) wants nothing done.
+                if not job.cancelled and (job.owner is None or job.owner() is not None):
+                    job.run()
+            except BaseException:  # noqa: BLE001 - a job reports its own failures
+                pass
+            finally:
+                with self._changed:
+                    self.running = None
+                job.done.set()
+
+    def stop(self) -> None:
+        """At exit: drop every job not started."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._cancel_where(lambda job: True)
+
+
+_queue = Queue()
+atexit.register(_queue.stop)
+
+
+def submit(run: Callable[[], None], priority: int = FUSED_TIER, owner: object = None) -> Job:
+    return _queue.submit(run, priority, owner)
+
+
+def cancel(owner: object) -> int:
+    return _queue.cancel(owner)
+
+
+def pending() -> int:
+    """Jobs queued or running."""
+    return _queue.pending()
+
+
+def stopping() -> bool:
+    return _queue._stopping
