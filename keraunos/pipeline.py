@@ -128,9 +128,14 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     if type(kept) is dict:
         # Pickling the 32-layer model's program takes 0.2-0.5 s: not before the first result.
         # The traces are done (passes derive new ones); the module tree's paths are taken now.
+        entry_ref = weakref.ref(entry)
+
+        def kept_note(note: str) -> None:
+            kept_entry = entry_ref()
+            if kept_entry is not None:
+                kept_entry.program_store = note
         program_store.keep_in_background(key, kept, state.module if state.module is not None
-                                         else state.fn,
-                                         lambda note: setattr(entry, "program_store", note))
+                                         else state.fn, kept_note, owner=state)
     return entry
 
 

@@ -48,6 +48,7 @@ from torch._guards import ShapeGuard, SLoc
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._sympy.value_ranges import ValueRanges
 
+from . import background
 from . import program_places as places, store
 from .program_fingerprint import (_SIMPLE, Unstorable, _tensor, code_fingerprint,
                                   function_fingerprint)
@@ -498,46 +499,44 @@ _KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_desc
          "facts", "seen_sizes", "sharing")
 
 
-_keeping: list[threading.Thread] = []  # threads still pickling a program
+_keeping: list = []  # background.Job of the programs being pickled
 _keeping_lock = threading.Lock()
 
 
-def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None]) -> None:
-    """``keep`` on a thread of its own (the interpreter waits for it at exit); ``done(note)``
-    when it is through. Where the objects of ``root`` (the module tree, or the jitted function's
-    globals and closure) are is taken now, on the caller's thread: a module changed after this
-    call is not seen."""
-    paths = places.paths_of(root)
+def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None],
+                       owner: object = None) -> None:
+    """``keep`` in the background (``background.py``); ``done(note)`` when it is through. Where
+    the objects the program refers to are (the module tree, or the jitted function's globals
+    and closure, and the globals the prologue checks) is taken now, on the caller's thread: a
+    module changed after this call is not seen, and the job walks no live object of the user's.
+    ``owner`` (the jitted callable's state): deleting it drops the job if it has not started."""
+    paths = {**places.paths_of(root), **places.guarded_globals(stored["prologue"])}
 
     def run():
         done(keep(key, stored, paths))
-        with _keeping_lock:
-            _keeping.remove(threading.current_thread())
-    thread = threading.Thread(target=run, name="keraunos-program-store")
+    job = background.submit(run, background.KEEP, owner)
     with _keeping_lock:
-        _keeping.append(thread)
-    thread.start()
+        _keeping[:] = [j for j in _keeping if not j.done.is_set()] + [job]
 
 
 def wait_for_keeps(timeout: float | None = None) -> bool:
     """Wait until the programs being kept in the background are in the store (for tests and
     benchmarks); False if ``timeout`` seconds passed first."""
     with _keeping_lock:
-        threads = list(_keeping)
+        jobs = list(_keeping)
     deadline = None if timeout is None else time.perf_counter() + timeout
-    for thread in threads:
-        thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-        if thread.is_alive():
+    for job in jobs:
+        if not job.done.wait(None if deadline is None else max(0.0, deadline - time.perf_counter())):
             return False
     return True
 
 
 def keep(key: str, stored: dict, paths: dict) -> str:
     """Keep ``stored`` (the traces and facts ``pipeline.program_to_keep`` collects) under
-    ``key``, pickled against the module tree's ``paths`` (``places.paths_of``); says what happened
-    (``compile_stats().program_store``)."""
+    ``key``, pickled against ``paths`` (``places.paths_of`` and ``places.guarded_globals``);
+    says what happened (``compile_stats().program_store``)."""
     try:
-        data = dumps(stored, {**paths, **places.guarded_globals(stored["prologue"])})
+        data = dumps(stored, paths)
     except Unstorable as e:
         return f"not kept: {e}"
     except Exception as e:  # noqa: BLE001 - the store must never stop a compilation

@@ -40,9 +40,6 @@ def _on_registration(module, name, value):
     _tree_token[0] = _Token()
 
 
-torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
 
 
 # Forward and backward hooks run inside the captured program: adding or removing one must be
@@ -67,14 +64,34 @@ def _invalidating(register):
     return wrapper
 
 
-for _name in ("register_forward_pre_hook", "register_forward_hook", "register_backward_hook",
-              "register_full_backward_hook", "register_full_backward_pre_hook"):
-    setattr(torch.nn.Module, _name, _invalidating(getattr(torch.nn.Module, _name)))
-for _name in ("register_module_forward_pre_hook", "register_module_forward_hook",
-              "register_module_backward_hook", "register_module_full_backward_hook",
-              "register_module_full_backward_pre_hook"):
-    setattr(_module_module, _name, _invalidating(getattr(_module_module, _name)))
-torch.utils.hooks.RemovableHandle.remove = _invalidating(torch.utils.hooks.RemovableHandle.remove)
+_HOOK_REGISTRATION = ("register_forward_pre_hook", "register_forward_hook",
+                      "register_backward_hook", "register_full_backward_hook",
+                      "register_full_backward_pre_hook")
+_GLOBAL_HOOK_REGISTRATION = ("register_module_forward_pre_hook", "register_module_forward_hook",
+                             "register_module_backward_hook",
+                             "register_module_full_backward_hook",
+                             "register_module_full_backward_pre_hook")
+_installed: list[bool] = []
+
+
+def install() -> None:
+    """What makes the token change, installed when the first module's tree is walked (a jitted
+    module's first call), not when keraunos is imported: torch's global registration hooks
+    (public API), and the functions that add and remove forward and backward hooks wrapped to
+    change the token first. Once per process; the wrappers call torch's own functions."""
+    if _installed:
+        return
+    _installed.append(True)
+    torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+    torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
+    torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
+    for name in _HOOK_REGISTRATION:
+        setattr(torch.nn.Module, name, _invalidating(getattr(torch.nn.Module, name)))
+    for name in _GLOBAL_HOOK_REGISTRATION:
+        setattr(_module_module, name, _invalidating(getattr(_module_module, name)))
+    handle = torch.utils.hooks.RemovableHandle
+    handle.remove = _invalidating(handle.remove)
+    _tree_token[0] = _Token()
 
 
 def hook_state(module: torch.nn.Module) -> tuple:
@@ -134,6 +151,7 @@ class WatchedTable(dict):
 
 def watch_modules(modules) -> None:
     """Make the tables of these modules ``WatchedTable``s (once)."""
+    install()
     for m in modules:
         d = m.__dict__
         for name in ("_parameters", "_buffers", "_modules"):
