@@ -24,7 +24,7 @@ from helpers import assert_grads_match
 import keraunos
 from keraunos.executors.fusion.compiler import toolchain_problem
 from keraunos.jit import state_of
-from keraunos import tiers
+from keraunos import background, tiers
 from keraunos.tiers import FuseMode
 
 pytestmark = pytest.mark.skipif(toolchain_problem("cpu") is not None,
@@ -57,7 +57,7 @@ class _Gate:
 
     def __init__(self):
         self.event = threading.Event()
-        tiers._worker.submit(lambda: self.event.wait(WAIT_S))
+        background.submit(lambda: self.event.wait(WAIT_S))
 
     def open(self):
         self.event.set()
@@ -317,150 +317,6 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
     assert "keraunos:" not in stderr, stderr
 
 
-EXITING_DURING = textwrap.dedent("""
-    import atexit, faulthandler, importlib, pathlib, sys, tempfile, threading, traceback, weakref
-    from keraunos import tiers
-
-    busy = threading.Event()
-
-
-    def spend(ref):  # a weakref callback: what is raised in it is printed and dropped
-        total = 0
-        for i in range(200):
-            total += i
-
-
-    def freeing_objects_with_callbacks():
-        class Garbage:
-            pass
-        while True:
-            garbage = Garbage()
-            ref = weakref.ref(garbage, spend)
-            del garbage
-            busy.set()
-
-
-    def importing():  # Inductor's compile imports modules as it goes
-        folder = tempfile.mkdtemp()
-        sys.path.insert(0, folder)
-        for i in range(50):
-            pathlib.Path(folder, f"small_{i}.py").write_text("X = 1\\n")
-        importlib.invalidate_caches()
-        while True:
-            for i in range(50):
-                importlib.import_module(f"small_{i}")
-            for i in range(50):
-                del sys.modules[f"small_{i}"]
-            busy.set()
-
-
-    def job():
-        try:
-            (importing if sys.argv[1] == "imports" else freeing_objects_with_callbacks)()
-        except tiers._ProcessExiting as e:
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            print(f"ended by the exit, in {where.filename}:{where.name}", flush=True)
-            raise
-
-
-    @atexit.register  # after the worker's end (threading's exit hooks run before atexit's)
-    def import_again():
-        # An import lock left held by the worker would make these wait forever.
-        faulthandler.dump_traceback_later(60, exit=True)
-        for i in range(50):
-            sys.modules.pop(f"small_{i}", None)
-            if sys.argv[1] == "imports":
-                importlib.import_module(f"small_{i}")
-        importlib.import_module("wave")  # a module no one imported yet
-        print("imports after the exit: done", flush=True)
-
-
-    tiers._worker.submit(job)
-    assert busy.wait(300)
-    print("leaving", flush=True)
-""")
-
-
-@pytest.mark.parametrize("doing", ["callbacks", "imports"])
-def test_the_exit_ends_the_worker_wherever_it_is(tmp_path, doing):
-    """At exit, the worker's compile is ended by an exception raised in it from the main
-    thread (tiers._interrupt). One that lands in a callback (a weakref's, as importlib's module
-    locks have) is printed and dropped there: it is raised again, and nothing is printed. One
-    never lands where importlib takes or gives back its locks: the imports after it (the
-    exiting process's) go through."""
-    script = tmp_path / "exiting.py"
-    script.write_text(EXITING_DURING)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script), doing], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "Exception ignored" not in done.stderr and "_ProcessExiting" not in done.stderr, \
-        done.stderr
-    ended = [line for line in done.stdout.splitlines() if line.startswith("ended by the exit")]
-    assert len(ended) == 1, done.stdout
-    where = ended[0].split(" in ")[1]
-    assert where not in {f"<frozen importlib._bootstrap>:{name}"
-                         for name in tiers._IMPORT_LOCK_FUNCTIONS}, where
-    assert "imports after the exit: done" in done.stdout, done.stdout
-
-
-def test_a_compile_on_the_worker_never_rewinds_the_callers_generator():
-    """Inductor compiles under ``preserve_rng_state()``, which sets the global generator back to
-    its state at the start of the compile. On the worker, that must not undo the seed and the
-    draws the caller's thread made meanwhile (fuzzer 2000:486)."""
-    import torch._dynamo.utils as dynamo_utils
-    started, release, finished = threading.Event(), threading.Event(), threading.Event()
-
-    def compile_like_inductor():
-        with dynamo_utils.preserve_rng_state():  # as compile_fx calls it
-            started.set()
-            release.wait(WAIT_S)
-        finished.set()
-    tiers._worker.submit(compile_like_inductor)
-    assert started.wait(WAIT_S)
-    torch.manual_seed(5)
-    first = torch.randn(4)
-    release.set()
-    assert finished.wait(WAIT_S)
-    second = torch.randn(4)
-    torch.manual_seed(5)
-    assert torch.equal(first, torch.randn(4)) and torch.equal(second, torch.randn(4))
-    with dynamo_utils.preserve_rng_state():  # on any other thread it still preserves
-        drawn = torch.randn(3)
-    assert torch.equal(drawn, torch.randn(3))
-
-
-def test_a_dynamo_compile_waits_for_the_fused_compile_in_flight():
-    """torch.fx's tracer patches through one module global, and Inductor's ``TritonBundler``
-    allows one compile at a time: a fused compile on the worker and the caller's own
-    ``torch.compile`` at once made one of them fail (a region left unfused, with a warning, in
-    5 of 5 runs of a model with a ``torch.compile`` after its first call). Dynamo's compiles take
-    the same turns as keraunos's fused compiles: while one holds them, the other waits."""
-    from keraunos.executors.fusion import turns
-    turns.dynamo_takes_turns()
-    holding, release = threading.Event(), threading.Event()
-
-    def fused_compile_in_flight():
-        with turns.tracing.turn():
-            holding.set()
-            release.wait(WAIT_S)
-    worker = threading.Thread(target=fused_compile_in_flight)
-    worker.start()
-    assert holding.wait(WAIT_S)
-    results = []
-
-    def compile_on_the_callers_side():
-        results.append(torch.compile(lambda x: (x + 1).sin(), backend="eager")(torch.ones(3)))
-    caller = threading.Thread(target=compile_on_the_callers_side)
-    caller.start()
-    caller.join(1.0)
-    assert caller.is_alive() and not results, "Dynamo compiled while a fused compile ran"
-    release.set()
-    worker.join(WAIT_S)
-    caller.join(WAIT_S)
-    assert len(results) == 1 and torch.equal(results[0], torch.ones(3).add(1).sin())
-
-
 def test_torch_compile_beside_a_background_fused_compile_leaves_both_whole():
     """The race end to end: a model fusing in the background while the caller compiles other
     functions with Inductor. No region is left unfused and every result is eager's."""
@@ -481,83 +337,3 @@ def test_torch_compile_beside_a_background_fused_compile_leaves_both_whole():
     assert keraunos.compile_stats(jitted).tier == "fused"
     failed = [str(w.message) for w in caught if "could not compile" in str(w.message)]
     assert not failed, failed
-
-
-def test_a_dynamo_end_without_its_start_leaves_a_fused_compiles_turn_alone():
-    """Dynamo's callbacks can be registered inside a Dynamo compile already running (the
-    keraunos backend warms fusion up there): its end callback then comes without its start, and
-    must not give back the turn a fused compile on the worker holds."""
-    from keraunos.executors.fusion import turns
-    holding, release = threading.Event(), threading.Event()
-
-    def fused_compile_in_flight():
-        with turns.tracing.turn():
-            holding.set()
-            release.wait(WAIT_S)
-    worker = threading.Thread(target=fused_compile_in_flight)
-    worker.start()
-    assert holding.wait(WAIT_S)
-    turns._give_back_for_dynamo(None)  # an end whose start was never seen
-    took = threading.Event()
-
-    def another_compile():
-        with turns.tracing.turn():
-            took.set()
-    other = threading.Thread(target=another_compile)
-    other.start()
-    assert not took.wait(0.5), "the fused compile's turn was given away"
-    release.set()
-    worker.join(WAIT_S)
-    other.join(WAIT_S)
-    assert took.is_set()
-
-
-def test_stopping_the_worker_ends_a_compile_under_way():
-    """At exit, a compile under way is ended while the interpreter is whole (``_Worker.stop``):
-    a daemon thread that CPython ends later, as it takes the GIL back from a torch C++ function,
-    aborts the process ("terminate called without an active exception", seen in CI)."""
-    worker = tiers._Worker()
-    started, ended = threading.Event(), threading.Event()
-
-    def long_compile():
-        started.set()
-        try:
-            while True:  # Python lines: where the exception arrives
-                time.sleep(0.001)
-        finally:
-            ended.set()
-    worker.submit(long_compile)
-    assert started.wait(WAIT_S)
-    began = time.perf_counter()
-    worker.stop()
-    assert ended.is_set() and not worker.thread.is_alive()
-    assert time.perf_counter() - began < tiers.EXIT_GRACE_S
-
-
-def test_a_compiled_function_runs_while_the_worker_traces():
-    """torch.fx marks a symbolic trace with one process-wide flag, and a ``torch.compile``d
-    function called while it is set raises. A fused compile on the worker traces for seconds:
-    the caller's own compiled functions (and keraunos's fallback route) must keep running."""
-    inside, release = threading.Event(), threading.Event()
-
-    def traced(x):
-        inside.set()
-        release.wait(WAIT_S)
-        return x + 1
-
-    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(traced))
-    compiled = torch.compile(lambda x: x * 2, backend="eager")
-    tracer.start()
-    try:
-        assert inside.wait(WAIT_S)
-        assert torch.fx._symbolic_trace._is_fx_tracing_flag  # the other thread's trace
-        x = torch.randn(3)
-        assert_close(compiled(x), x * 2)
-        assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
-    finally:
-        release.set()
-        tracer.join(WAIT_S)
-    seen = []
-    torch.fx.symbolic_trace(lambda x: seen.append(torch.fx._symbolic_trace.is_fx_symbolic_tracing())
-                            or x)
-    assert seen == [True]  # the tracing thread's own answer is torch's

@@ -21,8 +21,10 @@ ones ``kernel_store`` keeps); everything a compile reads besides the graph (thre
 determinism, matmul precision, oneDNN, Inductor's config, the region's layout choice) is sent
 with it, so that the helper's cache key is this process's.
 
-How many helpers: ``KERAUNOS_COMPILE_WORKERS`` (0 turns them off); by default one fewer than the
-cores, at most 8, and none while the load average says the cores are taken. They start with the
+How many helpers: ``KERAUNOS_COMPILE_WORKERS`` (0: none for compiles in this process; a fused tier
+compiled in the background still gets one, its only place to compile); by default one fewer than
+the cores, at least one, at most 8, and no help for compiles in this process while the load average
+says the cores are taken. They start with the
 first region sent to them (``prefetch``) and are killed when the process exits (``stop``; a
 helper whose parent died reads the end of its input and exits).
 """
@@ -53,7 +55,7 @@ def worker_count() -> int:
             return max(0, int(value))
         except ValueError:
             raise ValueError(f"{ENV} must be a whole number of helper processes, not {value!r}")
-    return max(1, min((os.cpu_count() or 1) - 1, 8))
+    return max(0, min((os.cpu_count() or 1) - 1, 8))
 
 
 @dataclass
@@ -323,14 +325,16 @@ def _the_pool() -> Pool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = Pool(worker_count())
+            # At least one: a fused tier compiled in the background has no other place to go.
+            _pool = Pool(max(1, worker_count()))
             atexit.register(stop)
     return _pool
 
 
 def available() -> bool:
-    """Whether ``prefetch`` would send anything now (helpers wanted, the machine not busy)."""
-    return bool(_the_pool().size) and not busy()
+    """Whether ``prefetch`` would send a region compiled in this process ahead to a helper now
+    (helpers wanted, the machine not busy)."""
+    return bool(worker_count()) and not busy()
 
 
 def start() -> None:
@@ -366,8 +370,7 @@ def compile_elsewhere(key: str, graph, inputs, layout_choice, config_patches: di
     job = prefetch(key, graph, inputs, layout_choice, config_patches, given, always=True)
     if job is None:
         failed = Job(key, b"")
-        failed.reason = ("no helper process to compile it (KERAUNOS_COMPILE_WORKERS=0)"
-                         if not _the_pool().size else "its graph could not be sent to a helper")
+        failed.reason = "its graph could not be sent to a helper"
         return failed
     job.done.wait()
     return job
