@@ -2,11 +2,18 @@
 
 ``test_fixed_seeds_agree_with_eager`` runs a fixed set of generated programs (functions and
 modules driven through calls and state changes) and asserts that none disagrees with eager and
-none raises an internal error; its failure message carries shrunk, runnable reproducers. The
-other tests plant bugs in the "jitted" side to show that each comparison can fail, and that the
-shrinker shrinks.
+none raises an internal error; its failure message carries shrunk, runnable reproducers.
+``test_back_to_back_with_fusion_in_the_background`` runs programs one after another in one
+process on the default tier (each program's fused compile overlapping the next programs, the
+eager steps under ``warnings.simplefilter("error")``), with the default threshold for fusion and
+with every program fused. The other tests plant bugs in the "jitted" side to show that each
+comparison can fail, that a background compile's leaks are caught, and that the shrinker shrinks.
 """
 import os
+import re
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -17,6 +24,8 @@ from keraunos.testing.fuzz import Call, Change, Program, generate, run_program, 
 from keraunos.testing.fuzz.campaign import run_campaign
 
 CI_PROGRAMS = int(os.environ.get("KERAUNOS_FUZZ_PROGRAMS", "160"))
+BACK_TO_BACK_PROGRAMS = int(os.environ.get("KERAUNOS_FUZZ_BACK_TO_BACK_PROGRAMS", "80"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 
 
 # The fixed seeds in four parts (every fourth name), so that the run spreads them over its
@@ -36,6 +45,36 @@ def test_fixed_seeds_agree_with_eager(part):
     # A fuzzer whose programs are all refused or all invalid tests nothing.
     assert refused <= len(names) // 5, report.summary()
     assert compared >= 2 * len(names), report.summary()
+
+
+def _counts(summary: str) -> dict[str, int]:
+    return {status: int(n) for status, n in re.findall(r"^\s+([a-z ]+): (\d+)$", summary, re.M)}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("min_fused_ops", [None, 1], ids=["default", "min-fused-ops-1"])
+def test_back_to_back_with_fusion_in_the_background(min_fused_ops):
+    """``python -m keraunos.testing.fuzz --back-to-back`` in a process of its own (its fused
+    compiles still under way end with it): no mismatch, no internal error (which includes the
+    process state seen by the programs' thread changing, and a fused tier failing to compile),
+    few refusals, and calls compared. ``min_fused_ops=1``: nearly every program is fused."""
+    command = [sys.executable, "-m", "keraunos.testing.fuzz", "--back-to-back", "--seed", "17",
+               "--programs", str(BACK_TO_BACK_PROGRAMS), "--per-kind", "1"]
+    if min_fused_ops is not None:
+        command += ["--min-fused-ops", str(min_fused_ops)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("KERAUNOS_FUSE", None)  # the default tier
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = done.stdout.split("\n# =====")[0]
+    counts = _counts(summary)
+    assert "pass" in counts and "internal error" in counts, done.stdout[-4000:] + done.stderr[-4000:]
+    assert counts["mismatch"] == 0 and counts["internal error"] == 0, \
+        summary + "\n# =====" + done.stdout[len(summary):][:6000]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert counts["refusal"] <= BACK_TO_BACK_PROGRAMS // 5, summary
+    compared = int(re.search(r"(\d+) calls compared", summary).group(1))
+    assert compared >= 2 * BACK_TO_BACK_PROGRAMS, summary
 
 
 # ------------------------------------------------------------------ the checker can fail
@@ -143,6 +182,69 @@ def test_jit_that_does_not_raise_where_eager_does_is_an_internal_error():
     program = _program(["t = a @ a"], ["t"])  # (3, 4) @ (3, 4): eager raises
     outcome = run_program(program, make_jitted=lambda f: (lambda *a: torch.zeros(3)))
     assert outcome.status == "internal error" and "eager raised RuntimeError" in outcome.check
+
+
+# ------------------------------------------- back to back: what the harness itself catches
+from keraunos.testing.fuzz.campaign import BackToBack, Report, warnings_as_errors  # noqa: E402
+
+
+def _back_to_back_outcome(program, make_jitted):
+    """``program`` through ``BackToBack`` (as ``--back-to-back`` runs each program) with a
+    planted "compiler"."""
+    runner = BackToBack(Report(), compile_reference=False, make_jitted=make_jitted)
+    return runner.run(program.name, program)
+
+
+def test_eager_steps_alone_run_with_warnings_as_errors():
+    """An eager step that warns raises under the guard and ends the program (a pass: the
+    jitted side, never guarded, cannot be compared past it); a jitted call that raises a
+    warning as an error, where eager did not warn, is an internal error."""
+    warns = _program(["__import__('warnings').warn('careful')", "t = a * 2"], ["t"])
+    outcome = run_program(warns, make_jitted=lambda f: f, eager_guard=warnings_as_errors)
+    assert outcome.status == "pass" and "eager warned (UserWarning: careful)" in outcome.ended_by_error
+    assert run_program(warns, make_jitted=lambda f: f).ended_by_error == ""  # unguarded: no stop
+
+    def raising_warning(f):
+        def wrapped(*args):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # as if an "error" filter had leaked to it
+                warnings.warn("leaked filter")
+            return f(*args)
+        return wrapped
+
+    quiet = _program(["t = a * 2"], ["t"])
+    outcome = run_program(quiet, make_jitted=raising_warning, eager_guard=warnings_as_errors)
+    assert outcome.status == "internal error" and "UserWarning" in outcome.check, outcome
+
+
+def test_back_to_back_reports_a_process_state_change():
+    """A "compiler" whose second call leaves a warnings filter and a patched ``nn.Module``
+    method behind (as a compile on another thread that swaps them would) fails the program
+    ("process state changed", naming both); the next program starts from the state before."""
+    original_call = torch.nn.Module.__call__
+    filters = list(warnings.filters)
+
+    def leaking(f):
+        calls = []
+
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                warnings.filterwarnings("ignore", "planted")
+                torch.nn.Module.__call__ = lambda self, *a, **k: original_call(self, *a, **k)
+            return f(*args, **kwargs)
+        return wrapped
+
+    try:
+        outcome = _back_to_back_outcome(_program(["t = a * 2"], ["t"]), leaking)
+        assert outcome.status == "internal error", outcome
+        assert "warnings.filters" in outcome.check and "class dicts" in outcome.check, outcome
+        assert "Module.__call__" in outcome.detail and "planted" in outcome.detail, outcome
+        assert warnings.filters == filters
+    finally:
+        torch.nn.Module.__call__ = original_call
+    clean = _back_to_back_outcome(_program(["t = a * 2"], ["t"]), lambda f: f)
+    assert clean.status == "pass" and clean.calls == 2, clean
 
 
 # ---------------------------------------------------------------------------- the rest

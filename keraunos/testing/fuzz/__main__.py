@@ -4,13 +4,19 @@ Prints passes, mismatches, rounding (float mismatches classified as float32 roun
 float64 eager, with the evidence), internal errors and refusals (by cause), then one shrunk
 reproducer per distinct failure (unshrunk for rounding); exits 1 on any mismatch or internal
 error, not on rounding.
+
+``--back-to-back``: every program in this one process, in order, jitted with the defaults
+(fused in the background, never waited for), the eager side's steps under
+``warnings.simplefilter("error")``; a program also fails when the process state its thread sees
+changes or when its fused tier fails to compile (campaign.BackToBack). Reproducers are printed
+as generated, with the programs to run before each.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .campaign import run_campaign
+from .campaign import run_back_to_back, run_campaign
 
 
 def main(argv=None) -> int:
@@ -27,20 +33,38 @@ def main(argv=None) -> int:
     parser.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     parser.add_argument("--executors", default=None,
                         help="jit with these, comma-separated (inductor,torch: with fusion)")
-    parser.add_argument("--fuse", default="wait", choices=("wait", "background"),
-                        help="with fusion: the fused program from the first call (wait), or the "
-                             "torch tier first and the switch after the first call (background)")
+    parser.add_argument("--fuse", default=None, choices=("wait", "background"),
+                        help="with fusion: the fused program from the first call (wait, the "
+                             "default), or the torch tier first and the switch after the first "
+                             "call (background)")
     parser.add_argument("--min-fused-ops", type=int, default=None,
                         help="fuse programs with fewer ops than tiers.MIN_FUSED_OPS too")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="all programs in this process, one after another, on the default "
+                             "tier (fused in the background, never waited for); eager steps "
+                             "under warnings.simplefilter('error')")
+    parser.add_argument("--drain", type=float, default=0.0,
+                        help="--back-to-back: seconds to wait at the end for the fused compiles "
+                             "still under way, to check them too")
     args = parser.parse_args(argv)
+    if args.back_to_back and (args.jobs != 1 or args.fuse is not None):
+        parser.error("--back-to-back runs in one process on the default tier: "
+                     "no --jobs, no --fuse")
     if args.min_fused_ops is not None:
         from ... import tiers
         tiers.MIN_FUSED_OPS = args.min_fused_ops
     names = args.only or [f"{args.seed}:{i}" for i in range(args.programs)]
+    if args.back_to_back:
+        report = run_back_to_back(names, per_kind=args.per_kind, progress=sys.stderr,
+                                  executors=args.executors.split(",") if args.executors else None,
+                                  drain_s=args.drain)
+        print(report.summary())
+        print(report.reproducers_text())
+        return 1 if report.failures else 0
     report = run_campaign(names, jobs=args.jobs, shrink_budget=0 if args.no_shrink else args.shrink_budget,
                           per_kind=args.per_kind, progress=sys.stderr,
                           executors=args.executors.split(",") if args.executors else None,
-                          fuse=args.fuse)
+                          fuse=args.fuse or "wait")
     print(report.summary())
     print(report.reproducers_text())
     return 1 if report.failures else 0

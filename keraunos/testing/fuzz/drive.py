@@ -12,7 +12,7 @@ import linecache
 import re
 import traceback
 import warnings
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -33,12 +33,17 @@ class _Stop(Exception):
 
 
 def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify: bool = True,
-                compile_reference: bool = False, after_call: Callable | None = None) -> Outcome:
+                compile_reference: bool = False, after_call: Callable | None = None,
+                eager_guard: Callable[[], ContextManager] | None = None) -> Outcome:
     """Drive ``program`` through its steps on ``make_jitted(f_or_model)`` and on the eager twin.
     ``classify``: a float value mismatch is checked against float64 eager (and, with
     ``compile_reference``, against ``torch.compile``) and becomes "rounding" when the jitted value
     is as good as eager's (``classify.py``). ``after_call(jitted)`` runs after each compared call
-    (``--fuse background``: wait for the fused tier, so that the next calls run it)."""
+    (``--fuse background``: wait for the fused tier, so that the next calls run it).
+    ``eager_guard()``: a context entered around each step of the eager side only (its calls,
+    state changes and backwards), never around the jitted side's (``--back-to-back``: warnings
+    made errors, as a test harness does). A warning raised as an error there ends the program as
+    a pass: the jitted side ran without that filter, so the two cannot be compared further."""
     filename = f"keraunos_fuzz_{re.sub(r'[^0-9A-Za-z]', '_', program.name)}.py"
     source = program.source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -55,12 +60,13 @@ def run_program(program: Program, make_jitted: Callable = keraunos.jit, classify
             for index, step in enumerate(program.steps):
                 try:
                     if isinstance(step, Call):
-                        _call(step, eager, jitted)
+                        _call(step, eager, jitted, eager_guard)
                         calls += 1
                         if after_call is not None:
                             after_call(jitted.target)
                     else:
-                        _both(lambda side: exec(step.render(), side.env()), eager, jitted, "change")
+                        _both(lambda side: exec(step.render(), side.env()), eager, jitted, "change",
+                              eager_guard)
                 except Mismatch as m:
                     outcome = Outcome("mismatch", m.check, m.detail, index, calls)
                     if classify and m.eager is not None:
@@ -90,12 +96,18 @@ def _two(make):
         raise _Stop(_classify(None, e, "jit()")) from e
 
 
-def _both(action, eager: Side, jitted: Side, where: str):
-    """``action`` on each side; exceptions decide whether the program goes on."""
+def _both(action, eager: Side, jitted: Side, where: str,
+          eager_guard: Callable[[], ContextManager] | None = None):
+    """``action`` on each side (on the eager one inside ``eager_guard()``, if given); exceptions
+    decide whether the program goes on."""
     results = []
     for side in (eager, jitted):
         try:
-            results.append((action(side), None))
+            if side is eager and eager_guard is not None:
+                with eager_guard():
+                    results.append((action(side), None))
+            else:
+                results.append((action(side), None))
         except Mismatch:
             raise
         except Exception as e:  # noqa: BLE001 - every exception is compared with eager's
@@ -103,6 +115,10 @@ def _both(action, eager: Side, jitted: Side, where: str):
     (e_value, e_exc), (j_value, j_exc) = results
     if e_exc is None and j_exc is None:
         return e_value, j_value
+    if eager_guard is not None and isinstance(e_exc, Warning) and (
+            j_exc is None or not isinstance(j_exc, Warning)):
+        # Eager warned, and the guard made the warning an error; the jitted side ran unguarded.
+        raise _Stop(None, f"{where}: eager warned ({type(e_exc).__name__}: {_first_line(e_exc)})")
     outcome = _classify(e_exc, j_exc, where)
     raise _Stop(outcome, "" if outcome else f"{where}: {type(e_exc).__name__}: {_first_line(e_exc)}")
 
@@ -141,14 +157,15 @@ def _cause(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------- one call
 
 
-def _call(step: Call, eager: Side, jitted: Side) -> None:
+def _call(step: Call, eager: Side, jitted: Side,
+          eager_guard: Callable[[], ContextManager] | None = None) -> None:
     (e_out, e_named), (j_out, j_named) = _both(lambda side: call_one(step, side), eager, jitted,
-                                               "call")
+                                               "call", eager_guard)
     compare_tree(e_out, j_out, "out", "output")
     e_flat, j_flat = flatten(e_out), flatten(j_out)
     compare_roles(e_flat, j_flat, e_named + _static(eager), j_named + _static(jitted))
     _compare_after(e_named, j_named, eager, jitted, "after the call")
-    _backward(e_flat, j_flat, eager, jitted)
+    _backward(e_flat, j_flat, eager, jitted, eager_guard)
     _compare_after(e_named, j_named, eager, jitted, "after backward")
 
 
@@ -170,7 +187,9 @@ def _compare_after(e_named, j_named, eager: Side, jitted: Side, when: str) -> No
     compare_states(globals_of(eager), globals_of(jitted), f"global {when}")
 
 
-def _backward(e_flat, j_flat, eager: Side, jitted: Side) -> None:
+def _backward(e_flat, j_flat, eager: Side, jitted: Side,
+              eager_guard: Callable[[], ContextManager] | None = None) -> None:
     if not grad_outputs(e_flat) and not grad_outputs(j_flat):
         return
-    _both(lambda side: backward_one(e_flat if side is eager else j_flat), eager, jitted, "backward")
+    _both(lambda side: backward_one(e_flat if side is eager else j_flat), eager, jitted, "backward",
+          eager_guard)
