@@ -14,8 +14,9 @@ thread at a call boundary (``tiers.py``).
 Jobs run one at a time, by priority (lower first), then oldest first. A job belongs to an owner
 (a jitted callable's state): ``cancel(owner)`` drops its jobs that have not started, and a job
 holds its owner only weakly, so that deleting a jitted callable frees it and cancels its jobs.
-At exit, jobs not started are dropped; the one under way is keraunos's own Python waiting on a
-pipe or a file, and the thread is a daemon: the process does not wait for it.
+At exit, fused-tier jobs not started are dropped and the one under way ends with the helper
+processes (killed first); jobs that keep a program for later processes get a bounded time to
+finish (``Queue.stop``). The thread is a daemon: past that bound the process does not wait.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import atexit
 import heapq
 import itertools
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +33,8 @@ from typing import Callable
 # for later processes.
 FUSED_TIER = 0
 KEEP = 1
+
+EXIT_KEEP_S = 30.0  # how long an exiting process gives the jobs of priority KEEP to finish
 
 
 @dataclass(order=True)
@@ -64,7 +68,7 @@ class Queue:
         ref = weakref.ref(owner) if owner is not None else None
         job = Job(priority, next(self._numbers), run, ref)
         with self._changed:
-            if self._stopping:
+            if self._stopping and priority < KEEP:
                 job.cancelled = True
                 job.done.set()
                 return job
@@ -99,7 +103,7 @@ class Queue:
             with self._changed:
                 while not self._heap and not self._stopping:
                     self._changed.wait()
-                if self._stopping:
+                if not self._heap:  # stopping, and nothing left to keep
                     return
                 job = heapq.heappop(self._heap)
                 self.running = job
@@ -112,14 +116,26 @@ class Queue:
             finally:
                 with self._changed:
                     self.running = None
+                    self._changed.notify_all()
                 job.done.set()
 
-    def stop(self) -> None:
-        """At exit: drop every job not started."""
+    def stop(self, keep_for: float = EXIT_KEEP_S) -> None:
+        """At exit: drop every fused-tier job not started (the helpers are gone by then, so the
+        one under way ends), and give the jobs that keep something for later processes up to
+        ``keep_for`` seconds to finish (a kept program is pickled in well under a second; the
+        store writes whole rows, so one cut short leaves nothing)."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
-        self._cancel_where(lambda job: True)
+        self._cancel_where(lambda job: job.priority < KEEP)
+        deadline = time.monotonic() + keep_for
+        with self._changed:
+            while (self._heap or self.running is not None) and self._thread is not None \
+                    and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
 
 
 _queue = Queue()

@@ -19,7 +19,7 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode, sharing_of, storage_alias_pattern
-from . import program_store
+from . import native, program_store
 from .capture.program import Program, capture_program
 from .capture.state import _active
 from .capture.symbolic import DynamicRequest
@@ -104,6 +104,7 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     fused tier when the worker has compiled it (``tiers.py``). A program kept by the program
     store (``program_store.py``) whose readable prologue accepts the call stands in for capture
     and ``STAGES``; a captured one is kept there."""
+    native.LOADER.poll()  # a native hit path built in the background is imported here
     key, why_not, key_seconds = program_key(state, args, kwargs)
     c = load_program(state, key, args, kwargs) if key is not None else None
     if c is not None:
@@ -368,6 +369,7 @@ def _switcher(state_ref, entry_ref):
         computation_fn = _computation_callable(c)
         c.time("codegen", time.perf_counter() - t0)
         _switch(state, entry, computation_fn, c)
+        native.LOADER.poll()
     return switch
 
 

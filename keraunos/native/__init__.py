@@ -69,6 +69,7 @@ from typing import Callable
 
 import torch
 
+from .. import background
 from .. import debug
 from ..capture.ambient import AMBIENT_STATE, AmbientDifference
 from ..core import glue
@@ -192,13 +193,19 @@ def _import(path: pathlib.Path):
 
 class _Loader:
     """The extension's state in this process: not asked for yet, building in the background,
-    loaded, or failed (for good: the Python path serves every call)."""
+    loaded, or failed (for good: the Python path serves every call).
+
+    The build (a g++ child) is a background job (``background.py``); the extension is imported,
+    and the jitted callables waiting for it get their native front, on a user's thread: at the
+    first ``start`` or ``poll`` after the build (a cache miss polls, and so does the switch to a
+    fused tier), never on the build's thread."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.module = None
         self.failed: str | None = None
-        self.thread: threading.Thread | None = None
+        self.job = None  # the background build, once started
+        self.built: pathlib.Path | None = None  # what the build made, not imported yet
         # Callables waiting for the module: (weak reference to an object, what to call with it).
         self.waiting: list[tuple[weakref.ref, Callable]] = []
         self.build_seconds: float | None = None
@@ -229,19 +236,19 @@ class _Loader:
             except Exception as e:  # noqa: BLE001 - a stale or foreign file: build anew
                 debug.logger.debug("keraunos: the native hit path did not load (%s: %s); "
                                    "building it again", type(e).__name__, e)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._build, name="keraunos-native-build",
-                                               daemon=True)
-                self.thread.start()
-            thread = self.thread
+            if self.job is None:
+                self.job = background.submit(self._build, background.KEEP)
+            job = self.job
         if wait:
-            thread.join()
+            job.done.wait()
+            self.poll()
         return self.module
 
     def _build(self) -> None:
+        """In the background: the g++ build only."""
         start = time.perf_counter()
         try:
-            module = _import(build())
+            self.built = build()
         except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the Python path
             self.failed = f"{type(e).__name__}: {e}"
             debug.logger.debug("keraunos: the native hit path is not available, calls take the "
@@ -249,8 +256,21 @@ class _Loader:
             self.waiting = []
             return
         self.build_seconds = time.perf_counter() - start
+
+    def poll(self) -> None:
+        """On a user's thread: import the extension the background build made, if it is done,
+        and give the waiting callables their native front."""
+        if self.built is None or self.module is not None:
+            return
         with self.lock:
-            self.module = module
+            if self.module is not None:
+                return
+            try:
+                self.module = _import(self.built)
+            except Exception as e:  # noqa: BLE001 - the Python path serves every call
+                self.failed = f"{type(e).__name__}: {e}"
+                self.waiting = []
+                return
             waiting, self.waiting = self.waiting, []
         for ref, then in waiting:
             obj = ref()
@@ -258,8 +278,8 @@ class _Loader:
                 then(obj)
 
     def when_loaded(self, obj, then: Callable) -> None:
-        """``then(obj)`` once the module is loaded: now if it is, later (on the build's thread)
-        if it is being built, never if it cannot be."""
+        """``then(obj)`` once the module is loaded: now if it is, later (at a ``poll`` on a
+        user's thread) if it is being built, never if it cannot be."""
         module = self.start()
         if module is not None:
             then(obj)

@@ -12,13 +12,13 @@ Each region's call goes through ``RegionCall``, which checks on its first call t
 arrive with the strides the kernel was compiled for and that the outputs leave with the strides
 the trace says, and then calls the kernel directly (or keeps fixing the strides that differed).
 
-Inductor builds a graph's C++ kernels with g++ in a pool of worker threads and waits for them
-when it loads the graph's wrapper module. Here that wait is put off (``Kernel.ready``) until
-the kernel's first call: g++ then builds one region's kernels while Inductor lowers the next
-regions, the forward's while the backward is split and lowered, and the one-time probe of the
-CPU's vector instructions runs while the program is captured (``warming.py``); a compile lowers
-its graph meanwhile, and only its code generation waits for the probe
-(``warming.before_the_first_pick``).
+Where a region is compiled is the caller's ``CompileSite``: in this process, on the calling
+thread (``fuse="wait"``, the ``torch.compile`` backend), or in a helper process
+(``fuse="background"``: ``workers.compile_elsewhere``), whose generated module this process loads
+at the kernel's first ``ready``, on the user's thread. In this process Inductor builds a graph's
+C++ kernels with g++ in a pool of worker threads and waits for them when it loads the graph's
+wrapper module; that wait is put off (``Kernel.ready``) until the kernel's first call, so that
+g++ builds one region's kernels while Inductor lowers the next ones.
 
 After its first call, a region's kernel is called past the wrappers ``compile_fx`` puts around
 Inductor's graph (``Kernel.direct``): they switch Dynamo and grad mode off and replay aliases and
@@ -43,7 +43,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
-from . import channels_last, collecting, fx_graph, kernel_store, symbolic, warming, workers
+from . import channels_last, collecting, fx_graph, kernel_store, patches, symbolic, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
 # region, it draws from eager's generator, in eager's order. ``emulate_precision_casts``: a
@@ -100,7 +100,7 @@ class Kernel:
             self._load()
         if not self.pending:
             return
-        with self._lock, stopwatch() as elapsed:
+        with self._lock, stopwatch() as elapsed, patches.applied():
             while self.pending:
                 wait, scope = self.pending[0]
                 wait(scope)  # puts the built kernels into the wrapper module's globals
@@ -109,7 +109,7 @@ class Kernel:
 
 
     def _load(self) -> None:
-        with self._lock, stopwatch() as elapsed:
+        with self._lock, stopwatch() as elapsed, patches.applied():
             if self.compiled is not None:
                 return
             warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA
@@ -369,9 +369,9 @@ def kernel_for(key: tuple, make_graph, inputs: list[TensorProxy], outputs: list[
         if not isinstance(kernel, CompileFailure):
             _kernels.setdefault(key, kernel)
         return kernel, False
-    if store_key is not None:
-        workers.wait_for(store_key)  # a helper compiling it fills the store and Inductor's caches
-    kernel = _load_stored(store_key, make_graph, region_name, graph) if store_key else None
+    # A helper compiling it ahead hands its generated module back (and fills the caches).
+    row = workers.wait_for(store_key) if store_key is not None else None
+    kernel = _load_stored(store_key, make_graph, region_name, graph, row) if store_key else None
     if kernel is None:
         try:
             kernel = _compile(make_graph, inputs, outputs, region_name,
@@ -419,11 +419,13 @@ def _from_elsewhere(store_key, graph, inputs, region_name, layout_choice,
 STORED = "keraunos store"
 
 
-def _load_stored(store_key: str, make_graph, region_name: str, graph=None) -> Kernel | None:
+def _load_stored(store_key: str, make_graph, region_name: str, graph=None,
+                 row: bytes | None = None) -> Kernel | None:
     """The kernel a process before this one compiled for the same key, from Inductor's module
-    kept in keraunos's store (``kernel_store``): no ``compile_fx``; None when none is kept."""
-    with stopwatch() as elapsed:
-        data = kernel_store.stored(store_key)
+    kept in keraunos's store (``kernel_store``), or the ``row`` a helper just made: no
+    ``compile_fx``; None when there is neither."""
+    with stopwatch() as elapsed, patches.applied():
+        data = row if row is not None else kernel_store.stored(store_key)
         if data is None:
             return None
         warming.probe_vector_isa()  # the module's C++ loads pick the vector ISA: never two at once
@@ -475,7 +477,7 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    with stopwatch() as elapsed:
+    with stopwatch() as elapsed, patches.applied(compiling=True):
         gm = make_graph()  # compile_fx changes the graph it compiles: the one shown is another
         shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
         shape_env = fx_graph.shape_env(inputs)  # the capture's, when sizes are symbolic
@@ -488,7 +490,6 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
         fakes = fx_graph.fake_inputs(inputs, fake_mode, layout)
         fx_graph.propagate(gm, fakes, fake_mode, outputs)
         warming.before_the_first_pick()
-        collecting.hook_sources()
         before = _cache_counts(counters)
         with torch.no_grad(), tracing(TracingContext(fake_mode)), \
                 channels_last.inductor_layout(layout_choice), \

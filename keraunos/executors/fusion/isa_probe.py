@@ -13,7 +13,7 @@ its path, the torch version, the Python executable and the kernel's release; a l
 finds it there and starts no child. A failed load is never kept (it is asked again, as Inductor
 does), and when the store cannot be used the probe runs as Inductor's own.
 
-The probe also builds less (``build_only_what_is_read``). Inductor test-builds every candidate the
+The probe also builds less (``lazy_list``). Inductor test-builds every candidate the
 CPU claims (four g++ builds on an AMX machine: 8.5 s of a cold first compile, quiet, one after
 another) and then uses the first that works, unless ``config.cpp.simdlen`` or
 ``ATEN_CPU_CAPABILITY`` asks for another. Keraunos gives Inductor the same list of candidates,
@@ -33,43 +33,47 @@ import torch
 from ... import store
 
 NAMESPACE = "inductor vector-ISA probe"
-_installed: list[bool] = []
 _lock = threading.Lock()
 
 
 def install() -> None:
-    """What keraunos changes in Inductor's probe, once per process: loads remembered between
-    processes, and test builds only for the candidates Inductor reads."""
-    remember_loads()
-    build_only_what_is_read()
+    """Both changes to Inductor's probe for the rest of the process (a helper process; a test).
+    In the user's process they are in place only while keraunos compiles or loads
+    (``patches.applied``)."""
+    from . import patches
+    patches.apply_for_good(compiling=False)
 
 
-def build_only_what_is_read() -> None:
-    """Make ``cpu_vec_isa.valid_vec_isa_list`` return a ``CandidateList`` on x86 (once per
-    process; Inductor's own function elsewhere)."""
+def lazy_list_applies() -> bool:
+    """Whether ``lazy_list`` replaces Inductor's list here (x86 on Linux or Windows)."""
     import platform
+    return sys.platform in ("linux", "win32") and platform.machine() in ("x86_64", "AMD64")
 
+
+_candidates: list = []  # the one CandidateList of this process, once made
+
+
+def lazy_list(original):
+    """``cpu_vec_isa.valid_vec_isa_list``'s replacement (``patches``): it returns the process's
+    ``CandidateList``, whose test builds run only as far as a pick reads."""
     from torch._inductor import cpu_vec_isa
     with _lock:
-        if getattr(cpu_vec_isa.valid_vec_isa_list, "_keraunos_lazy", False):
-            return
-        if sys.platform not in ("linux", "win32") or platform.machine() not in ("x86_64", "AMD64"):
-            return
-        original = cpu_vec_isa.valid_vec_isa_list
-        claimed = cpu_vec_isa.x86_isa_checker()
-        candidates = CandidateList([isa for isa in cpu_vec_isa.supported_vec_isa_list
-                                    if all(flag in claimed for flag in str(isa).split())])
+        if not _candidates:
+            claimed = cpu_vec_isa.x86_isa_checker()
+            _candidates.append(CandidateList(
+                [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                 if all(flag in claimed for flag in str(isa).split())]))
+        candidates = _candidates[0]
 
-        def valid_vec_isa_list():
-            return candidates
-        valid_vec_isa_list._keraunos_lazy = True
-        valid_vec_isa_list.__wrapped__ = original
-        valid_vec_isa_list.cache_clear = candidates.forget  # as Inductor's functools.cache has
-        cpu_vec_isa.valid_vec_isa_list = valid_vec_isa_list
+    def valid_vec_isa_list():
+        return candidates
+    valid_vec_isa_list._keraunos_lazy = True
+    valid_vec_isa_list.cache_clear = candidates.forget  # as Inductor's functools.cache has
+    return valid_vec_isa_list
 
 
 def picks_take_turns() -> bool:
-    """Whether Inductor's picks go through a ``CandidateList`` (``build_only_what_is_read``
+    """Whether Inductor's picks go through a ``CandidateList`` (``lazy_list``
     installed it): then picks on two threads at once take turns at its lock, and the first one's
     test builds run alone."""
     from torch._inductor import cpu_vec_isa
@@ -128,19 +132,11 @@ class CandidateList(Sequence):
         return f"CandidateList(valid=[{valid}], untested=[{untested}])"
 
 
-def remember_loads() -> None:
-    """Make ``VecISA._probe_load`` consult the store first (once per process)."""
-    from torch._inductor import cpu_vec_isa
-    with _lock:
-        if _installed:
-            return
-        original = cpu_vec_isa.VecISA._probe_load
-
-        def probe_load(isa, output_path: str) -> bool:
-            return remembered(original, isa, output_path, store.default_store())
-        probe_load.__wrapped__ = original
-        cpu_vec_isa.VecISA._probe_load = probe_load
-        _installed.append(True)
+def remembering(original):
+    """``VecISA._probe_load``'s replacement (``patches``): the store is asked first."""
+    def probe_load(isa, output_path: str) -> bool:
+        return remembered(original, isa, output_path, store.default_store())
+    return probe_load
 
 
 def remembered(probe, isa, output_path: str, where: store.Store) -> bool:

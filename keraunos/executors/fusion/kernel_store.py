@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from ... import store
+from ... import debug, store
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
@@ -130,7 +130,9 @@ def load(key: str, data: bytes | None = None):
         from torch._inductor.codecache import PyCodeCache
         module = PyCodeCache.load(source)
         return module.call, source, module.__file__, writes
-    except Exception:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
+    except Exception as e:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
+        debug.logger.debug("keraunos: a kept region's module did not load (%s: %s)",
+                           type(e).__name__, e)
         return None
 
 

@@ -61,29 +61,28 @@ def mergeable(source: str) -> bool:
             and len(_ENTRY.findall(source)) == 1 and source.count('extern "C"') == 1)
 
 
-def install() -> bool:
-    """Wrap ``AsyncCompile.cpp_pybinding`` so that it collects on a thread inside ``collecting``
-    (Inductor's own elsewhere); once per process. False where the binding template is not the
-    one this module reads (nothing is then merged)."""
+def usable() -> bool:
+    """Whether Inductor's binding template is the one this module reads (otherwise nothing is
+    merged and ``AsyncCompile.cpp_pybinding`` is left as it is)."""
     with _install_lock:
-        if _installed:
-            return _installed[0]
-        from torch._inductor.async_compile import AsyncCompile
-        ok = _glue_parts() is not None
-        if ok:
-            original = AsyncCompile.cpp_pybinding
+        if not _installed:
+            _installed.append(_glue_parts() is not None)
+        return _installed[0]
 
-            @functools.wraps(original)
-            def cpp_pybinding(self, argtypes, source_code):
-                batch = getattr(_local, "batch", None)
-                if batch is None or not mergeable(source_code):
-                    return original(self, argtypes, source_code)
-                pending = Pending(argtypes, source_code)
-                batch.append(pending)
-                return pending
-            AsyncCompile.cpp_pybinding = cpp_pybinding
-        _installed.append(ok)
-        return ok
+
+def binding(original):
+    """``AsyncCompile.cpp_pybinding``'s replacement (``patches``): on a thread inside
+    ``collecting``, a mergeable kernel is collected (a ``Pending``) instead of built alone;
+    elsewhere it is Inductor's own."""
+    def cpp_pybinding(self, argtypes, source_code):
+        batch = getattr(_local, "batch", None)
+        if batch is None or not mergeable(source_code):
+            return original(self, argtypes, source_code)
+        pending = Pending(argtypes, source_code)
+        batch.append(pending)
+        return pending
+    functools.update_wrapper(cpp_pybinding, original)
+    return cpp_pybinding
 
 
 class collecting:
@@ -92,7 +91,7 @@ class collecting:
 
     def __enter__(self):
         self._outer = getattr(_local, "batch", None)
-        if self._outer is None and install():
+        if self._outer is None and usable():
             _local.batch = []
         return self
 

@@ -16,11 +16,10 @@ from . import isa_probe
 
 
 def before_the_first_pick() -> None:
-    """What a compile does before ``compile_fx``, about the vector-ISA probe. With keraunos's
-    candidate list installed (``isa_probe``), every pick takes the list's lock and the compile's
+    """What a compile does before ``compile_fx`` (within ``patches.applied``), about the
+    vector-ISA probe. With keraunos's candidate list in place (``isa_probe``), every pick takes the list's lock and the compile's
     first pick (at code generation) builds what it reads; without it (not x86), the probe is
     made first, alone (``_probe_lock``)."""
-    isa_probe.install()
     if not isa_probe.picks_take_turns():
         probe_vector_isa()
 
@@ -38,8 +37,10 @@ def probe_vector_isa() -> None:
     """Inductor's pick of the vector ISA, made once per process (the first pick test-builds),
     never on two threads at once; returns once it is made."""
     from torch._inductor import cpu_vec_isa
-    isa_probe.install()  # one test build, not four; a later process starts no child to load it
-    with _probe_lock:
+
+    from . import patches
+    # (one test build, not four; a later process starts no child to load it)
+    with patches.applied(), _probe_lock:
         try:
             cpu_vec_isa.pick_vec_isa()  # cached: later compiles find it done
         except Exception:  # noqa: BLE001 - the compile itself will meet and report it

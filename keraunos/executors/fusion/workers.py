@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ... import debug, store
+
 ENV = "KERAUNOS_COMPILE_WORKERS"
 IDLE_S = 60.0  # helpers idle this long are ended
 
@@ -203,8 +205,11 @@ class Helper:
 
 
 class Pool:
-    def __init__(self, size: int):
+    def __init__(self, size: int, helps_here: bool = True):
         self.size = size
+        # Whether it also takes regions ahead of compiles in this process (``available``); a pool
+        # for the background tier alone does not (``KERAUNOS_COMPILE_WORKERS=0``).
+        self.helps_here = helps_here
         self.lock = threading.RLock()  # ``_dispatch`` may drop a helper it finds gone
         self.helpers: list[Helper] = []
         self.idle: list[Helper] = []
@@ -276,8 +281,16 @@ class Pool:
                 reaper = threading.Timer(IDLE_S, self._end_if_idle)
                 reaper.daemon = True
                 reaper.start()
+        if job is not None and ok and row is not None:
+            # Kept where this process (and later ones) find it, whatever asks for it next: a
+            # compile here that did not wait for the answer loads it from the store.
+            from . import kernel_store
+            store.default_store().put(kernel_store.NAMESPACE, key, row)
         if job is not None:
             job.ok, job.row, job.reason = ok, row, reason
+            if not ok:
+                debug.logger.debug("keraunos: a helper process did not compile a region: %s",
+                                   reason)
             job.done.set()
 
     def _end_if_idle(self) -> None:
@@ -326,7 +339,7 @@ def _the_pool() -> Pool:
     with _pool_lock:
         if _pool is None:
             # At least one: a fused tier compiled in the background has no other place to go.
-            _pool = Pool(max(1, worker_count()))
+            _pool = Pool(max(1, worker_count()), helps_here=worker_count() > 0)
             atexit.register(stop)
     return _pool
 
@@ -334,7 +347,7 @@ def _the_pool() -> Pool:
 def available() -> bool:
     """Whether ``prefetch`` would send a region compiled in this process ahead to a helper now
     (helpers wanted, the machine not busy)."""
-    return bool(worker_count()) and not busy()
+    return _the_pool().helps_here and not busy()
 
 
 def start() -> None:
@@ -376,14 +389,15 @@ def compile_elsewhere(key: str, graph, inputs, layout_choice, config_patches: di
     return job
 
 
-def wait_for(key: str) -> bool:
-    """Before compiling the region of ``key`` here: wait for the helper compiling it, if one is
-    (True: it compiled it, and Inductor's caches hold it); False when none had started it."""
+def wait_for(key: str) -> bytes | None:
+    """Before compiling the region of ``key`` here: wait for the helper compiling it, if one is;
+    the row it made (``kernel_store.row``: its generated module) when it compiled it, else None
+    (none had started it, or it could not)."""
     job = _pool.claim(key) if _pool is not None else None
     if job is None:
-        return False
+        return None
     job.done.wait()
-    return job.ok
+    return job.row if job.ok else None
 
 
 def stop() -> None:
@@ -414,7 +428,7 @@ def _compile(nodes, metas, aliases, layout_choice, config_patches: dict,
     same settings), so that Inductor's caches hold it, and make the row a parent loads
     (``kernel_store.row``): the generated module, once a call of it alone is seen to give what
     a call through ``compile_fx``'s wrappers gives (``compiler._unwrapped``), on inputs of the
-    region's layouts. Kept in the store too. Raises ``Refused`` where no row can be made."""
+    region's layouts. Raises ``Refused`` where no row can be made."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -450,16 +464,11 @@ def _compile(nodes, metas, aliases, layout_choice, config_patches: dict,
     row = kernel_store.row(graph)
     if row is None:
         raise Refused("its generated module holds constants of its own")
-    from ... import store
-    store.default_store().put(kernel_store.NAMESPACE, _key, row)
-    return row
+    return row  # (the parent keeps it in the store)
 
 
 class Refused(Exception):
     """A region compiled in a helper whose generated module alone cannot stand in for it."""
-
-
-_key = ""  # the key of the job under way in a helper
 
 
 def _apply(given: dict) -> None:
@@ -499,13 +508,12 @@ _defaults: dict | None = None  # a helper's own Inductor config, as it started
 def serve() -> None:
     """A helper's loop: read a job, compile it, answer (key, whether it compiled, the row it
     made, why not), until the parent closes the pipe."""
-    global _key
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor import cpu_vec_isa
-    from . import isa_probe
-    isa_probe.install()
+    from . import patches
+    patches.apply_for_good()  # a process of keraunos's own
     with contextlib.suppress(Exception):  # (a compile meets and reports the same problem)
         cpu_vec_isa.pick_vec_isa()  # one thread here: no race for the probe's flags
     _write(sink, (None, True, None, ""))  # ready
@@ -514,7 +522,6 @@ def serve() -> None:
             key, payload = _read(source)
         except EOFError:
             return
-        _key = key
         try:
             row, ok, reason = _compile(*pickle.loads(payload)), True, ""
         except Exception as e:  # noqa: BLE001 - the parent runs the region's lines unfused
