@@ -303,10 +303,27 @@ def inductor_config_changes() -> dict:
     if config is None:
         return {}
     portable = config.save_config_portable()
-    is_default = getattr(config, "_is_default", None)
-    if is_default is None:  # (a torch without it: every entry, which keys alike in every process)
+    entries = getattr(config, "_config", None)
+    if not isinstance(entries, dict):  # (another torch: every entry, keyed alike everywhere)
         return portable
-    return {name: value for name, value in portable.items() if not is_default(name)}
+    changed = {}
+    for name, value in portable.items():
+        entry = entries.get(name)
+        if entry is None or value != _fresh_value(entry):
+            changed[name] = value
+    return changed
+
+
+def _fresh_value(entry):
+    """What a config entry holds in a process that never set it: its default, or what the
+    environment made it (``TORCHINDUCTOR_*``), as a helper process started with this one's
+    environment has it. (A value set and set back is not a change.)"""
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    for value in (getattr(entry, "env_value_force", unset),
+                  getattr(entry, "env_value_default", unset)):
+        if value is not unset:
+            return value
+    return getattr(entry, "default", None)
 
 
 @dataclass(frozen=True)
