@@ -3,6 +3,7 @@ code generation. Every stage's trace is kept (``last_traces`` and friends) with 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import types
 import warnings
@@ -19,7 +20,7 @@ from .autograd import make_autograd_computation, split_forward_backward
 from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
 from .autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode, sharing_of, storage_alias_pattern
-from . import native, program_store
+from . import debug, native, program_store
 from .capture.program import Program, capture_program
 from .capture.state import _active
 from .capture.symbolic import DynamicRequest
@@ -107,12 +108,16 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     native.LOADER.poll()  # a native hit path built in the background is imported here
     key, why_not, key_seconds = program_key(state, args, kwargs)
     c = load_program(state, key, args, kwargs) if key is not None else None
+    refused = None  # why a stored program that loaded did not serve the call
     if c is not None:
         c.time("program key", key_seconds)
         try:
             return _finish(state, c, args, kwargs)
-        except Exception:  # noqa: BLE001 - captured (and kept again) as if nothing were stored
-            pass
+        except Exception as e:  # noqa: BLE001 - captured (and kept again) as if nothing were stored
+            refused = ("its prologue rejected the call" if isinstance(e, _StoredProgramRejected)
+                       else f"{type(e).__name__}: {e}")
+            debug.logger.debug("keraunos: %s: the stored program loaded but did not serve the "
+                               "call (%s); capturing it again", state.name, refused)
     c = capture(state, args, kwargs)
     for stage in STAGES:
         stage(c)
@@ -121,6 +126,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
         c.time("program key", key_seconds)
         kept = program_to_keep(c)
     c.program_store = kept if type(kept) is str else "keeping (pickled in the background)"
+    if refused is not None:
+        c.program_store += f"; the stored program was refused ({refused})"
     entry = _finish(state, c, args, kwargs)
     if type(kept) is dict:
         kept = _with_sharing(kept, entry, args, kwargs)
@@ -134,7 +141,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
         def kept_note(note: str) -> None:
             kept_entry = entry_ref()
             if kept_entry is not None:
-                kept_entry.program_store = note
+                kept_entry.program_store = note + (
+                    f"; the stored program was refused ({refused})" if refused else "")
         program_store.keep_in_background(key, kept, state.module if state.module is not None
                                          else state.fn, kept_note, owner=state)
     return entry
@@ -168,7 +176,8 @@ def _finish(state, c: Compilation, args, kwargs) -> CacheEntry:
             raise _StoredProgramRejected()
     if mode is FuseMode.BACKGROUND:
         # What the helpers' compiles depend on is read now, on the user's thread.
-        fused.site = executors_module.fusion_executors(fused.executors)[0].compile_site(True)
+        fused.site = next(e for e in executors_module.fusion_executors(fused.executors)
+                          if e.compiles_elsewhere).compile_site(True)
         tiers.schedule(entry.tiering, lambda: _fused_tier(fused),
                        _switcher(weakref.ref(state), weakref.ref(entry)), entry, state)
     return entry
@@ -314,6 +323,10 @@ def _fuse_mode(c: Compilation) -> FuseMode | None:
                                             and torch.is_autocast_enabled("cuda")):
         return FuseMode.OFF
     fusers = executors_module.fusion_executors(c.executors)
+    if not all(getattr(e, "compiles_elsewhere", False) for e in fusers):
+        # A fusion executor that compiles only in this process: on the calling thread, never
+        # beside it (``tiers.py``).
+        return FuseMode.WAIT
     def computes(b):
         return any(e.computes_in_region(b) for e in fusers)
     min_forward = c.state.options.min_fused_forward_ops
@@ -358,6 +371,11 @@ def _switcher(state_ref, entry_ref):
     def switch(c: Compilation) -> None:
         state, entry = state_ref(), entry_ref()
         if state is None or entry is None:
+            return
+        if not c.fusion_regions:  # nothing the helpers could compile: tier 0 stays
+            why = "; ".join(c.site.refusals) if c.site is not None and c.site.refusals else \
+                "no region was formed"
+            entry.fusion_note = f"not fused in the background: {why}"
             return
         t0 = time.perf_counter()
         for region in c.fusion_regions:
@@ -499,21 +517,22 @@ def fuse_regions(c: Compilation) -> None:
     shared = c.state.options.min_shared_layers
     for executor in executors_module.fusion_executors(executors):
         fuse = trace_step(executor.fuse)  # the runner times every executor's traces
+        where = {"site": c.site} if getattr(executor, "compiles_elsewhere", False) else {}
+        fuse = functools.partial(fuse, **where)
         forward = c.computation
         # The backward's regions start elsewhere while the forward's compile runs.
         if c.segments is not None:
             for segment in c.segments.segments:
                 executor.prefetch(segment.trace, observable=_returned(segment.trace),
                                   always_checked=set(), forward=forward,
-                                  min_shared_layers=shared, site=c.site)
+                                  min_shared_layers=shared, **where)
         elif c.backward is not None:
             executor.prefetch(c.backward, observable=_returned(c.backward),
                               always_checked=_varying_grads(c), forward=forward,
-                              min_shared_layers=shared, site=c.site)
+                              min_shared_layers=shared, **where)
         fused, regions = fuse(
             forward, executors, observable=_returned(forward),
-            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared,
-            site=c.site)
+            records_autograd=c.records_autograd, counter=counter, min_shared_layers=shared)
         c.fusion_regions += regions
         if fused is not forward:
             c.computations.append(fused)
@@ -525,7 +544,7 @@ def fuse_regions(c: Compilation) -> None:
             for segment in c.segments.segments:
                 segment.trace, regions = fuse(
                     segment.trace, executors, observable=_returned(segment.trace),
-                    forward=forward, counter=counter, min_shared_layers=shared, site=c.site)
+                    forward=forward, counter=counter, min_shared_layers=shared)
                 c.fusion_regions += regions
                 c.time("fusion", segment.trace.seconds)
             continue
@@ -534,7 +553,7 @@ def fuse_regions(c: Compilation) -> None:
         # others, and regions check those (and what is made from them) on every call.
         fused, regions = fuse(
             backward, executors, observable=_returned(backward), always_checked=_varying_grads(c),
-            forward=forward, counter=counter, min_shared_layers=shared, site=c.site)
+            forward=forward, counter=counter, min_shared_layers=shared)
         c.fusion_regions += regions
         if fused is not backward:
             c.backwards.append(fused)

@@ -25,7 +25,7 @@ import keraunos
 import keraunos.dynamo
 from keraunos.examples.gpt import GPT, GPTConfig
 from keraunos.executors import fusion
-from keraunos.executors.fusion import collecting, compiler
+from keraunos.executors.fusion import collecting, compiler, patches
 from keraunos.jit import state_of
 
 FUSED = ["inductor", "torch"]
@@ -1028,7 +1028,8 @@ def test_only_the_compiling_thread_puts_off_inductors_waits():
         built.set_result("kernel")
         return {"cpp_fused_0": built}
     ours, theirs = scope(), scope()
-    with config.patch(compile_threads=2), collecting.from_inductor() as (_, pending):
+    with config.patch(compile_threads=2), patches.applied(), \
+            collecting.from_inductor() as (_, pending):
         AsyncCompile().wait(ours)  # (Inductor waits for futures only with a pool of threads)
         other = threading.Thread(target=AsyncCompile().wait, args=(theirs,))
         other.start()

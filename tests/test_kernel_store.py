@@ -459,19 +459,21 @@ def test_the_candidate_list_builds_only_what_is_read():
 
 
 def test_inductor_picks_the_isa_it_would_pick_without_keraunos():
-    """With keraunos's list installed, ``pick_vec_isa`` answers what Inductor's own list gives,
-    with ``simdlen`` unset and set to each width."""
+    """With keraunos's list in place, ``pick_vec_isa`` answers what Inductor's own list gives,
+    with ``simdlen`` unset and set to each width; out of ``patches.applied()`` Inductor's own
+    list is back."""
     from torch._inductor import config, cpu_vec_isa
 
-    from keraunos.executors.fusion import isa_probe
-    isa_probe.install()
-    own = getattr(cpu_vec_isa.valid_vec_isa_list, "__wrapped__", None)
-    if own is None:
-        pytest.skip("not an x86 machine: Inductor's own list is used")
-    expected = own()
-    assert str(cpu_vec_isa.pick_vec_isa()) == str(expected[0] if expected
-                                                  else cpu_vec_isa.invalid_vec_isa)
-    for width in sorted({isa.bit_width() for isa in expected}):
-        with config.patch({"cpp.simdlen": width}):
-            assert str(cpu_vec_isa.pick_vec_isa()) == str(
-                next(isa for isa in expected if isa.bit_width() == width))
+    from keraunos.executors.fusion import patches
+    own = cpu_vec_isa.valid_vec_isa_list
+    with patches.applied():
+        if cpu_vec_isa.valid_vec_isa_list is own:
+            pytest.skip("not an x86 machine: Inductor's own list is used")
+        expected = own()
+        assert str(cpu_vec_isa.pick_vec_isa()) == str(expected[0] if expected
+                                                      else cpu_vec_isa.invalid_vec_isa)
+        for width in sorted({isa.bit_width() for isa in expected}):
+            with config.patch({"cpp.simdlen": width}):
+                assert str(cpu_vec_isa.pick_vec_isa()) == str(
+                    next(isa for isa in expected if isa.bit_width() == width))
+    assert cpu_vec_isa.valid_vec_isa_list is own

@@ -47,9 +47,10 @@ class FusionExecutor(Executor):
       rule for programs worth fusing counts, ``tiers.worth_fusing``).
     - ``start_helpers()``: a program whose fused tier will be compiled in the background is
       about to be captured: processes that compile it may start now (called again each time).
-    - ``compile_site(elsewhere)``: on the user's thread, what ``fuse`` and ``prefetch`` take as
-      ``site``: where regions are compiled and what of the user's process that depends on
-      (``elsewhere``: not in this process; see ``tiers.py``).
+    - ``compile_site(elsewhere)``: for an executor with ``compiles_elsewhere``, on the user's
+      thread, what ``fuse`` and ``prefetch`` take as ``site``: where regions are compiled and
+      what of the user's process that depends on (``elsewhere``: not in this process; see
+      ``tiers.py``).
     - ``prefetch(trace, *, observable, always_checked, forward, min_shared_layers, site)``:
       optional; ``trace`` (the backward) will be fused after another trace (the forward): work
       on its regions may start now, elsewhere (the Inductor executor hands them to helper
@@ -61,6 +62,10 @@ class FusionExecutor(Executor):
     only then). ``source`` (one text about the region) is optional."""
 
     is_fusion = True
+    # Whether ``fuse`` can have its regions compiled in helper processes (``site`` from
+    # ``compile_site(True)``); one that cannot fuses ``fuse="background"`` programs at their
+    # first call, on the calling thread (as ``"wait"``).
+    compiles_elsewhere = False
 
     def fuse(self, trace: Trace, executors: list[Executor], *, observable: set[str],
              always_checked: set[str] = frozenset(), records_autograd: bool = False,

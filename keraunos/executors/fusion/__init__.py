@@ -37,6 +37,7 @@ class InductorExecutor(FusionExecutor):
     """Fuses regions of the forward and backward traces with TorchInductor."""
 
     name = "inductor"
+    compiles_elsewhere = True
 
     def claims(self, bsym):
         return fusible(bsym)
@@ -334,6 +335,8 @@ def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_che
         r.inputs, r.outputs, name, layout, graph, channels_last_choice, site)
     if isinstance(kernel, compiler.CompileFailure) and isinstance(
             kernel.error, compiler.NotCompiledElsewhere):
+        if str(kernel.error) not in site.refusals:
+            site.refusals.append(str(kernel.error))
         if not kernel.error.expected:
             compiler.warn_once(f"keraunos: a region was not fused in the background "
                                f"({kernel.error}); its lines run on the next executor.")

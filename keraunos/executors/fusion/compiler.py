@@ -339,6 +339,8 @@ class CompileSite:
     elsewhere: bool
     environment: tuple
     settings: dict
+    # Why regions were not compiled elsewhere (``NotCompiledElsewhere``), for ``compile_stats``.
+    refusals: list = field(default_factory=list, compare=False)
 
     @staticmethod
     def here() -> "CompileSite":

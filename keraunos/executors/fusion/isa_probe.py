@@ -36,14 +36,6 @@ NAMESPACE = "inductor vector-ISA probe"
 _lock = threading.Lock()
 
 
-def install() -> None:
-    """Both changes to Inductor's probe for the rest of the process (a helper process; a test).
-    In the user's process they are in place only while keraunos compiles or loads
-    (``patches.applied``)."""
-    from . import patches
-    patches.apply_for_good(compiling=False)
-
-
 def lazy_list_applies() -> bool:
     """Whether ``lazy_list`` replaces Inductor's list here (x86 on Linux or Windows)."""
     import platform
