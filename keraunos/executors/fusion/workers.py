@@ -69,6 +69,8 @@ class Job:
     ok: bool = False
     row: bytes | None = None  # what the helper generated (``kernel_store.row``), when ok
     reason: str = "the helper process was lost"  # why not, when not ok
+    # The background tier waits for it (``compile_elsewhere``): never taken back by ``claim``.
+    needed_elsewhere: bool = False
 
 
 def settings(inductor_config: dict | None = None) -> dict:
@@ -211,13 +213,14 @@ class Pool:
                 self.spawned += 1
                 self.helpers.append(helper)  # idle once it says it is ready (``finished``)
 
-    def prefetch(self, key: str, payload: bytes) -> Job | None:
+    def prefetch(self, key: str, payload: bytes, needed: bool = False) -> Job | None:
         with self.lock:
             if key in self.jobs:
+                self.jobs[key].needed_elsewhere |= needed
                 return self.jobs[key]
             if self.stopped or not self.helpers:
                 return None
-            job = Job(key, payload)
+            job = Job(key, payload, needed_elsewhere=needed)
             self.jobs[key] = job
             self.queue.append(job)
             self._dispatch()
@@ -230,7 +233,7 @@ class Pool:
             job = self.jobs.get(key)
             if job is None:
                 return None
-            if job.helper is None:
+            if job.helper is None and not job.needed_elsewhere:
                 self.queue.remove(job)
                 del self.jobs[key]
                 return None
@@ -353,7 +356,7 @@ def prefetch(key: str, graph, inputs, layout_choice, config_patches: dict,
     if payload is None:
         return None
     _pool.start()  # (none yet, or some lost)
-    return _pool.prefetch(key, payload)
+    return _pool.prefetch(key, payload, needed=always)
 
 
 def compile_elsewhere(key: str, graph, inputs, layout_choice, config_patches: dict,
@@ -363,7 +366,8 @@ def compile_elsewhere(key: str, graph, inputs, layout_choice, config_patches: di
     job = prefetch(key, graph, inputs, layout_choice, config_patches, given, always=True)
     if job is None:
         failed = Job(key, b"")
-        failed.reason = "its graph could not be sent to a helper"
+        failed.reason = ("no helper process could be started" if _the_pool().stopped or
+                         not _the_pool().helpers else "its graph could not be sent to a helper")
         return failed
     job.done.wait()
     return job
