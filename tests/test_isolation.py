@@ -136,10 +136,22 @@ def _drain() -> None:
 
 @pytest.fixture
 def quiet_background():
-    """Each test starts with no fused compile under way, and leaves none behind."""
+    """Each test starts with no fused compile under way, and leaves none behind; what a race
+    left changed in the process (a warnings filter, torch.fx's tracing flag, ...) is put back
+    afterwards, so that it fails one test, not the next ones too."""
     _drain()
+    before = process_state.snapshot()
     yield
     _drain()
+    process_state.restore(before, flags=True)
+
+
+def _check_premise(jitted) -> None:
+    """The fused tier is still compiling after the first call (what a race test needs)."""
+    if not _compiling(jitted):
+        pytest.fail("the premise: the fused tier should still be compiling after the first "
+                    f"call, but it is done ({_fusion_problem(jitted) or 'it compiled'}); "
+                    f"torch.fx tracing flag: {torch.fx._symbolic_trace._is_fx_tracing_flag}")
 
 
 # ------------------------------------------------------------------------ import keraunos
@@ -350,7 +362,7 @@ def test_torch_compilers_on_the_users_thread_during_a_fused_compile(quiet_backgr
     for round_ in range(3):
         jitted, twin, x = _start_slow_compile()
         try:
-            assert _compiling(jitted), "the premise: the fused tier is still compiling"
+            _check_premise(jitted)
             for what, action in actions:
                 k = next(counter)
                 small = _small(k)
@@ -393,7 +405,7 @@ def test_the_users_view_of_the_process_is_unchanged_by_a_fused_compile(quiet_bac
         jitted, twin, x = _start_slow_compile()
         seen, samples, deadline = {}, 0, time.monotonic() + WAIT_S
         try:
-            assert _compiling(jitted), "the premise: the fused tier is still compiling"
+            _check_premise(jitted)
             while _compiling(jitted) and time.monotonic() < deadline:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")
@@ -407,7 +419,7 @@ def test_the_users_view_of_the_process_is_unchanged_by_a_fused_compile(quiet_bac
             keraunos.wait_for_fusion(jitted, WAIT_S)
         for d in process_state.differences(before, process_state.snapshot()):
             seen.setdefault("after " + d.split(":")[0], f"after the compile: {d}")
-        process_state.restore(before)  # the next round starts from the same state
+        process_state.restore(before, flags=True)  # the next round starts from the same state
         problems += [f"round {round_}: {text}" for text in seen.values()]
         if (why := _fusion_problem(jitted)) is not None:
             problems.append(f"round {round_}: {why}")
@@ -447,7 +459,7 @@ def test_a_deleted_jitted_object_is_freed_while_its_fused_tier_compiles(kind, qu
         x = torch.randn(8, 16)
         with torch.no_grad():
             assert_close(jitted(x), (twin(x) * 2) if kind == "function" else twin(x), **TOLERANCE)
-        assert _compiling(jitted), "the premise: the fused tier is still compiling"
+        _check_premise(jitted)
         refs = {"the jitted object": weakref.ref(jitted)}
         refs.update({f"the user's {type(o).__name__}": weakref.ref(o) for o in held})
         del jitted, user, held

@@ -142,13 +142,19 @@ def _filters_change(old: list, new: list) -> str:
     return text
 
 
-def restore(before: dict) -> None:
+def restore(before: dict, flags: bool = False) -> None:
     """Put back what ``snapshot`` recorded and can be set (warnings filters, grad mode, the
-    default dtype, the configs), so that one program's leak does not fail every later one."""
+    default dtype, the configs), so that one program's leak does not fail every later one.
+    ``flags``: also anomaly detection and torch.fx's tracing flag (only where no trace or
+    compile runs on another thread: it would see them change under it)."""
     warnings.filters[:] = before["warnings.filters"]
     warnings._filters_mutated()
     torch.set_grad_enabled(before["grad mode"])
     torch.set_default_dtype(before["default dtype"])
+    if flags:
+        from torch.fx import _symbolic_trace
+        torch.set_anomaly_enabled(*before["anomaly detection"])
+        _symbolic_trace._is_fx_tracing_flag = before["torch.fx tracing flag"]
     for name in CONFIG_MODULES:
         module = sys.modules.get(name)
         values = before.get(name)
