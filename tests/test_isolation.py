@@ -111,7 +111,7 @@ def _compiling(jitted) -> bool:
 def _fusion_problem(jitted) -> str | None:
     """Why the fused tier of ``jitted`` failed to compile, or None."""
     note = keraunos.compile_stats(jitted).fusion_note or ""
-    return note if "failed" in note else None
+    return note if "the fused compile failed" in note else None
 
 
 def _start_slow_compile(blocks: int = 6):

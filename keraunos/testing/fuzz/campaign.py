@@ -203,7 +203,7 @@ def fusion_failures(jitted) -> list[str]:
             if error is not None:
                 found.append(f"{type(error).__name__}: {_first_line(error)}")
     note = keraunos.compile_stats(jitted).fusion_note or ""
-    if not found and "failed" in note:
+    if not found and "the fused compile failed" in note:
         found.append(note[:240])
     return found
 
