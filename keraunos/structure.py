@@ -59,6 +59,7 @@ def _invalidating(register):
         _tree_token[0] = _Token()
         return register(*args, **kwargs)
     wrapper.__wrapped__ = register
+    wrapper._keraunos_hook_watch = True  # (what the fuzzer's process-state check recognises)
     wrapper.__name__, wrapper.__qualname__ = register.__name__, register.__qualname__
     wrapper.__doc__ = register.__doc__
     return wrapper
