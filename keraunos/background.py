@@ -75,6 +75,7 @@ class Queue:
             heapq.heappush(self._heap, job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.keraunos_background = True  # (``core.lint`` asks)
                 self._thread.start()
             self._changed.notify()
         return job

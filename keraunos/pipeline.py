@@ -25,6 +25,7 @@ from .capture.program import Program, capture_program
 from .capture.state import _active
 from .capture.symbolic import DynamicRequest
 from .core.proxies import Proxy, TensorProxy
+from .core import lint
 from .core.runner import trace_pass, trace_step
 from .core.symbolic import refuse_raw_symbols
 from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
@@ -381,6 +382,9 @@ def _switcher(state_ref, entry_ref):
         for region in c.fusion_regions:
             region.ready()
         c.time("load fused regions", time.perf_counter() - t0)
+        if lint.enabled():  # what the background made, checked here (``core.lint``)
+            for trace in (*c.computations, *c.backwards):
+                trace.lint()
         for stage in SWITCH_STAGES:
             stage(c)
         t0 = time.perf_counter()

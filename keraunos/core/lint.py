@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import builtins
 import os
+import threading
 
 from .proxies import Proxy
 
@@ -26,6 +27,12 @@ class TraceLintError(AssertionError):
 
 
 def enabled() -> bool:
+    """``KERAUNOS_LINT=1``, on a user's thread. Not on keraunos's background thread: the check
+    parses the trace's source, and CPython's parser is not safe to run on two threads at once
+    ("AST constructor recursion depth mismatch", 3.11); the traces made there are checked at the
+    switch to the fused tier, on the user's thread (``pipeline``)."""
+    if getattr(threading.current_thread(), "keraunos_background", False):
+        return False
     return os.environ.get("KERAUNOS_LINT", "0") not in ("", "0")
 
 
