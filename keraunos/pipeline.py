@@ -351,10 +351,11 @@ class _Detached:
 def _fork(c: Compilation) -> Compilation:
     """A copy of ``c`` whose later stages record into lists of their own (the traces so far are
     shared: stages derive new traces, never change one), holding nothing of the user's."""
-    return replace(c, state=_Detached(c.state.options), program=None,
-                   prologues=list(c.prologues), computations=list(c.computations),
-                   epilogues=list(c.epilogues), backwards=list(c.backwards), stages={},
-                   fusion_regions=[])
+    # Not the prologues and epilogues, which the fused tier shares with tier 0: the fast
+    # prologue's namespace keeps its walk of the user's module tree.
+    return replace(c, state=_Detached(c.state.options), program=None, prologues=[],
+                   computations=list(c.computations), epilogues=[],
+                   backwards=list(c.backwards), stages={}, fusion_regions=[])
 
 
 def _fused_tier(c: Compilation) -> Compilation:

@@ -511,9 +511,17 @@ def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None]
     module changed after this call is not seen, and the job walks no live object of the user's.
     ``owner`` (the jitted callable's state): deleting it drops the job if it has not started."""
     paths = {**places.paths_of(root), **places.guarded_globals(stored["prologue"])}
+    # The traces hold live objects of the user's (the module, in the prologue's namespace):
+    # held here only while ``owner`` lives, so that deleting the jitted callable frees them.
+    box = {"stored": stored}
+    if owner is not None:
+        weakref.finalize(owner, box.clear)
+    del stored
 
     def run():
-        done(keep(key, stored, paths))
+        kept = box.pop("stored", None)
+        if kept is not None:
+            done(keep(key, kept, paths))
     job = background.submit(run, background.KEEP, owner)
     with _keeping_lock:
         _keeping[:] = [j for j in _keeping if not j.done.is_set()] + [job]
