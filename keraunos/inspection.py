@@ -86,7 +86,8 @@ def compile_stats(jitted) -> CompileStats:
         switched = tiering.fused_from_call
         stats.tier = "fused" if switched is not None and calls > switched else "torch"
         stats.fused_from_call, stats.fusion_stages = switched, dict(tiering.stages) or None
-        stats.fusion_seconds, stats.fusion_pending = tiering.seconds, not tiering.done.is_set()
+        # Pending while the background compiles; once it is done the next call switches.
+        stats.fusion_seconds, stats.fusion_pending = tiering.seconds, not tiering.compiled.is_set()
         if tiering.error is not None:
             stats.fusion_note = (f"the fused compile failed ({type(tiering.error).__name__}: "
                                  f"{tiering.error})")

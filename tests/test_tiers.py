@@ -300,6 +300,7 @@ def test_a_process_exits_promptly_while_the_fused_program_compiles(tmp_path):
     """ % os.path.dirname(__file__)))
     env = {**os.environ, "KERAUNOS_FUSE": "background",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),  # cold: still compiling
+           "KERAUNOS_CACHE_DIR": str(tmp_path / "store"),  # no region kept from another run
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     # Output to files, not pipes: a g++ or an ISA-probe child the process started may outlive
     # it holding a pipe open, and reading a pipe to its end would time those, not the exit.
