@@ -113,11 +113,11 @@ def _apply(given: dict) -> None:
     config.load_config({**_defaults, **given["inductor_config"]})
 
 
-_defaults: dict | None = None  # a helper's own Inductor config, as it started
+_defaults: dict | None = None  # the Inductor config this process started with
 
 
 def serve() -> None:
-    """A helper's loop: read a job, compile it, answer (key, whether it compiled, the row it
+    """The loop of a helper process: read a job, compile it, answer (key, whether it compiled, the row it
     made, why not), until the parent closes the pipe."""
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
