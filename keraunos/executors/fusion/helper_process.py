@@ -117,8 +117,8 @@ _defaults: dict | None = None  # the Inductor config this process started with
 
 
 def serve() -> None:
-    """The loop of a helper process: read a job, compile it, answer (key, whether it compiled, the row it
-    made, why not), until the parent closes the pipe."""
+    """The loop of a helper process: read a job, compile it, answer (key, whether it
+    compiled, the row it made, why not), until the parent closes the pipe."""
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
     import torch._inductor.compile_fx  # noqa: F401
