@@ -160,14 +160,10 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
             for signature, script in mapper(_shrink_one, jobs_):
                 report.reproducers.setdefault(signature, []).append(script)
         else:
-            for signature, names_ in report.failures.items():
-                report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
-                                                 for name in names_[:per_kind]]
+            _as_generated(report, report.failures, per_kind)
         # Rounding is kept as generated (shrinking would classify every candidate again, with
         # torch.compile under fusion): the evidence is in the reproducer's comment.
-        for signature, names_ in report.rounding.items():
-            report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
-                                             for name in names_[:per_kind]]
+        _as_generated(report, report.rounding, per_kind)
     finally:
         if pool:
             pool.close()
@@ -342,12 +338,8 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
         runner.collect(drain_s)
     finally:
         _back_to_back = False
-    for signature, names_ in report.failures.items():
-        report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
-                                         for name in names_[:per_kind]]
-    for signature, names_ in report.rounding.items():
-        report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
-                                         for name in names_[:per_kind]]
+    _as_generated(report, report.failures, per_kind)
+    _as_generated(report, report.rounding, per_kind)
     report.notes.append(f"back to back in one process: {runner.eager_warned} programs ended "
                         f"early because an eager step warned (warnings are errors there); "
                         f"{len(runner.pending)} programs' fused compiles still under way at the "
@@ -359,3 +351,10 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
         report.notes += [f"  {n}: {o.check}" for n, o in errors[:100]]
     report.seconds = time.monotonic() - start
     return report
+
+
+def _as_generated(report, groups: dict, per_kind: int) -> None:
+    """Reproducers of up to ``per_kind`` programs of each signature in ``groups``, unshrunk."""
+    for signature, names_ in groups.items():
+        report.reproducers[signature] = [generate(name).reproducer(str(report.outcomes[name]))
+                                         for name in names_[:per_kind]]
