@@ -22,6 +22,7 @@ from .inspection import (cache_hits, cache_misses, compile_stats, last_backward_
                          last_cache_miss_reasons, last_epilogue_traces, last_fusions,
                          last_prologue_traces, last_traces, wait_for_fusion)
 from .version import __version__  # noqa: F401
+from .version import warn_if_untested as _warn_if_untested
 from .jit import set_dynamo_backend
 
 
@@ -40,3 +41,5 @@ __all__ = [
     "cache_hits", "cache_misses", "last_cache_miss_reasons", "compile_stats", "executors",
     "invalidate_module_structure", "report", "mark_dynamic", "mark_static", "state_of",
 ]
+
+_warn_if_untested()  # once: a torch release keraunos is not tested on

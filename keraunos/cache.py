@@ -62,6 +62,7 @@ class CacheEntry:
     # The native hit path's ``Hit`` of this entry, made once a jitted function's native
     # ``__call__`` first serves it (jit._native_hit): None where it cannot serve it.
     native_hit: object = NOT_ASKED
+    native_note: str | None = None   # why the native hit path does not serve it
     fusion_regions: list = field(default_factory=list)  # keraunos.last_fusions
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background

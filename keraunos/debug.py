@@ -183,6 +183,10 @@ def format_compile_stats(stats) -> str:
     else:
         lines.append(f"tier: {stats.tier}" + (f" ({stats.fusion_note})" if stats.fusion_note
                                                 else ""))
+    if stats.hit_path is not None:
+        lines.append(f"hit path: {stats.hit_path}")
+    if stats.kernel_build is not None:
+        lines.append(f"fused kernels built: {stats.kernel_build}")
     store = getattr(stats, "program_store", None)
     if store == "loaded":
         lines.append("program store: loaded (no capture ran; its prologue accepted the call)")

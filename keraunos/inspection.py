@@ -80,6 +80,7 @@ def compile_stats(jitted) -> CompileStats:
         return stats
     stats.fusion_note = getattr(entry, "fusion_note", None)
     stats.program_store = getattr(entry, "program_store", None)
+    stats.hit_path = _hit_path(state, entry)
     stats.tier = "fused" if getattr(entry, "fusion_regions", None) else "torch"
     tiering = getattr(entry, "tiering", None)
     if tiering is not None:
@@ -91,7 +92,28 @@ def compile_stats(jitted) -> CompileStats:
         if tiering.error is not None:
             stats.fusion_note = (f"the fused compile failed ({type(tiering.error).__name__}: "
                                  f"{tiering.error})")
+    if stats.tier == "fused":
+        from .executors.fusion import one_build
+        stats.kernel_build = one_build.describe()
     return stats
+
+
+def _hit_path(state, entry) -> str:
+    """Which hit path serves ``entry``'s calls: "native", or "python (<why>)"."""
+    from . import native
+    from .cache import NOT_ASKED
+    if state.native_front is None:
+        why = native.unavailable() if native.LOADER.module is None else (
+            "this callable's calls go through hooks, a profiler or a distributed wrapper")
+    elif not state.entries or entry is not state.entries[0]:
+        why = "the native hit path serves the first cache entry; this one is later"
+    elif entry.native_hit is NOT_ASKED:
+        why = "the native hit path has not met this entry yet"
+    elif entry.native_hit is None:
+        why = entry.native_note or "its prologue is not one the native hit path takes"
+    else:
+        return "native"
+    return f"python ({why})"
 
 
 def wait_for_fusion(jitted, timeout: float | None = None) -> bool:

@@ -87,6 +87,11 @@ class CompileStats:
     # What the program store did with the entry: "loaded" (no capture ran), "kept", or
     # "not kept: <why>" (program_store.py).
     program_store: str | None = None
+    # Which hit path serves the entry's calls: "native" (one C call checks and runs it), or
+    # "python (<why not native>)"; and, for a fused entry, how its C++ kernels were built:
+    # "one file per module", or "one by one (<why>)" (executors/fusion/one_build.py).
+    hit_path: str | None = None
+    kernel_build: str | None = None
 
     @property
     def compile_time(self) -> float:
@@ -386,14 +391,16 @@ def _native_hit(entry: CacheEntry):
     it checks what the prologue checks; the alias check and the epilogue must have nothing to
     do (``keraunos/native`` says which prologues it takes)."""
     if entry.native_hit is NOT_ASKED:
-        hit = None
+        hit = "its inputs may share memory, or its epilogue has work of its own"
         if (entry.alias_check is sharing_cannot_matter and entry.epilogue_traces
                 and returns_the_only_output(entry.epilogue_traces[-1])):
             try:
                 hit = native.hit_for(entry)
             except Exception as e:  # noqa: BLE001 - an unexpected guard object: Python
-                debug.logger.debug("keraunos: no native hit path for an entry: %s: %s",
-                                   type(e).__name__, e)
+                hit = f"{type(e).__name__}: {e}"
+        if isinstance(hit, str):
+            debug.logger.debug("keraunos: no native hit path for an entry: %s", hit)
+            entry.native_note, hit = hit, None
         entry.native_hit = hit
     return entry.native_hit
 

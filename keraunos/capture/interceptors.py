@@ -45,7 +45,13 @@ def _rng_recorder(name: str):
 _rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
 
 
-_function_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
+# The descriptor itself: a classmethod up to torch 2.13, a C ``classmethod_descriptor`` from 2.14.
+# Either binds to a Function subclass with ``__get__(None, cls)``.
+_function_apply = torch.autograd.Function.__dict__["apply"]
+
+
+def _original_apply(cls, args, kwargs):
+    return _function_apply.__get__(None, cls)(*args, **kwargs)
 
 
 def _inside_recorded_call() -> bool:
@@ -64,7 +70,7 @@ def _guarded_apply(cls, *args, **kwargs):
             # DTensor's from_local, to_local, redistribute: their backward is part of the
             # DTensor backward capture derives (capture/dtensor_autograd.py).
             ctx.dtensors.autograd = True
-            return _function_apply.__func__(cls, *args, **kwargs)
+            return _original_apply(cls, args, kwargs)
         raise CaptureError(
             f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
             f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "
@@ -72,7 +78,7 @@ def _guarded_apply(cls, *args, **kwargs):
             f"backward hooks work this way).\n  What to do: use "
             f"torch.utils.checkpoint(..., use_reentrant=False), register backward hooks outside "
             f"the jitted module, or call the Function outside the jitted function.")
-    return _function_apply.__func__(cls, *args, **kwargs)
+    return _original_apply(cls, args, kwargs)
 
 
 _guarded_apply_descriptor = classmethod(_guarded_apply)

@@ -82,13 +82,16 @@ MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
 # in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
 SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision", "inference mode")
 _MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
-# What dynamo's GlobalStateGuard compares (its serialized fields): the native hit records these
-# values to skip calling it (hit_path.cpp, ``Armed``); a torch whose guard compares anything
-# else keeps its entries on the Python hit path.
+# What dynamo's GlobalStateGuard may compare (its serialized fields): the native hit records the
+# values these depend on to skip calling it (hit_path.cpp, ``Armed``); a torch whose guard
+# compares anything else keeps its entries on the Python hit path. ``allow_tf32`` (to 2.14) and
+# ``cuda_matmul_precision`` (from 2.15) both derive from the CUDA matmul float32 precision, which
+# ``Armed`` records.
 GLOBAL_STATE_FIELDS = {"grad_mode", "autocast_state", "torch_function",
                        "torch_function_all_disabled", "deterministic_algorithms",
                        "deterministic_algorithms_warn_only", "allow_tf32", "allow_fp16_reduce",
-                       "allow_bf16_reduce", "num_threads", "default_dtype"}
+                       "allow_bf16_reduce", "num_threads", "default_dtype",
+                       "cuda_matmul_precision"}
 AUTOCAST_FIELDS = {"enabled", "dtype", "cached_enabled"}
 
 
@@ -308,15 +311,24 @@ def why_not(entry) -> str | None:
 
 
 def hit_for(entry):
-    """``entry``'s ``Hit`` (what its prologue checks, in C), or None where the native hit path
-    cannot serve it or is not loaded. The caller has checked the alias check and epilogue."""
+    """``entry``'s ``Hit`` (what its prologue checks, in C), or, in words, why the native hit
+    path cannot serve it. The caller has checked the alias check and epilogue."""
     loaded = LOADER.module
     if loaded is None:
-        return None
+        return unavailable()
     plan = _plan(entry)
     if isinstance(plan, str):
-        return None
+        return plan
     return loaded.Hit(**plan)
+
+
+def unavailable() -> str:
+    """Why the native hit path serves no call now (it is not loaded)."""
+    if LOADER.failed is not None:
+        return f"the native hit path is not available: {LOADER.failed}"
+    if not enabled():
+        return "the native hit path is off (KERAUNOS_NATIVE=0)"
+    return "the native hit path is still being built (a background job)"
 
 
 # Where each of the computation's inputs comes from (``Source`` in hit_path.cpp).
@@ -400,7 +412,7 @@ def _plan(entry):
     if nargs is None or not no_kwargs or global_guard is None:
         return "the prologue does not check the argument count, keywords and global state"
     fields = json.loads(global_guard.__getstate__())
-    if set(fields) != GLOBAL_STATE_FIELDS or set(fields["autocast_state"]) != AUTOCAST_FIELDS:
+    if not set(fields) <= GLOBAL_STATE_FIELDS or set(fields["autocast_state"]) != AUTOCAST_FIELDS:
         return f"this torch's GlobalStateGuard compares {sorted(fields)}"
     if not nargs or None in names or len(unpacked) != nargs:
         return "not every argument is unpacked once"

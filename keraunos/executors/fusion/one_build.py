@@ -34,11 +34,14 @@ from concurrent.futures import Future
 
 _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\(')
-_METHODS = re.compile(r"static PyMethodDef py_methods\[\] = \{.*?\}\};", re.DOTALL)
+# The method table of Inductor's template, around its one entry (braces doubled: a format string).
+_TABLE_OPEN = "static PyMethodDef py_methods[] = {{\n"
+_TABLE_CLOSE = "    {{NULL, NULL, 0, NULL}}}};"
 
-# Builds started (``start``): "merged" files of several kernels and the kernels in them, and
-# "alone" (a module with one kernel). Read by the tests.
-stats = {"merged": 0, "kernels": 0, "alone": 0}
+# Builds started (``start``): "merged" files of several kernels and the kernels in them, "alone"
+# (a module with one kernel), and "failed": merged builds that were built again one by one.
+stats = {"merged": 0, "kernels": 0, "alone": 0, "failed": 0}
+_first_failure: list[str] = []  # what the first failed merged build raised, in one line
 _local = threading.local()  # .batch: this thread's kernels met since the last wait, or None
 _install_lock = threading.Lock()
 _installed: list[bool] = []
@@ -131,8 +134,9 @@ def start():
             if results is None:
                 raise RuntimeError("the merged build did not start")
             built = results()
-        except Exception:  # noqa: BLE001 - each kernel alone, as Inductor builds it (raises
-            # what g++ says about a kernel that does not build, as without the merge)
+        except Exception as e:  # noqa: BLE001 - each kernel alone, as Inductor builds it
+            # (raises what g++ says about a kernel that does not build, as without the merge)
+            _failed(e)
             built = [Bindings.load_pybinding(k.argtypes, k.source) for k in kernels]
         for kernel, made in zip(kernels, built):
             kernel.set_result(made)
@@ -142,10 +146,32 @@ def start():
     return finish
 
 
+def _failed(error: Exception) -> None:
+    from ...debug import logger
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    stats["failed"] += 1
+    if not _first_failure:
+        _first_failure.append(f"{type(error).__name__}: {text}")
+    logger.debug("keraunos: a merged kernel build failed (%s: %s); its kernels are built one by "
+                 "one", type(error).__name__, text)
+
+
+def describe() -> str:
+    """How this process builds a fused module's C++ kernels: "one file per module", or why
+    some or all are built one by one (Inductor's own way, one g++ run per kernel)."""
+    if not usable():
+        return ("one by one (this torch's Inductor binding template is not the one keraunos "
+                "merges)")
+    if stats["failed"]:
+        return (f"one file per module, except {stats['failed']} merged build(s) that failed and "
+                f"were built one by one (the first: {_first_failure[0]})")
+    return "one file per module"
+
+
 def merged_source(kernels: list[Pending]) -> str:
     """One C++ file of every kernel, ``kernel`` of the i-th in namespace ``keraunos_kernel_{i}``,
     with a Python module ``kernel`` whose function ``k{i}`` calls it (Inductor's template)."""
-    pre, function, tail = _glue_parts()
+    pre, function, entry, tail = _glue_parts()
     from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
     parts = [_PREFIX]
     for i, kernel in enumerate(kernels):
@@ -159,27 +185,28 @@ def merged_source(kernels: list[Pending]) -> str:
         parts.append(function.format(
             entry_func=f"k{i}", arg_len=len(kernel.argtypes),
             call_entry_func=f"keraunos_kernel_{i}::kernel({parse}); Py_RETURN_NONE;"))
-    methods = "".join(f'    {{"k{i}", k{i}_py, METH_VARARGS, ""}},\n' for i in range(len(kernels)))
-    table = f"static PyMethodDef py_methods[] = {{\n{methods}    {{NULL, NULL, 0, NULL}}}};"
-    parts.append(_METHODS.sub(lambda _: table, tail.format(entry_func="kernel")))
+    methods = "".join(entry.format(entry_func=f"k{i}") for i in range(len(kernels)))
+    parts.append(_TABLE_OPEN.format() + methods + _TABLE_CLOSE.format()
+                 + tail.format(entry_func="kernel"))
     return "\n".join(parts)
 
 
 @functools.lru_cache(maxsize=None)
-def _glue_parts() -> tuple[str, str, str] | None:
-    """Inductor's binding template cut in three: what comes before the one function that parses
-    the arguments and calls the kernel, that function, and the module's table and init (None when
-    the template is not of that shape)."""
+def _glue_parts() -> tuple[str, str, str, str] | None:
+    """Inductor's binding template cut in four: what comes before the one function that parses
+    the arguments and calls the kernel, that function, the method table's entry for it (its
+    calling convention: ``METH_VARARGS`` to torch 2.14, ``METH_FASTCALL`` from 2.15), and what
+    follows the table (the module and its init). None when the template is not of that shape."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
     template = Bindings.suffix_template
     head, found, rest = template.partition("static PyObject* {entry_func}_py")
     if not found:
         return None
-    function, found, tail = rest.partition("static PyMethodDef py_methods[]")
+    function, found, table = rest.partition(_TABLE_OPEN)
     if not found or Bindings.entry_function != "kernel" or \
             Bindings.call_entry_function != "kernel({}); Py_RETURN_NONE;":
         return None
-    tail = "static PyMethodDef py_methods[]" + tail
-    if not _METHODS.search(tail.format(entry_func="kernel")):
+    entry, found, tail = table.partition(_TABLE_CLOSE)
+    if not found or "{entry_func}_py" not in entry:
         return None
-    return head, "static PyObject* {entry_func}_py" + function, tail
+    return head, "static PyObject* {entry_func}_py" + function, entry, tail
