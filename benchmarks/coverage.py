@@ -18,6 +18,7 @@ so the whole sweep with fusion takes hours; ``--ops`` and ``--max-samples`` make
 from __future__ import annotations
 
 import argparse
+import json
 import collections
 import concurrent.futures
 import contextlib
@@ -79,7 +80,14 @@ def main():
                         "(default: keraunos's default list)")
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="processes to split the ops over")
+    parser.add_argument("--json", default="", help="also write the pass rates to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="four ops, one sample each, and no markdown written unless "
+                        "--output names it: proves every path runs")
     args = parser.parse_args()
+    if args.quick:
+        args.ops, args.max_samples = args.ops or "add,mul,sum,exp", 1
     executors = [e for e in args.executors.split(",") if e] or None
     fusing = executors is not None and "inductor" in executors
     output = args.output or str(DOCS / ("coverage_fusion.md" if fusing else "coverage.md"))
@@ -115,12 +123,15 @@ def main():
                   f"(docs/coverage.md, 'With fusion', says why).", ""]
     lines += ["| category | passed | failed | not applicable | pass rate |",
               "|---|---|---|---|---|"]
+    json_rows = []
     for kind in KINDS:
         counts = collections.Counter(r.status for r in results[kind])
         applicable = counts["passed"] + counts["failed"]
         rate = counts["passed"] / applicable if applicable else 0.0
         lines.append(f"| {kind} | {counts['passed']} | {counts['failed']} | "
                      f"{counts['not applicable']} | {rate:.1%} |")
+        json_rows.append([kind, str(counts["passed"]), str(counts["failed"]),
+                          str(counts["not applicable"]), f"{rate:.1%}"])
         print(f"{kind:>9}: {counts['passed']} passed, {counts['failed']} failed, "
               f"{counts['not applicable']} not applicable ({rate:.1%} of applicable)")
     for kind in KINDS:
@@ -129,6 +140,12 @@ def main():
         lines += [f"- `{r.op}`: {r.message}" for r in failed] or ["(none)"]
     if not fusing:
         lines += ["", FUSION_SECTION]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tables": [{"columns": ["category", "passed", "failed", "not applicable",
+                                               "pass rate"], "rows": json_rows}]}, f, indent=1)
+    if args.quick and not args.output:
+        return
     pathlib.Path(output).write_text("\n".join(lines) + "\n")
     print(f"wrote {output} ({elapsed:.0f} s)")
 

@@ -28,6 +28,7 @@ has to show is in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import json
 import datetime
 import os
 import socket
@@ -182,16 +183,20 @@ def _time_systems(systems, args, rank, same_batches=False):
     return built
 
 
-def _report(title, built, rank):
+def _report(title, built, rank, tables=None):
+    """Prints the table (rank 0); with ``tables``, also appends it there as
+    benchmarks/report.py renders it."""
     if rank != 0:
         return
     eager = next(iter(built.values()))
     base = statistics.median(eager["times"]) if eager["error"] is None else None
+    rows = []
     print(f"\n{title}")
     print(f"  {'system':40s} {'step (median)':>14s} {'vs eager':>9s} {'first step':>11s}  losses")
     for name, b in built.items():
         if b["error"] is not None:
             print(f"  {name:40s} refused or failed: {b['error']}")
+            rows.append([name, "refused or failed", "-", "-", b["error"]])
             continue
         med = statistics.median(b["times"])
         same = all(torch.allclose(a, e, rtol=1e-4, atol=1e-5)
@@ -199,6 +204,12 @@ def _report(title, built, rank):
         ratio = f"{med / base:8.2f}x" if base else "        -"
         print(f"  {name:40s} {med * 1e3:11.2f} ms {ratio} {b['first']:9.2f} s  "
               f"{'as eager' if same else 'DIFFER'}")
+        rows.append([name, f"{med * 1e3:.2f} ms", ratio.strip(), f"{b['first']:.2f} s",
+                     "as eager" if same else "DIFFER"])
+    if tables is not None:
+        tables.append({"caption": title, "columns": ["system", "step (median)", "vs eager",
+                                                     "first step", "losses"],
+                       "rows": rows, "ratios_to": "eager"})
 
 
 def _rank_main(rank, world, port, args):
@@ -207,20 +218,25 @@ def _rank_main(rank, world, port, args):
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))  # compiles on busy machines
     sections = set(args.sections.split(","))
+    tables = []
     try:
         if "ddp" in sections:
             _report("DDP training step, 2 gloo ranks",
-                    _time_systems(_ddp_systems(args), args, rank), rank)
+                    _time_systems(_ddp_systems(args), args, rank), rank, tables)
         if "fsdp" in sections:
             from torch.distributed.device_mesh import init_device_mesh
             init_device_mesh("cpu", (world,))
             _report("FSDP2 training step, 2 gloo ranks",
-                    _time_systems(_fsdp_systems(args), args, rank), rank)
+                    _time_systems(_fsdp_systems(args), args, rank), rank, tables)
         if "tp" in sections:
             _report("Tensor parallel training step (MLPs column- then row-wise), 2 gloo ranks",
-                    _time_systems(_tp_systems(args), args, rank, same_batches=True), rank)
+                    _time_systems(_tp_systems(args), args, rank, same_batches=True), rank,
+                    tables)
     finally:
         dist.destroy_process_group()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tables": tables}, f, indent=1)
 
 
 def main():
@@ -235,7 +251,14 @@ def main():
                         help="DDP's bucket_cap_mb (default: DDP's, 25 MiB after a 1 MiB first)")
     parser.add_argument("--sections", default="ddp,fsdp,tp",
                         help="which of ddp, fsdp, tp to run (comma-separated)")
+    parser.add_argument("--json", default="", help="also write the tables to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round of 1 step after 1 warm-up step: proves every path runs, "
+                        "measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 1, 1, 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

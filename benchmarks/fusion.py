@@ -256,6 +256,37 @@ COLUMNS = """columns: compile cold / warm: compile + warm-up in seconds (the 2N 
   distinct kernels compiled for them."""
 
 
+def report_tables(rows: list) -> dict:
+    """The rows of ``--json`` as benchmarks/report.py renders them: one table per workload, one
+    row per system."""
+    tables = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload]
+        base = {r["system"]: _steady(r) for r in mine}
+        eager, compiled = base.get("eager"), base.get("torch.compile")
+        out = []
+        for row in mine:
+            cold, name = row["cold"], row["system"]
+            if "error" in cold:
+                out.append([name, "failed: " + cold["error"]] + ["-"] * 6)
+                continue
+            r = _steady(row)
+            warm = row["warm"] if row["warm"] and "compile" in row["warm"] else None
+            out.append([
+                name, _compile_seconds(cold["compile"]) if name in COMPILING else "-",
+                _compile_seconds(warm["compile"]) if warm else "-",
+                f"{r['median'] * 1e3:.3f} ms",
+                f"{r['median'] / eager['median']:.2f}x" if eager else "-",
+                f"{r['median'] / compiled['median']:.2f}x" if compiled else "-",
+                f"{cold['peak'] / 2**20:.1f}",
+                f"{cold['saved'] / 2**20:.2f}" if cold.get("saved") is not None else "-"])
+        tables.append({"caption": f"({workload}) {TITLES[workload]}",
+                       "columns": ["system", "compile + warm-up, cold", "warm", "per call",
+                                   "vs eager", "vs torch.compile", "peak MiB", "saved MiB"],
+                       "rows": out, "ratios_to": "eager, torch.compile"})
+    return {"tables": tables}
+
+
 def _table_line(row, eager, compiled) -> str:
     cold, name = row["cold"], row["system"]
     if "error" in cold:

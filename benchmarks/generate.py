@@ -149,7 +149,9 @@ def per_token(systems: dict[str, System], prompt: torch.Tensor, tokens: int,
 
 
 def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int,
-          repeats: int) -> None:
+          repeats: int) -> dict:
+    """system -> (compiles per prompt, tokens equal to eager's (or the error), seconds per
+    token or None)."""
     torch.manual_seed(1)
     prompt_ids = [torch.randint(1, 128, (n,)) for n in prompts]
     reference = [systems["eager"].generate(p, tokens).tolist() for p in prompt_ids]
@@ -181,6 +183,7 @@ def bench(name: str, systems: dict[str, System], prompts: list[int], tokens: int
         vs_compile = f"{t / compile_t:16.2f}x" if compile_t else ""
         print(f"  {system_name:<17} {str(compiles):<22} {verdict:<7} {t * 1e3:9.3f} ms "
               f"{vs_eager:>9} {vs_compile:>17}")
+    return rows
 
 
 def rss_bytes() -> int:
@@ -222,6 +225,26 @@ def memory_over_steps(steps: int) -> None:
               f"{(rss_bytes() - rss) / steps:15.1f} {compiles:9d}")
 
 
+def write_json(results: dict, path: str) -> None:
+    """The table as benchmarks/report.py renders it: one row per model and system."""
+    import json
+    rows = []
+    for model, systems in results.items():
+        eager_t = systems["eager"][2]
+        compile_t = systems.get("torch.compile", (None, None, None))[2]
+        for system, (compiles, same, t) in systems.items():
+            verdict = same if isinstance(same, str) else ("equal" if same else "DIFFER")
+            rows.append([f"{model}: {system}", " ".join(map(str, compiles)), verdict,
+                         f"{t * 1e3:.3f} ms" if t else "-",
+                         f"{t / eager_t:.2f}x" if t and eager_t else "-",
+                         f"{t / compile_t:.2f}x" if t and compile_t else "-"])
+    with open(path, "w") as f:
+        json.dump({"tables": [{"columns": ["model: system", "compiles per prompt",
+                                           "tokens vs eager", "per token", "vs eager",
+                                           "vs torch.compile"],
+                               "rows": rows, "ratios_to": "eager"}]}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama,gpt2,qwen2,mistral,litgpt")
@@ -234,18 +257,28 @@ def main() -> None:
                         help="also keraunos with the Inductor executor (keraunos+inductor)")
     parser.add_argument("--memory-steps", type=int, default=0,
                         help="also measure memory over this many decode steps (e.g. 1000)")
+    parser.add_argument("--json", default="", help="also write the table to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 tokens, 2 prompts, 1 repeat: proves every path runs, measures "
+                        "nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.prompts, args.repeats = 4, "7,11", 1
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # transformers' generation-config notices
     prompts = [int(n) for n in args.prompts.split(",")]
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread, "
           f"{args.cache} cache (Hugging Face models)")
+    results = {}
     for model in filter(None, args.models.split(",")):  # --models "" runs none
         if model == "litgpt":
             systems = litgpt_systems(not args.skip_compile, args.fusion)
         else:
             systems = hf_systems(model, args.cache, not args.skip_compile, args.fusion)
-        bench(model, systems, prompts, args.tokens, args.repeats)
+        results[model] = bench(model, systems, prompts, args.tokens, args.repeats)
+    if args.json:
+        write_json(results, args.json)
     if args.memory_steps:
         memory_over_steps(args.memory_steps)
 

@@ -33,6 +33,7 @@ eager's random numbers and a training step can be compared.
 from __future__ import annotations
 
 import argparse
+import json
 import copy
 import importlib
 import os
@@ -294,7 +295,13 @@ def parse_args():
                         help=f"comma-separated, of {list(SHORT)} (default: all); results are "
                              f"compared with eager's outputs, so eager always runs, untimed "
                              f"unless listed")
+    parser.add_argument("--json", default="", help="also write both tables to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 timed calls: proves every path runs, measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.iters = 3
     args.systems = [x for x in args.systems.split(",") if x]
     unknown = [x for x in args.systems if x not in SHORT]
     if unknown:
@@ -337,6 +344,39 @@ def main():
     if args.train:
         print_table("training step (zero_grad, forward, loss.backward(), AdamW.step(); train mode, "
                     "labels)", training_rows)
+    if args.json:
+        write_json({"inference": inference_rows, "training step": training_rows}, args.json)
+
+
+def write_json(tables: dict[str, dict[str, dict[str, Measured]]], path: str) -> None:
+    """Both tables as benchmarks/report.py renders them: one row per model, one column per
+    system, each cell the median per call and its ratio to Inductor's, paired round by round
+    (the median of this system's turn over Inductor's turn of the same round; "FAIL (...)" where the
+    result differs from eager's or the system failed)."""
+    out = []
+    for caption, rows in tables.items():
+        if not rows:
+            continue
+        systems = list(next(iter(rows.values())))
+        table_rows = []
+        for model_name, results in rows.items():
+            inductor = results.get(INDUCTOR)
+            cells = [model_name]
+            for label in systems:
+                m = results.get(label)
+                if m is None or m.error is not None or m.per_call_s is None:
+                    cells.append(f"FAIL ({m.error})" if m is not None and m.error else "-")
+                    continue
+                base = getattr(inductor, "per_call_s", None)
+                ratio = m.paired if m.paired is not None else (m.per_call_s / base
+                                                                if base else None)
+                cells.append(f"{m.per_call_s * 1e3:.3f} ms"
+                             + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+            table_rows.append(cells)
+        out.append({"caption": caption, "columns": ["model"] + systems, "rows": table_rows,
+                    "ratios_to": INDUCTOR})
+    with open(path, "w") as f:
+        json.dump({"tables": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ Part "prologue", two programs, medians over many calls:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -379,6 +380,17 @@ def bench_calls(calls: int, with_compile: bool, programs: list[str] | None = Non
     return results
 
 
+def write_json(results: dict, path: str) -> None:
+    """The per-call table as benchmarks/report.py renders it: one row per program, each cell
+    microseconds and the ratio to eager."""
+    systems = list(next(iter(results.values())))
+    rows = [[label] + [f"{times[s] * 1e6:.2f} us ({times[s] / times['eager']:.2f}x)"
+                       for s in systems] for label, times in results.items()]
+    with open(path, "w") as f:
+        json.dump({"tables": [{"columns": ["program"] + systems, "rows": rows,
+                               "ratios_to": "eager"}]}, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -389,13 +401,21 @@ def main():
                         f"(default all: {','.join(CALL_PROGRAMS)})")
     parser.add_argument("--systems", help="comma-separated columns of the per-call table besides "
                         f"eager (default all: {','.join(CALL_SYSTEMS)})")
+    parser.add_argument("--json", default="", help="also write the per-call table to this JSON "
+                        "file (what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{BLOCK * 5} calls: proves every path runs, measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.calls = BLOCK * 5
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, keraunos {keraunos.__version__}, 1 thread\n")
     if args.only != "prologue":
-        bench_calls(args.calls, not args.skip_compile,
-                    args.programs.split(",") if args.programs else None,
-                    args.systems.split(",") if args.systems else None)
+        results = bench_calls(args.calls, not args.skip_compile,
+                              args.programs.split(",") if args.programs else None,
+                              args.systems.split(",") if args.systems else None)
+        if args.json:
+            write_json(results, args.json)
     if args.only == "calls":
         return
     print()

@@ -62,7 +62,7 @@ def snapshot(label: str) -> tuple[float, float, int, int]:
     return figures
 
 
-def memory(calls: int, shapes: int, dynamic: bool | None) -> bool:
+def memory(calls: int, shapes: int, dynamic: bool | None, rows: list | None = None) -> bool:
     """``dynamic=False``: every size is compiled in, so with 40 shapes and 8 entries nearly every
     call compiles and evicts (the worst case for memory); ``None``: automatic dynamic sizes."""
     print(f"memory, jit(model, dynamic={dynamic}):")
@@ -80,7 +80,8 @@ def memory(calls: int, shapes: int, dynamic: bool | None) -> bool:
             jm(inputs[i % shapes])
         end = snapshot(f"after {calls} calls")
     tracemalloc.stop()
-    print(f"{'cache misses':>24}: {keraunos.cache_misses(jm)} of {calls} calls "
+    misses = keraunos.cache_misses(jm)
+    print(f"{'cache misses':>24}: {misses} of {calls} calls "
           f"(max_cache_entries=8, {shapes} shapes)")
     heap_growth = end[1] - start[1]
     flat = heap_growth < 2.0 and end[2] - start[2] < 50 and end[3] - start[3] < 50
@@ -90,10 +91,15 @@ def memory(calls: int, shapes: int, dynamic: bool | None) -> bool:
     gc.collect()
     freed = model_ref() is None and jm_ref() is None
     print(f"{'deleted module freed':>24}: {freed}")
+    if rows is not None:
+        rows.append([f"jit(model, dynamic={dynamic})", f"{calls}, {shapes} shapes",
+                     str(misses), f"{start[0]:.1f} MiB", f"{end[0]:.1f} MiB",
+                     f"{heap_growth:+.2f} MiB ({'flat' if flat else 'GROWS'})",
+                     "yes" if freed else "NO"])
     return flat and freed
 
 
-def threads(n_threads: int, per_thread: int) -> bool:
+def threads(n_threads: int, per_thread: int, rows: list | None = None) -> bool:
     torch.manual_seed(0)
     weight = torch.randn(16, 16, requires_grad=True)
 
@@ -120,6 +126,10 @@ def threads(n_threads: int, per_thread: int) -> bool:
     print(f"{'threads':>24}: {n_threads} x {per_thread} calls, {len(failures)} results differ "
           f"from eager, hits + misses = {total} (expected {n_threads * per_thread}), "
           f"misses {keraunos.cache_misses(jf)}")
+    if rows is not None:
+        rows.append([f"{n_threads} threads x {per_thread} calls", str(len(failures)),
+                     f"{total} (expected {n_threads * per_thread})",
+                     str(keraunos.cache_misses(jf))])
     return not failures and total == n_threads * per_thread
 
 
@@ -129,13 +139,32 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=40)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--per-thread", type=int, default=500)
+    parser.add_argument("--json", default="", help="also write the figures to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="500 calls, 2 threads x 20: proves every path runs")
     args = parser.parse_args()
+    if args.quick:
+        args.calls, args.threads, args.per_thread = 500, 2, 20
     torch.set_num_threads(1)
     import warnings
     warnings.simplefilter("ignore")  # the one-time "recompiling often" warning is expected here
-    ok = memory(args.calls, args.shapes, dynamic=False)
-    ok = memory(args.calls, args.shapes, dynamic=None) and ok
-    ok = threads(args.threads, args.per_thread) and ok
+    memory_rows, thread_rows = [], []
+    ok = memory(args.calls, args.shapes, dynamic=False, rows=memory_rows)
+    ok = memory(args.calls, args.shapes, dynamic=None, rows=memory_rows) and ok
+    ok = threads(args.threads, args.per_thread, thread_rows) and ok
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"tables": [
+                {"caption": "memory over many compilations and evictions",
+                 "columns": ["jitted module", "calls", "compilations", "RSS after warm-up",
+                             "RSS at the end", "Python heap growth", "deleted module freed"],
+                 "rows": memory_rows},
+                {"caption": "threads: one jitted function, mixed shapes, grad on and off",
+                 "columns": ["threads", "results differing from eager", "hits + misses",
+                             "compilations"],
+                 "rows": thread_rows}]}, f, indent=1)
     raise SystemExit(0 if ok else 1)
 
 

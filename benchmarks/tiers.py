@@ -33,6 +33,7 @@ process). Ratios are to regional ``torch.compile`` measured in the same run (or 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -52,6 +53,7 @@ SYSTEMS = ("eager", "keraunos", "keraunos-alone", "keraunos-nostore", "keraunos-
 MODELS = ("gpt", "llama32", "llama2-4", "resnet18", "mobilenet_v3_small", "efficientnet_b0",
           "tiny", "one-op")
 ASYNC_WAIT_S = 900  # regional-async: calls keep running eagerly at most this long
+LITGPT_MODELS = ("llama32", "llama2-4")
 NEVER_FUSED = ("eager", "keraunos-torch")  # their "fused" columns are shown as "-"
 COLUMNS = (("first", "first result"), ("fused", "all fused"), ("restart first", "restart first"),
            ("restart fused", "restart fused"), ("call", "per call"))
@@ -241,6 +243,32 @@ def table(rows: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def json_table(rows: dict) -> dict:
+    """The table as benchmarks/report.py renders it: columns, and one row of cells per system."""
+    anchor, anchor_name = _anchor(rows)
+    table_rows = []
+    for system, row in rows.items():
+        if row is None:
+            table_rows.append([system] + ["failed"] * len(COLUMNS))
+            continue
+        cells = [system]
+        for key, _ in COLUMNS:
+            if system in NEVER_FUSED and "fused" in key:
+                cells.append("-")
+                continue
+            value = f"{row[key] * 1e3:.1f} ms" if key == "call" else f"{row[key]:.2f} s"
+            cells.append(value + (f" ({row[key] / anchor[key]:.2f}x)" if anchor else ""))
+        table_rows.append(cells)
+    columns = ["system"] + [label for _, label in COLUMNS]
+    return {"tables": [{"columns": columns, "rows": table_rows,
+                        "ratios_to": anchor_name or ""}]}
+
+
+def write_json(rows: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(json_table(rows), f, indent=1)
+
+
 def chart(rows: dict, title: str, path: str) -> bool:
     """Bars of each system's columns as ratios to regional torch.compile's (or whole-model's)."""
     anchor, anchor_name = _anchor(rows)
@@ -286,14 +314,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--chart", default="", help="also draw a PNG chart here")
+    parser.add_argument("--json", default="", help="also write the table to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 calls: proves every path runs, measures nothing")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.calls = 3
     if args.child:
         print(json.dumps(child(args.child, args)))
         return 0
     unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.model in LITGPT_MODELS and importlib.util.find_spec("litgpt") is None:
+        print(f"keraunos bench tiers: --model {args.model} builds a litgpt model, and litgpt is "
+              "not installed: pip install 'keraunos[bench]'", file=sys.stderr)
+        return 2
     shape = (f"{args.layers} layers, width {args.width}, (1, {args.seq})" if args.model == "gpt"
              else "")
     title = (f"{args.model} {shape} {'training step' if args.train else 'no_grad'} on "
@@ -301,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
              f"each system cold in its own process, then a restart on the same cache dir")
     rows = measure_all(args)
     print(table(rows, title))
+    if args.json:
+        write_json(rows, args.json)
     if args.chart and chart(rows, title, args.chart):
         print(f"chart written to {args.chart}")
     return 0 if all(row is not None for row in rows.values()) else 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -119,7 +120,13 @@ def main():
                         help="compile the optimizer step too (keraunos.jit / torch.compile)")
     parser.add_argument("--optimizer-only", action="store_true",
                         help="time the AdamW step alone (eager, keraunos, torch.compile, fused)")
+    parser.add_argument("--json", default="", help="also write the table to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="N = 2: proves every path runs, measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.iters = 2
     torch.set_num_threads(1)
     base = make_model(args.layers, args.width)
     idx = torch.randint(0, 512, (1, 64))
@@ -178,6 +185,23 @@ def main():
               f"{results['keraunos'][0] / results['torch.compile'][0]:.3f}")
     print(f"  loss after {2 * args.iters + 1} steps: " +
           ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
+    if args.json:
+        write_json(results, interleaved, base_name, losses, args.json)
+
+
+def write_json(results: dict, interleaved: dict, base_name: str, losses: dict,
+               path: str) -> None:
+    """The table as benchmarks/report.py renders it: one row per system."""
+    eager = results["eager"]
+    rows = [[name, f"{r[0]:.2f} s", f"{interleaved[name] * 1e3:.2f} ms",
+             f"{interleaved[name] / interleaved[base_name]:.2f}x",
+             f"{r[3] / 2**20:.2f} MiB ({r[3] / eager[3]:.2f}x)" if len(r) > 3 else "n/a",
+             f"{losses[name]:.5f}"] for name, r in results.items()]
+    with open(path, "w") as f:
+        json.dump({"tables": [{"columns": ["system", "compile + warm-up", "step, in turns",
+                                           f"vs {base_name}", "saved for backward (vs eager)",
+                                           "loss after the steps"],
+                               "rows": rows, "ratios_to": base_name}]}, f, indent=1)
 
 
 if __name__ == "__main__":

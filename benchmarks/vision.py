@@ -8,7 +8,7 @@ Run: python benchmarks/vision.py [--models resnet18,mobilenet_v3_small,efficient
 Random weights, a batch of ``--batch`` images of ``--size`` pixels, one intra-op thread. keraunos
 runs with ``fuse="wait"`` (the program the default switches to once fused; benchmarks/tiers.py
 times the switch). Prints each median and its ratio to torch.compile's. torchvision is imported
-by ``keraunos.testing.vision.import_torchvision`` (README: how it is installed on these machines).
+by ``keraunos.testing.vision.import_torchvision`` (docs/getting_started.md: how it is installed on these machines).
 
 ``--channels-last`` gives every system the model and the input in channels-last memory format
 (``model.to(memory_format=torch.channels_last)``): then keraunos's regions need no layout
@@ -142,7 +142,13 @@ def main() -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then profile N calls of each system, in turns: each op's self "
                              "time per call")
+    parser.add_argument("--json", default="", help="also write the table to this JSON file "
+                        "(what benchmarks/report.py renders)")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 rounds: proves every path runs, measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 3
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 3, args.size, args.size)
     if args.channels_last:
@@ -161,7 +167,22 @@ def main() -> int:
         base = medians["torch.compile"]
         print(f"  {name:<20} {mode:<6} " + "  ".join(
             f"{system} {t * 1e3:8.2f} ms ({t / base:.2f}x)" for system, t in medians.items()))
+    if args.json:
+        write_json(results, args.json)
     return 0
+
+
+def write_json(results: list, path: str) -> None:
+    """The table as benchmarks/report.py renders it: one row per model and mode, each cell the
+    median and its ratio to torch.compile's."""
+    import json
+    systems = list(results[0][2])
+    rows = [[f"{name} {mode}"] + [f"{medians[s] * 1e3:.2f} ms "
+                                  f"({medians[s] / medians['torch.compile']:.2f}x)"
+                                  for s in systems] for name, mode, medians in results]
+    with open(path, "w") as f:
+        json.dump({"tables": [{"columns": ["model"] + systems, "rows": rows,
+                               "ratios_to": "torch.compile"}]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import re
 
 import torch
 
+from doc_examples import python_blocks
 from helpers import check_grads
 import keraunos
 
@@ -11,8 +12,7 @@ DOC = pathlib.Path(__file__).parent.parent / "docs" / "architecture.md"
 
 
 def _doc_example(title: str) -> str:
-    section = DOC.read_text().split(f"## {title}", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return python_blocks(DOC.read_text().split(f"## {title}", 1)[1])[0]
 
 
 def test_doc_example_pass_drops_double_negation(capsys):

@@ -2,7 +2,7 @@
 
 The browser tests load the page in Debian's ``chromium`` (installed by scripts/setup.sh) and skip,
 saying why, when it is not there. ``KERAUNOS_UPDATE_DOCS=1`` makes them rewrite docs/report.png,
-the screenshot the README shows (it is also written when missing).
+the screenshot docs/guide.md shows (it is also written when missing).
 """
 from __future__ import annotations
 
