@@ -150,7 +150,7 @@ SMALL_CASES = ("tiny", "mlp", "mlp-grad", "symbolic")
 
 
 def _small_step(case: str, label: str):
-    """Issue 28's per-call cases: ``tiny`` is ``(x * 2 + 1).relu()`` on a (4,) tensor, ``mlp`` an
+    """The per-call cases of benchmarks/overhead.py: ``tiny`` is ``(x * 2 + 1).relu()`` on a (4,) tensor, ``mlp`` an
     8-16-8 MLP under ``no_grad`` and ``mlp-grad`` the same in grad mode (no backward)."""
     import torch
 

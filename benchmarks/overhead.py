@@ -6,7 +6,7 @@ Run: python benchmarks/overhead.py [--calls N] [--skip-compile] [--only calls | 
 Every figure is measured in this one run, one intra-op thread (torch.set_num_threads(1)).
 ``--skip-compile`` leaves every torch.compile system out; ``--only`` runs one of the two parts.
 
-Part "calls" (issue 28): per-call time of four programs under five systems. Every compiled system
+Part "calls": per-call time of four programs under five systems. Every compiled system
 must give eager's output once (torch.testing.assert_close) before it is timed (the keraunos
 backend's background fusion is waited for, so the program it settles on is timed); then the systems
 take turns, blocks of calls each, the order rotating every round, so a change of the machine's
@@ -22,8 +22,8 @@ Programs (rows):
 Systems (columns): ``eager``; ``keraunos.jit`` (``keraunos.jit(m, fuse="off")``); ``backend``
 (``torch.compile(m, backend="keraunos")``); ``inductor`` (``torch.compile(m)``); ``dynamo``
 (``torch.compile(m, backend="eager")``: Dynamo's own cost). Each cell is microseconds and the
-ratio to eager; the issue's ratios follow: keraunos.jit / eager, backend / inductor and
-backend / keraunos.jit (the one the issue asks of the decode step).
+ratio to eager; three ratios follow: keraunos.jit / eager, backend / inductor and
+backend / keraunos.jit.
 
 Part "prologue", two programs, medians over many calls:
 - a tiny function, gelu(x @ y + 1).sum(-1) with x 4x8 and y 8x8: whole-call time; and its cache
@@ -353,7 +353,7 @@ def cell(seconds: float, reference: float) -> str:
 
 def bench_calls(calls: int, with_compile: bool, programs: list[str] | None = None,
                 systems: list[str] | None = None):
-    """Issue 28's table: per-call time of each program under each system, all in this run."""
+    """The per-call table: per-call time of each program under each system, all in this run."""
     # The three torch.compile systems keep their entries under the same code objects (the MLP's
     # forward, the GPT's): room for them all, and for a decode step that recompiles.
     torch._dynamo.config.cache_size_limit = 64
@@ -371,7 +371,7 @@ def bench_calls(calls: int, with_compile: bool, programs: list[str] | None = Non
     ratios = [("keraunos.jit / eager", "keraunos.jit", "eager"),
               ("backend / inductor", "backend", "inductor"),
               ("backend / keraunos.jit", "backend", "keraunos.jit")]
-    print("\nissue 28 ratios")
+    print("\nratios")
     print(f"  {'':10}" + "".join(f"{name:>24}" for name, _, _ in ratios))
     for label, times in results.items():
         print(f"  {label:10}" + "".join(

@@ -18,7 +18,7 @@ both systems' steps (no profiler): the step's ``aten::mm`` calls with the shapes
 torch.compile's step (read from one profiled step of it), its flash-attention kernels forward and
 backward, the loss (``cross_entropy``, eager on every side), ``zero_grad`` and the eager AdamW
 step. Their sum is a lower bound on any step with the same BLAS and the eager optimizer; against
-0.9x torch.compile's step it says how much room the issue 23 target leaves. With
+0.9x torch.compile's step it says how much room such a target leaves. With
 --compile-optimizer both sides compile AdamW's step (as ``train.py --compile-optimizer``), and the
 floor's optimizer step is torch.compile's.
 """

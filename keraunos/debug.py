@@ -82,7 +82,7 @@ class Compilation:
 
 
 _history: "weakref.WeakKeyDictionary[object, list[Compilation]]" = weakref.WeakKeyDictionary()
-_folder: list[str] = []  # the session's debug folder, made on first use
+_folder: list[str] = []  # this process's debug folder, made on first use
 _folder_numbers = itertools.count(1)
 
 

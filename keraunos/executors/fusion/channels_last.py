@@ -6,7 +6,7 @@ channels-last from one convolution to the next; a region is a graph of its own, 
 outputs keep eager's layout (the trace's strides), so under Inductor's choice every call of a
 region copies its input activations and its convolution weights into channels-last, and its
 outputs back (in training: every activation the forward saves for the backward). Measured on
-torchvision's models (docs/benchmarks.md, "Vision" and the nineteenth session), batch 2, one
+torchvision's models (docs/benchmarks.md, "The model zoo and torchvision"), batch 2, one
 intra-op thread:
 
 - dense convolutions (resnet18): the copies cost more than channels-last gains; in eager's
