@@ -298,10 +298,13 @@ def parse_args():
     parser.add_argument("--json", default="", help="also write both tables to this JSON file "
                         "(what benchmarks/report.py renders)")
     parser.add_argument("--quick", action="store_true",
-                        help="3 timed calls: proves every path runs, measures nothing")
+                        help="3 timed calls, llama alone unless --models says otherwise: "
+                        "proves every path runs, measures nothing")
     args = parser.parse_args()
-    if args.quick:
+    if args.quick:  # one model unless --models names others
         args.iters = 3
+        if args.models == ",".join(ZOO):
+            args.models = "llama"
     args.systems = [x for x in args.systems.split(",") if x]
     unknown = [x for x in args.systems if x not in SHORT]
     if unknown:
