@@ -88,7 +88,7 @@ def test_fx_tracing_flag_probe_and_round_trip():
     assert fx.tracing() is False
     fx.set_tracing(True)
     try:
-        assert fx.tracing() is True or fx.flag_is_per_thread()
+        assert fx.tracing() is True
     finally:
         fx.set_tracing(False)
     assert fx.tracing() is False
