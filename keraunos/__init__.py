@@ -27,7 +27,7 @@ from .jit import set_dynamo_backend
 
 
 def _dynamo_backend():
-    from .dynamo import backend  # imports torch._dynamo: only when a program falls back
+    from .dynamo import backend  # imports dynamo: only when a program falls back
     return backend
 
 

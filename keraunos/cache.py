@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from .core.trace import Trace
+from .torch_internals import dispatch
 
 
 class _NotAsked:
@@ -89,8 +90,8 @@ def sharing_of(entry: CacheEntry, inputs: Sequence) -> tuple | None:
     return storage_alias_pattern([inputs[i] for i in positions])
 
 
-_is_alias_of = torch._C._is_alias_of
-_storage_id = torch._C._storage_id  # the StorageImpl: what _is_alias_of compares
+_is_alias_of = dispatch.is_alias_of
+_storage_id = dispatch.storage_id  # the StorageImpl: what _is_alias_of compares
 
 
 def storage_alias_pattern(inputs: Sequence) -> tuple | None:

@@ -132,7 +132,7 @@ def bench(argv: list[str]) -> int:
 def _inductor_cache_dir() -> pathlib.Path:
     """Where Inductor keeps its C++/Triton kernels, found without creating it (its
     ``cache_dir()`` makes the directory and sets TORCHINDUCTOR_CACHE_DIR)."""
-    from torch._inductor.runtime import cache_dir_utils
+    from .torch_internals.inductor import cache_dir_utils
     return pathlib.Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
                         or cache_dir_utils.default_cache_dir()).absolute()
 

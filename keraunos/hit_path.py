@@ -12,10 +12,11 @@ from .cache import CacheEntry, storage_alias_pattern
 from .core import glue
 from .core.trace import Trace
 from .passes.fast_prologue import ReturnInputs
+from .torch_internals import dispatch
 
 
 # ------------------------------------------------------------------------- storage aliases
-_is_alias_of = torch._C._is_alias_of
+_is_alias_of = dispatch.is_alias_of
 
 
 def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
@@ -30,7 +31,7 @@ def check_storage_aliases(entry: CacheEntry, inputs: Sequence) -> bool:
     return entry.alias_check(inputs)
 
 
-_storage_use_count = torch._C._storage_Use_Count
+_storage_use_count = dispatch.storage_use_count
 
 
 def _alone(t: torch.Tensor) -> bool:

@@ -59,6 +59,8 @@ from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_s
 from .pipeline import compile_entry
 from .rebind import rebind_entry
 from .tiers import FuseMode, default_mode
+from .torch_internals import autograd as autograd_internals
+from .torch_internals.functorch import is_functorch_wrapped_tensor
 from .transforms import Transform
 
 
@@ -504,14 +506,14 @@ def _compile(state: _JitState, args: tuple, kwargs: dict) -> CacheEntry:
     if shared is not None:
         return shared
     stashed = []
-    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+    while (top := autograd_internals.top_saved_tensors_hooks(True)) is not None:
         stashed.append(top)
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        autograd_internals.pop_saved_tensors_hooks()
     try:
         return _compile_exact_or_symbolic(state, args, kwargs)
     finally:
         for pack, unpack in reversed(stashed):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+            autograd_internals.push_saved_tensors_hooks(pack, unpack)
 
 
 def _entry_of_an_identical_unit(state: _JitState, args: tuple,
@@ -573,7 +575,7 @@ def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> C
     return entry
 
 
-_is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+_is_functorch_tensor = is_functorch_wrapped_tensor
 
 
 def _under_function_transform(args: tuple, kwargs: dict) -> bool:
@@ -623,7 +625,7 @@ def set_dynamo_backend(load: Callable[[], Callable]) -> None:
 def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     """An entry that runs the program through torch.compile with the keraunos backend, with
     this callable's executors and transforms; warns once, naming the line that forced it."""
-    backend = _dynamo_backend()  # imports torch._dynamo: only paid by programs that fall back
+    backend = _dynamo_backend()  # imports dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
     compiled = torch.compile(target, backend=backend(executors=state.options.executors,
                                                      transforms=state.options.transforms,

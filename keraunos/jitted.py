@@ -662,7 +662,7 @@ class _UnitsState(_JitState):
 
 def _jit_fsdp(model: torch.nn.Module, options: JitOptions) -> JittedModule:
     """``keraunos.jit`` of a model with ``fully_shard`` units (FSDP2). FSDP2's hooks are
-    ``torch._dynamo.disable``d: they all-gather, reshard, cast for mixed precision and
+    kept out of dynamo (its ``disable``): they all-gather, reshard, cast for mixed precision and
     reduce-scatter gradients, and must run eagerly, as they do under ``torch.compile``. Capture
     has no graph breaks, so what is compiled is each *innermost* unit's own ``forward`` (a unit
     with no unit inside it, e.g. each transformer block), captured from the forward itself, not

@@ -16,6 +16,8 @@ import types
 
 import torch
 
+from .torch_internals.dispatch import OpOverload, OpOverloadPacket
+
 
 class Unstorable(Exception):
     """Why a program is not kept (or not looked up): said in ``compile_stats``."""
@@ -273,7 +275,7 @@ class _Fingerprint:
         elif isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
             self.parts.append(("builtin function", name, getattr(v, "__module__", None),
                                getattr(v, "__qualname__", repr(v))))
-        elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        elif isinstance(v, (OpOverload, OpOverloadPacket)):
             self.parts.append(("op", name, str(v)))
         elif isinstance(v, torch.nn.Module):
             # A module read by name (a function closing over a model, an activation module

@@ -44,12 +44,12 @@ from typing import Callable
 
 import sympy
 import torch
-from torch._guards import ShapeGuard, SLoc
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._sympy.value_ranges import ValueRanges
 
 from . import background
 from . import program_places as places, store
+from .torch_internals.dispatch import OpOverload, OpOverloadPacket, dispatch_keys
+from .torch_internals.dynamo import GlobalStateGuard
+from .torch_internals.fake import ShapeEnv, ShapeGuard, SLoc, ValueRanges
 from .program_fingerprint import (_SIMPLE, Unstorable, _tensor, code_fingerprint,
                                   function_fingerprint)
 from .capture.symbolic import Symbols
@@ -113,7 +113,7 @@ def _keraunos_source_hash() -> str:
 
 
 def _global_state() -> tuple:
-    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    guard = GlobalStateGuard()
     return (guard.__getstate__(), torch.is_inference_mode_enabled(),
             torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype())
 
@@ -250,13 +250,13 @@ class _Pickler(pickle.Pickler):
             if type(target) in (torch.Tensor, torch.nn.Parameter):
                 # A tensor of the call (a check's example): what a loading call's tensor
                 # must be like to stand in for it (``_with_call_example``).
-                return _TensorKind, (type(target), str(torch._C._dispatch_keys(target)))
+                return _TensorKind, (type(target), str(dispatch_keys(target)))
             return _dead_reference, ()
         if isinstance(obj, logging.Logger):
             # a logger whose calls the program replays (transformers' ``warning_once``): by
             # its name, as ``logging`` pickles it (an unnamed one raises, so is not kept)
             return obj.__reduce__()
-        if t is torch._C._dynamo.guards.GlobalStateGuard:
+        if t is GlobalStateGuard:
             return _global_state_guard, (obj.__getstate__(),)
         if isinstance(obj, torch.Tensor):
             raise Unstorable(f"a tensor that is not the module's ({type(obj).__qualname__})")
@@ -269,15 +269,15 @@ class _Pickler(pickle.Pickler):
             # class it stands in for
             return _identity, (obj.__mro__[1],)
         if t is types.BuiltinFunctionType and type(obj.__self__).__module__ == "pybind11_builtins":
-            # torch's C++ functions bound with pybind11 (``torch._C._get_...``): by module and
+            # torch's C++ functions bound with pybind11 (the C extension's ``_get_...``): by module and
             # name, where that leads back to the object
             module = sys.modules.get(obj.__module__ or "")
             if module is None or getattr(module, obj.__name__, None) is not obj:
                 raise Unstorable(f"the C++ function {obj.__module__}.{obj.__name__}")
             return getattr, (module, obj.__name__)
-        if t is torch._ops.OpOverload:  # by name, found again in ``torch.ops``
+        if t is OpOverload:  # by name, found again in ``torch.ops``
             return _op, (obj._schema.name, obj._overloadname)
-        if t is torch._ops.OpOverloadPacket:
+        if t is OpOverloadPacket:
             return _op, (obj._qualified_op_name, None)
         if isinstance(obj, (type, types.BuiltinFunctionType)):
             return NotImplemented  # by name
@@ -400,7 +400,7 @@ def _with_call_example(line, value_of: dict):
     if line.symbol is not glue.CHECK_TENSOR or type(kind) is not _TensorKind:
         return line
     tensor = value_of.get(line.args[0].name)
-    if type(tensor) is not kind.cls or str(torch._C._dispatch_keys(tensor)) != kind.keys:
+    if type(tensor) is not kind.cls or str(dispatch_keys(tensor)) != kind.keys:
         return line
     return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
 
@@ -463,7 +463,7 @@ _DEAD = _nothing  # a weak reference whose object is gone (called, it gives None
 
 
 def _global_state_guard(state: str):
-    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    guard = GlobalStateGuard()
     guard.__setstate__(state)
     return guard
 

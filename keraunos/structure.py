@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .torch_internals import patching
+
 
 class _Token:
     """A fresh token per change. Not ``object()``: dynamo traces the global registration hook
@@ -86,12 +88,9 @@ def install() -> None:
     torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
     torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
-    for name in _HOOK_REGISTRATION:
-        setattr(torch.nn.Module, name, _invalidating(getattr(torch.nn.Module, name)))
-    for name in _GLOBAL_HOOK_REGISTRATION:
-        setattr(_module_module, name, _invalidating(getattr(_module_module, name)))
-    handle = torch.utils.hooks.RemovableHandle
-    handle.remove = _invalidating(handle.remove)
+    patching.wrap_for_good(torch.nn.Module, _HOOK_REGISTRATION, _invalidating)
+    patching.wrap_for_good(_module_module, _GLOBAL_HOOK_REGISTRATION, _invalidating)
+    patching.wrap_for_good(torch.utils.hooks.RemovableHandle, ("remove",), _invalidating)
     _tree_token[0] = _Token()
 
 

@@ -39,6 +39,7 @@ from torch.testing import assert_close
 import keraunos
 from keraunos.executors.fusion.compiler import toolchain_problem
 from keraunos.testing.fuzz import process_state
+from keraunos.torch_internals import fx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's keraunos
 WAIT_S = 300  # a cold fused compile on a loaded 2-core machine: generous, never reached when healthy
@@ -151,7 +152,7 @@ def _check_premise(jitted) -> None:
     if not _compiling(jitted):
         pytest.fail("the premise: the fused tier should still be compiling after the first "
                     f"call, but it is done ({_fusion_problem(jitted) or 'it compiled'}); "
-                    f"torch.fx tracing flag: {torch.fx._symbolic_trace._is_fx_tracing_flag}")
+                    f"torch.fx tracing flag: {fx.tracing()}")
 
 
 # ------------------------------------------------------------------------ import keraunos

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..torch_internals.functorch import transforms_active as _transforms_active
+
 
 class KeraunosFunction(torch.autograd.Function):
     @staticmethod
@@ -109,7 +111,7 @@ def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split
     # a hit passed the prologue's tensor checks, whose dispatch keys tell any functorch wrapper
     # apart, so outside transforms the C apply gets them directly; inside one, ``apply`` as is.
     apply_in_c = super(torch.autograd.Function, KeraunosFunction).apply
-    transforms_active = torch._C._are_functorch_transforms_active
+    transforms_active = _transforms_active
 
     def computation_with_autograd(*inputs):
         if transforms_active():
@@ -239,7 +241,7 @@ def make_segmented_computation(forward_fn: Callable, segment_fns: list[Callable]
                                   device)
     first, last = len(plan.segments) - 1, 0
     node_inputs = [s.inputs for s in plan.segments]
-    transforms_active = torch._C._are_functorch_transforms_active
+    transforms_active = _transforms_active
     applies = [(n.apply, super(torch.autograd.Function, n).apply)
                for n in (_FirstNode, _MiddleNode, _OutputNode)]
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..core.autograd_graph import leaves_reached
 from ..core.symbolic import SymbolicValue
@@ -24,6 +22,8 @@ from ..core.interpreter import SKIP, Interpreter
 from ..core.proxies import NumberProxy, TensorProxy
 from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
+from ..torch_internals.autograd import set_grad_enabled
+from ..torch_internals.fake import FakeTensorMode, ShapeEnv
 from .rules import rule_for
 
 
@@ -153,7 +153,7 @@ def record_joint(computation: Trace) -> Joint:
                                              allow_unused=True)) if differentiable else \
                 [None] * len(needs_grad)
     finally:
-        torch._C._set_grad_enabled(state)
+        set_grad_enabled(state)
     return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, forward.outputs,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode],
                  reached_from=_reached_from(inputs, [outputs[i] for i in differentiable]),
@@ -194,6 +194,6 @@ _RNG_STATE = (torch.manual_seed, torch.get_rng_state, torch.set_rng_state)
 def _apply_state(bsym) -> None:
     for i, value in bsym.args[0]:
         if i == 0:
-            torch._C._set_grad_enabled(value)
+            set_grad_enabled(value)
         else:
             raise NotImplementedError("autocast switches inside an autograd computation")

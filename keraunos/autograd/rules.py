@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from ..torch_internals import dispatch
+
 # The op as capture records it (``TorchSymbol.fn``) -> a function with the op's signature that
 # computes it through an autograd.Function of ours.
 DERIVATIVE_RULES: dict[Callable, Callable] = {}
@@ -75,15 +77,15 @@ def _layer_norm_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 # tensors exist in any grad mode (and which fusion regions can take).
 def _without_onednn(op: Callable) -> Callable:
     def rule(*args, **kwargs):
-        enabled = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)
+        enabled = dispatch.get_mkldnn_enabled()
+        dispatch.set_mkldnn_enabled(False)
         try:
             return op(*args, **kwargs)
         finally:
-            torch._C._set_mkldnn_enabled(enabled)
+            dispatch.set_mkldnn_enabled(enabled)
     rule.__name__ = f"{op.__name__}_without_onednn"
     return rule
 
 
-for _rnn in (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu):
+for _rnn in dispatch.RNN_OPS:
     derivative_rule(_rnn)(_without_onednn(_rnn))

@@ -12,7 +12,7 @@ the prologue checks it, the miss explanation names it. Entries that dynamo's C++
 all of them); the rest are one Python comparison each, calling the C function that reads the
 setting by a name of the prologue's own (``_get_autocast_dtype('cpu')``): ``torch.x`` costs a
 module attribute lookup per call, and ``torch.get_float32_matmul_precision`` is a Python wrapper
-around ``torch._C._get_float32_matmul_precision``.
+around the C extension's ``_get_float32_matmul_precision``.
 
 Inference mode needs no check of its own where the prologue checks a tensor's metadata in C++
 (``implied_by_tensor_checks``): dynamo's tensor guards compare each tensor's dispatch keys as the
@@ -28,10 +28,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-try:
-    from torch._C._dynamo.guards import GlobalStateGuard
-except ImportError:  # a build without dynamo's guards: every entry is checked in Python
-    GlobalStateGuard = None
+from ..torch_internals import dispatch
+from ..torch_internals.dynamo import GlobalStateGuard  # None in a build without dynamo's guards
 
 
 @dataclass(frozen=True)
@@ -85,9 +83,9 @@ def _float32_matmul_precision() -> str | tuple[str, ...]:
     (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), torch's getter raises (it has no
     one name for them) and the precisions are read one by one instead."""
     try:
-        return torch._C._get_float32_matmul_precision()
+        return dispatch.float32_matmul_precision()
     except RuntimeError:
-        return tuple(torch._C._get_fp32_precision_getter(backend, op)
+        return tuple(dispatch.fp32_precision(backend, op)
                      for backend, op in _FP32_PRECISIONS)
 
 
@@ -109,7 +107,7 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
             torch.is_deterministic_algorithms_warn_only_enabled, True),
     Ambient("float32 matmul precision", "_get_float32_matmul_precision()",
             _float32_matmul_precision, False,
-            {"_get_float32_matmul_precision": torch._C._get_float32_matmul_precision,
+            {"_get_float32_matmul_precision": dispatch.float32_matmul_precision,
              "_float32_matmul_precision": _float32_matmul_precision},
             expression_when_tuple="_float32_matmul_precision()"),
     Ambient("TF32 matmuls (cuBLAS)", "torch.backends.cuda.matmul.allow_tf32",

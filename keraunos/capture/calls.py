@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from ..torch_internals.dispatch import DisableTorchFunction
 from ..core import tree
 from ..core.aten import AtenRecorder, constant_line, is_lifted_constant
 from ..core.effects import draws_random, is_inplace_by_name
@@ -110,7 +111,7 @@ class CallsMixin:
         outputs, result = None, None
         if name == "get_rng_state":
             real = original()
-            with torch._C.DisableTorchFunction():  # a stand-in; callers may have no_dispatch() on
+            with DisableTorchFunction():  # a stand-in; callers may have no_dispatch() on
                 result = torch.empty(real.shape, dtype=real.dtype, device="meta")
                 outputs = self.output_proxy(result)
         self.emit(BoundSymbol(symbol, tuple(args), dict(kwargs), outputs,
@@ -123,7 +124,7 @@ class CallsMixin:
 
     def run_opaque(self, func, args, kwargs, for_output: bool = True):
         """Run ``func`` on real zero tensors shaped like the fakes; return fakes of its outputs."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from ..torch_internals.fake import unset_fake_temporarily
 
         def real(x):
             if isinstance(x, torch.Tensor):
@@ -133,7 +134,7 @@ class CallsMixin:
                 return t.zero_().requires_grad_(x.requires_grad) if x.dtype.is_floating_point \
                     else t.zero_()
             return x
-        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+        with unset_fake_temporarily(), DisableTorchFunction():
             real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
             out = func(*real_args, **real_kwargs)
             if for_output and self.symbols is not None and any(

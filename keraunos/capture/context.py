@@ -5,7 +5,7 @@ Three things are recorded at once:
 - every value the program read from its inputs, module tree and globals, as a guard;
 - every write the program made to a tensor input (in-place ops) or to a module attribute.
 
-Fake tensors (``torch._subclasses.FakeTensorMode``) give every op with a meta kernel exact shape,
+Fake tensors (``FakeTensorMode``) give every op with a meta kernel exact shape,
 dtype, device and stride semantics without running it; one fake mode per capture, so inputs that
 share storage become fakes that share storage.
 
@@ -27,9 +27,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..torch_internals.fake import FakeTensorMode, ShapeEnv
 from ..core.provenance import Path
 from ..core.proxies import NameGenerator
 from .calls import CallsMixin

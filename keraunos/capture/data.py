@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.utils import _pytree as pytree
 
+from ..torch_internals.dispatch import DisableTorchFunction
 from ..core.proxies import TensorProxy
 from ..core.symbolic import SYMBOLIC_TYPES, SymbolicUnsupported
 from ..core.symbolic import hint as size_hint
@@ -66,7 +66,7 @@ class DataSpecialization:
     def _data_value(self, target, lines, func, args, kwargs):
         """The value the real inputs give, computed with the recorded ``lines`` (sizes at their
         values in this call: the prologue reads the same symbols before it computes them)."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from ..torch_internals.fake import unset_fake_temporarily
 
         def real(x):
             if isinstance(x, TensorProxy):
@@ -80,7 +80,7 @@ class DataSpecialization:
                 return size_hint(x.value)
             return x
         env = {e.proxy.name: e.real for e in self._ctx.inputs}
-        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+        with unset_fake_temporarily(), DisableTorchFunction():
             for b in lines:
                 fn_args, fn_kwargs = pytree.tree_map(real, (b.args, b.kwargs))
                 out = b.symbol.fn(*fn_args, **fn_kwargs)

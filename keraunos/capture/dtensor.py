@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ..torch_internals.dispatch import (DisableTorchFunction, TorchDispatchMode,
+                                       is_traceable_wrapper_subclass)
+from ..torch_internals.fake import FakeTensor, unset_fake_temporarily
 from ..core.aten import constant_line, is_lifted_constant
 from ..core.provenance import Path, PathKind
 from ..core.symbolic import SymbolicUnsupported
@@ -193,7 +194,7 @@ def dtensor_input(ctx, real, path: Path, tags=()) -> torch.Tensor:
         if first != path:  # the same DTensor reached two ways: it must be so on every call
             ctx.guard(guards.IDENTITY, path, _ReachedBefore(first))
         return stand_in
-    with torch._C.DisableTorchFunction():  # taking it in is not the program
+    with DisableTorchFunction():  # taking it in is not the program
         stand_in = _stand_in(ctx, real, path, tags)
     refuse_symbolic_sizes(ctx)
     stand_ins[id(real)] = (real, stand_in, path)  # the real one kept alive: its id stays its own
@@ -289,7 +290,7 @@ def record_dtensor_call(ctx, func, args, kwargs):
     mode = _LocalOps()
     # Torch function off inside: DTensor's own Python (a Partial's division) is recorded once,
     # as the ATen op it dispatches, not again as a torch call.
-    with torch._C.DisableTorchFunction(), mode:
+    with DisableTorchFunction(), mode:
         out = func(*args, **kwargs)
     _refuse_distributed_random(mode.calls, args, kwargs)
     _emit_program_calls(ctx, mode.calls, user_source())

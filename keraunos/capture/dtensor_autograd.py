@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..torch_internals.dispatch import DisableTorchFunction
 from ..core.autograd_graph import leaves_reached
 from ..core import glue
 from ..core.symbols import BoundSymbol, TorchSymbol
@@ -62,7 +63,7 @@ def region_line(ctx, params: list, forward_lines: list[BoundSymbol], returns) ->
         raise _refuse("it prints or logs (keraunos replays those after the program)")
     outputs = list(returns.flat)
     values, tangents, differentiable = [], [], []
-    with ctx.fake_mode, torch._C.DisableTorchFunction():
+    with ctx.fake_mode, DisableTorchFunction():
         for i, p in enumerate(outputs):
             value = returns.dtensor_of.get(p.name)
             fake = ctx.fake_of[p.name]
@@ -133,7 +134,7 @@ def _refuse_partial_reach(values, leaves) -> None:
 def _record_backward(ctx, values, tangents, leaves):
     """``torch.autograd.grad`` of the program on the fakes, its local ops recorded as lines."""
     mode = dtensor._LocalOps()
-    with ctx.fake_mode, torch._C.DisableTorchFunction(), torch.enable_grad(), mode:
+    with ctx.fake_mode, DisableTorchFunction(), torch.enable_grad(), mode:
         grads = torch.autograd.grad(values, leaves, tangents, allow_unused=True) \
             if values and leaves else [None] * len(leaves)
     forward_lines, ctx.bound_symbols = ctx.bound_symbols, []

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ..torch_internals.dispatch import DisableTorchFunction
+from ..torch_internals.fake import FakeTensor
 from ..core.provenance import (ATTR, BUFFER, ITEM, KEYS_OF, PARAMETER, SUBMODULE, VALUES_OF,
                                Path, root)
 from ..core.proxies import TensorProxy
@@ -98,7 +99,7 @@ class InputsMixin:
                 self.guard(guards.IDENTITY, path, known)  # the same tensor reached two ways
             return known.fake
         dynamic = self.dynamic.tensor_dims(real, path) if self.dynamic is not None else None
-        with self.fake_mode, torch._C.DisableTorchFunction():  # conversion is not the program
+        with self.fake_mode, DisableTorchFunction():  # conversion is not the program
             fake = None
             if dynamic is not None and any(d and n > 1 for d, n in zip(dynamic, real.shape)):
                 try:
@@ -115,7 +116,7 @@ class InputsMixin:
         proxy = TensorProxy(self.names.fresh(hint), fake, set(tags), str(path))
         if self.symbols is not None:
             self.symbols.bind_tensor(fake, proxy, path)
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             entry = TensorInput(path, real, fake, proxy, fake.grad)
         self.inputs.append(entry)
         self._input_by_real[id(real)] = entry

@@ -16,6 +16,7 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
+from ..torch_internals import autograd as autograd_internals, dispatch, patching
 from ..errors import CaptureError, FunctionTransformError, user_source
 from . import replayed
 from .state import active_context
@@ -45,13 +46,12 @@ def _rng_recorder(name: str):
 _rng_recorders = {name: _rng_recorder(name) for name in _RNG_FUNCTIONS}
 
 
-# The descriptor itself: a classmethod up to torch 2.13, a C ``classmethod_descriptor`` from 2.14.
-# Either binds to a Function subclass with ``__get__(None, cls)``.
-_function_apply = torch.autograd.Function.__dict__["apply"]
+# The descriptor itself (a classmethod or a C descriptor, by torch release: ``torch_internals``).
+_function_apply = autograd_internals.FUNCTION_APPLY
 
 
 def _original_apply(cls, args, kwargs):
-    return _function_apply.__get__(None, cls)(*args, **kwargs)
+    return autograd_internals.apply_of(cls)(*args, **kwargs)
 
 
 def _inside_recorded_call() -> bool:
@@ -59,7 +59,7 @@ def _inside_recorded_call() -> bool:
     that): a Function applied there is that op's own autograd (a torch.library custom op with
     register_autograd), recorded as the one op, so its backward is the op's formula, not lost."""
     return not any(getattr(mode, "records_torch_calls", False)
-                   for mode in torch.overrides._get_current_function_mode_stack())
+                   for mode in dispatch.function_modes())
 
 
 def _guarded_apply(cls, *args, **kwargs):
@@ -159,9 +159,9 @@ _DISTRIBUTED_READS = frozenset({
 
 
 def _distributed_methods() -> dict[int, str]:
-    if not torch.distributed.is_available():
+    c10d = dispatch.distributed_c10d()
+    if c10d is None:
         return {}
-    c10d = torch._C._distributed_c10d
     methods = {}
     for cls in vars(c10d).values():
         if not isinstance(cls, type):
@@ -260,8 +260,7 @@ class intercepting_torch:
     unwatched meanwhile (``_outside_the_program``)."""
 
     def __enter__(self):
-        for owner, name, stand_in, _ in _SWAPS:
-            setattr(owner, name, stand_in)
+        patching.swap_in(_SWAPS)
         with _captures_lock:
             _captures_under_way[0] += 1
             gc.callbacks[:] = [cb if hasattr(cb, "__keraunos_gc_callback__")
@@ -277,8 +276,7 @@ class intercepting_torch:
     def __exit__(self, *exc):
         if self.hook is not None:
             self.hook(None)
-        for owner, name, _, original in _SWAPS:
-            setattr(owner, name, original)
+        patching.swap_out(_SWAPS)
         with _captures_lock:
             _captures_under_way[0] -= 1
             if not _captures_under_way[0]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+from ..torch_internals.dispatch import NO_TORCH_DISPATCH, is_traceable_wrapper_subclass
+from ..torch_internals.fake import FakeTensor
+
+_NO_DISPATCH = NO_TORCH_DISPATCH
 
 
 def is_tensor_subclass_with_dispatch(t: torch.Tensor) -> bool:

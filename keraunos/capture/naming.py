@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from ..torch_internals.dispatch import OpOverload, OpOverloadPacket
 from ..core.symbols import TorchSymbol
 
 _PUBLIC_NAMESPACES = ("torch", "torch.nn.functional", "torch.linalg", "torch.special", "torch.fft",
@@ -55,7 +56,7 @@ def torch_symbol(func: Callable) -> TorchSymbol:
     """The symbol for a callable seen by the torch function mode."""
     if type(func).__name__ == "method-wrapper" and func.__name__ == "__get__":
         return TorchSymbol(func, func.__self__.__name__, "getter")
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(func, (OpOverload, OpOverloadPacket)):
         return TorchSymbol(func, f"torch.ops.{func}", "function")
     method = _tensor_method_names().get(id(func))
     if method is not None:

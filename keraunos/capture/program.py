@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..torch_internals.fake import LOGGER_NAME as FAKE_LOGGER, FakeTensor, GuardOnDataDependentSymNode
 from ..core import glue
 from ..core.proxies import NameGenerator, Proxy, TensorProxy
 from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import CaptureError, UnguardableStateError
 from ..errors import user_source_from_traceback as _innermost_user_source
@@ -38,7 +38,6 @@ from .recorder import Recorder
 from .state import _active, requested_dynamic
 from ..core.symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
                              refuse_raw_symbols)
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.templates import Build, FromInput, ObjectRef, ViewGrad, ViewOf
 from .epilogue import build_epilogue, template_of
@@ -180,7 +179,7 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     if module is not None:
         ctx.swap_module_classes(module)
     _active.ctx = ctx
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log = logging.getLogger(FAKE_LOGGER)
     log_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # the program's own errors are re-raised, not logged
     try:

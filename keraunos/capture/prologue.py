@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..torch_internals.dispatch import dispatch_keys
 from ..core import glue
 from ..core.proxies import ObjectProxy, Proxy, TensorProxy
 from ..core.symbols import BoundSymbol
@@ -171,11 +172,11 @@ class SymbolicTensorGuards:
     @classmethod
     def of(cls, reals: list, sizes: tuple, strides: tuple) -> "SymbolicTensorGuards":
         tensors = tuple((type(t), t.dtype, t.device, t.requires_grad,
-                         str(torch._C._dispatch_keys(t))) for t in reals)
+                         str(dispatch_keys(t))) for t in reals)
         return cls(tensors, sizes, strides, reals)
 
     def __init__(self, tensors: tuple, sizes: tuple, strides: tuple, reals=None):
-        from torch._C._dynamo.guards import TensorGuards
+        from ..torch_internals.dynamo import TensorGuards
         if reals is None:  # made again: a plain tensor of each kind, with its dispatch keys
             reals = [_example(*t) for t in tensors]
         self.tensors, self.sizes, self.strides = tensors, sizes, strides
@@ -195,7 +196,7 @@ def _example(cls: type, dtype, device, requires_grad: bool, keys: str) -> torch.
                                   requires_grad=requires_grad and not inference)
             if cls is torch.nn.Parameter:
                 example = torch.nn.Parameter(example, requires_grad=requires_grad)
-        if type(example) is cls and str(torch._C._dispatch_keys(example)) == keys:
+        if type(example) is cls and str(dispatch_keys(example)) == keys:
             return example
     raise ValueError(f"no plain example of a {cls.__qualname__} with dispatch keys {keys}")
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ..torch_internals.dispatch import DisableTorchFunction
+from ..torch_internals.fake import FakeTensor
 from ..core.provenance import ATTR, BUFFER, CALL, PARAMETER, SUBMODULE, Path, root
 from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import (CaptureError, UnguardableStateError, UnsupportedInputError, is_stdlib,
@@ -280,7 +281,7 @@ class ReadsMixin:
         try:
             # Taken in inside the program: the recording mode must not see the metadata reads
             # of taking a tensor in (it would count as reached from nowhere).
-            with torch._C.DisableTorchFunction():
+            with DisableTorchFunction():
                 value = overlay[name] = self.value_input(raw, where)  # a class attribute too
         except UnsupportedInputError as e:
             # Remembered as well as raised: a program that catches the error must not leave
@@ -344,7 +345,7 @@ class ReadsMixin:
         if name in d:
             # Read inside the program: the recording mode must not see the metadata reads of
             # taking the value in (a real tensor would count as reached from nowhere).
-            with torch._C.DisableTorchFunction():
+            with DisableTorchFunction():
                 value = self.value_input(d[name], Path(self._object_paths[id(obj)], ATTR, name))
             overlay[name] = value
             return value

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensor,
-                                           UnsupportedOperatorException)
 from torch.overrides import TorchFunctionMode
+from ..torch_internals.fake import (DataDependentOutputException, DynamicOutputShapeException,
+                                   FakeTensor, UnsupportedOperatorException)
+from ..torch_internals.functorch import is_functorch_wrapped_tensor
 from ..core import tree
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
@@ -156,7 +156,7 @@ class Recorder(TorchFunctionMode):
             self.ctx.metadata_changed_views.add(tensors[0].untyped_storage()._cdata)
 
 
-_is_functorch_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+_is_functorch_tensor = is_functorch_wrapped_tensor
 
 
 def _metadata_change_error(symbol) -> CaptureError:

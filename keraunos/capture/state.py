@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from ..torch_internals.autograd import set_grad_enabled
 from ..core.glue import AUTOCAST_DEVICES as _AUTOCAST_DEVICES
 
 _active = threading.local()
@@ -30,7 +31,7 @@ def global_state() -> tuple:
 
 
 def restore_global_state(state: tuple) -> None:
-    torch._C._set_grad_enabled(state[0])
+    set_grad_enabled(state[0])
     for i, device in enumerate(_AUTOCAST_DEVICES):
         torch.set_autocast_enabled(device, state[1 + 2 * i])
         torch.set_autocast_dtype(device, state[2 + 2 * i])

@@ -25,9 +25,8 @@ from typing import Any
 
 import sympy
 import torch
-from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-from torch.utils._sympy.numbers import int_oo
 
+from ..torch_internals.fake import DimDynamic, StatelessSymbolicContext, int_oo
 from ..core.proxies import NumberProxy
 from ..core.provenance import Path
 from ..core.symbolic import SymbolicUnsupported, SymbolicValue, SizePrinter, as_code
@@ -196,7 +195,7 @@ def _non_view_alias(real: torch.Tensor, path: Path) -> torch.Tensor:
     if real.is_conj() or real.is_neg() or real._is_zerotensor():
         raise SymbolicUnsupported(f"{path} is a view with the conjugate, negative or zero bit; "
                                   f"it keeps exact sizes")
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from ..torch_internals.fake import unset_fake_temporarily
     with unset_fake_temporarily(), torch.no_grad():
         alias = torch.empty(0, dtype=real.dtype, device=real.device)
         return alias.set_(real.untyped_storage(), real.storage_offset(), real.shape,
@@ -208,7 +207,7 @@ class Symbols:
 
     def __init__(self, fake_mode, names):
         # Imported before the capture watches Python calls (its first import runs importers).
-        from torch._dynamo.source import ConstantSource  # noqa: F401
+        from ..torch_internals.dynamo import ConstantSource  # noqa: F401
         self.fake_mode = fake_mode
         self.env = fake_mode.shape_env
         self.names = names
@@ -220,7 +219,7 @@ class Symbols:
     # ------------------------------------------------------------------------- inputs
     def tensor_fake(self, real: torch.Tensor, path: Path, dynamic: list[bool]):
         """A fake of ``real`` whose ``dynamic`` dimensions are symbols."""
-        from torch._dynamo.source import ConstantSource  # already imported by fake tensors
+        from ..torch_internals.dynamo import ConstantSource  # already imported by fake tensors
         if real.is_sparse:
             raise SymbolicUnsupported(f"{path} is sparse")
         if real._base is not None:
@@ -244,7 +243,7 @@ class Symbols:
 
     def int_input(self, value: int, path: Path):
         """A symbolic int for an int argument; its proxy is the prologue's variable for it."""
-        from torch._dynamo.source import ConstantSource
+        from ..torch_internals.dynamo import ConstantSource
         expr = self.env.create_symbol(value, ConstantSource(str(path)), DimDynamic.DYNAMIC,
                                       positive=None)
         if not isinstance(expr, sympy.Symbol):  # 0 and 1 are specialized
@@ -257,7 +256,7 @@ class Symbols:
         ``target`` from the inputs with ``lines`` and reads it (``t3.item()``) on every call,
         then checks the guards on it like those on sizes. ``(value, None)`` for 0 and 1, which
         are specialized as sizes are."""
-        from torch._dynamo.source import ConstantSource
+        from ..torch_internals.dynamo import ConstantSource
         name = f"data read {len(self.bindings)}"
         expr = self.env.create_symbol(value, ConstantSource(name), DimDynamic.DYNAMIC,
                                       positive=None)

@@ -14,6 +14,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..torch_internals.dispatch import DisableTorchFunction
+from ..torch_internals.fake import FakeTensor
 from .symbols import BoundSymbol, TorchSymbol
 
 
@@ -56,12 +58,12 @@ def is_lifted_constant(call: AtenCall) -> bool:
     a constant the program makes, not an input."""
     const = call.args[0] if call.args else None
     return (call.func in _LIFT_FRESH and isinstance(const, torch.Tensor)
-            and not isinstance(const, torch._subclasses.FakeTensor) and const.numel() <= 64)
+            and not isinstance(const, FakeTensor) and const.numel() <= 64)
 
 
 def constant_line(const: torch.Tensor, output, source=None) -> BoundSymbol:
     """The line that makes the constant again, as the user wrote it: ``torch.tensor(data)``."""
-    with torch._C.DisableTorchFunction():
+    with DisableTorchFunction():
         data = const.tolist()
     kwargs = {"dtype": const.dtype}
     if const.device.type != "cpu":

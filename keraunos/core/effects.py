@@ -21,6 +21,7 @@ import torch
 
 from dataclasses import dataclass
 
+from ..torch_internals.dispatch import OpOverload
 from .symbols import TorchSymbol
 from .tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM, Tag
 
@@ -110,7 +111,7 @@ def is_random(symbol: TorchSymbol) -> bool:
     """Whether the op always draws from the global generator. (Attention ops are seeded but draw
     only when their ``dropout_p`` is not zero: a question about the call, not the op.)"""
     fn = symbol.fn
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         return torch.Tag.nondeterministic_seeded in fn.tags and \
             "dropout_p" not in (a.name for a in fn._schema.arguments)
     return id(fn) in _random_ids()
@@ -146,7 +147,7 @@ def draws_random(symbol: TorchSymbol, args: tuple, kwargs: dict) -> bool:
         return not _dropout_is_identity(fn, args, kwargs)
     if is_random(symbol):
         return True
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         names = [a.name for a in fn._schema.arguments]
         if "dropout_p" not in names or torch.Tag.nondeterministic_seeded not in fn.tags:
             return False
@@ -165,7 +166,7 @@ _INPLACE_OPERATORS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", 
 
 def is_inplace_by_name(symbol: TorchSymbol) -> bool:
     """Whether PyTorch's naming says the op writes its first argument in place."""
-    if isinstance(symbol.fn, torch._ops.OpOverload):
+    if isinstance(symbol.fn, OpOverload):
         return symbol.fn._schema.is_mutable
     short = symbol.name.rsplit(".", 1)[-1]
     return (short.endswith("_") and not short.endswith("__")) or symbol.style == "setitem" or (

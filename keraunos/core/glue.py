@@ -62,6 +62,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..torch_internals.autograd import SET_GRAD_ENABLED_SOURCE
 from .symbols import BoundSymbol, CodeWriter, Symbol
 from .templates import ViewGrad, template_code
 
@@ -284,7 +285,7 @@ def _set_global_state(bsym, w):
     lines = []
     for i, value in bsym.args[0]:
         if i == 0:
-            lines.append(f"torch._C._set_grad_enabled({value!r})")
+            lines.append(f"{SET_GRAD_ENABLED_SOURCE}({value!r})")
         else:
             device = AUTOCAST_DEVICES[(i - 1) // 2]
             if (i - 1) % 2 == 0:

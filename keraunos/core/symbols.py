@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from . import tree
 from .code import Code
 from .proxies import Proxy
+from ..torch_internals.dispatch import OpOverload
 from .tags import Tag
 
 
@@ -157,7 +158,7 @@ def direct_entry(fn: Any) -> Callable | None:
     and autograd, and modes still see the ``OpOverload``. Calling it directly saves that frame and
     the ``torch.ops.aten.X.Y`` lookups (about 1.5 us per op, hundreds of ops per training step).
     Subclasses that override ``__call__`` (TorchBind ops) keep their own call."""
-    overload = torch._ops.OpOverload
+    overload = OpOverload
     if isinstance(fn, overload) and type(fn).__call__ is overload.__call__:
         return getattr(fn, "_op", None)
     return None

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..cache import CacheEntry
 from ..core import glue
 from ..core.trace import Trace
 from ..jitted import jit
+from ..torch_internals import autograd as autograd_internals, dynamo, functorch
+from ..torch_internals.fx import LazyGraphModule
 from ..transforms import Transform
 from .sources import UserSourceLines
 from .vmap import has_vmap_regions, rewrite_vmap_regions
@@ -61,7 +62,7 @@ class CompiledSubgraph:
             gm = rewrite_vmap_regions(copy.deepcopy(gm))
         # A lazy GraphModule writes its generated code into attributes on its first call:
         # capture would record those writes and the epilogue would replay them on every call.
-        _LazyGraphModule.force_recompile(gm)
+        LazyGraphModule.force_recompile(gm)
         self.name = name
         self.order = next(_compile_order)
         self.eager = False  # keraunos could not compile the graph: dynamo's FX graph runs as is
@@ -215,12 +216,7 @@ def _returns_outputs_as_is(epilogue: Trace) -> bool:
             and list(built.children) == list(outputs[0]))
 
 
-def _functorch_depth() -> int:
-    return len(torch._C._functorch.get_interpreter_stack() or ())
-
-
-_DECREMENT = {"Vmap": "_vmap_decrement_nesting", "Grad": "_grad_decrement_nesting",
-              "Jvp": "_jvp_decrement_nesting", "Functionalize": "_func_decrement_nesting"}
+_functorch_depth = functorch.depth
 
 
 def _unwind_functorch(depth: int) -> None:
@@ -229,11 +225,10 @@ def _unwind_functorch(depth: int) -> None:
     ``_enter_dual_level()``; torch supports one at a time, and the caller had none when the
     Python-level ``forward_ad`` says so)."""
     while _functorch_depth() > depth:
-        kind = str(torch._C._functorch.get_interpreter_stack()[-1].key()).rsplit(".", 1)[-1]
-        getattr(torch._C._functorch, _DECREMENT[kind])()
+        functorch.leave_innermost()
     if torch.autograd.forward_ad._current_level < 0:
         try:
-            torch._C._exit_dual_level(level=0)
+            autograd_internals.exit_dual_level(level=0)
         except RuntimeError:
             pass  # no level was entered
 
@@ -257,7 +252,7 @@ def _graph_break_being_compiled() -> GraphBreak | None:
 
     Dynamo keeps the reason on its ``OutputGraph`` (``compile_subgraph_reason``), which is on the
     call stack of the backend; there is no public API that gives it to a backend."""
-    from torch._dynamo.output_graph import OutputGraph
+    OutputGraph = dynamo.OutputGraph
     frame = sys._getframe(2)
     while frame is not None:
         owner = frame.f_locals.get("self")
@@ -288,7 +283,7 @@ class Backend:
         self.executors = list(executors) if executors is not None else None
         self.fuse = fuse
         self.transforms = list(transforms or ())
-        # Weakly: dynamo holds what it still runs; what torch._dynamo.reset() dropped is freed.
+        # Weakly: dynamo holds what it still runs; what dynamo's reset() dropped is freed.
         self._subgraphs: list[weakref.ref] = []
         self._compiled = 0
 
@@ -369,7 +364,7 @@ def subgraphs_of(compiled) -> list[CompiledSubgraph]:
         return list(compiled.subgraphs)
     # keraunos.jit(fn, fallback="dynamo") that fell back keeps what it compiled.
     compiled = getattr(getattr(compiled, "_keraunos", None), "dynamo_compiled", compiled)
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    cache_entries = dynamo.cache_entries
     found: list[CompiledSubgraph] = []
     seen_codes: set[int] = set()
     pending = _frames_of(compiled)
@@ -378,7 +373,7 @@ def subgraphs_of(compiled) -> list[CompiledSubgraph]:
         if id(code) in seen_codes:
             continue
         seen_codes.add(id(code))
-        for cache_entry in _debug_get_cache_entry_list(code):
+        for cache_entry in cache_entries(code):
             for name in cache_entry.code.co_names:
                 value = _unwrap(namespace.get(name))
                 if isinstance(value, CompiledSubgraph) and value not in found:

@@ -13,9 +13,11 @@ import operator
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-_P = torch._functorch.predispatch
-_INCREMENT, _DECREMENT = _P._vmap_increment_nesting, _P._vmap_decrement_nesting
-_ADD, _REMOVE, _LAZY = _P._add_batch_dim, _P._remove_batch_dim, _P.lazy_load_decompositions
+from ..torch_internals import functorch
+
+_INCREMENT, _DECREMENT = functorch.vmap_increment_nesting, functorch.vmap_decrement_nesting
+_ADD, _REMOVE, _LAZY = (functorch.add_batch_dim, functorch.remove_batch_dim,
+                        functorch.lazy_load_decompositions)
 
 
 def _vmap_of(body: GraphModule, in_dims: tuple, out_dims: tuple, randomness: str):

@@ -74,6 +74,7 @@ from .. import debug
 from ..capture.ambient import AMBIENT_STATE, AmbientDifference
 from ..core import glue
 from ..passes.fast_prologue import AttributeCheck, ReturnInputs, TensorChecks
+from ..torch_internals import dispatch, dynamo
 
 SOURCE = pathlib.Path(__file__).with_name("hit_path.cpp")
 MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
@@ -82,17 +83,13 @@ MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
 # in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
 SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision", "inference mode")
 _MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
-# What dynamo's GlobalStateGuard may compare (its serialized fields): the native hit records the
-# values these depend on to skip calling it (hit_path.cpp, ``Armed``); a torch whose guard
-# compares anything else keeps its entries on the Python hit path. ``allow_tf32`` (to 2.14) and
-# ``cuda_matmul_precision`` (from 2.15) both derive from the CUDA matmul float32 precision, which
-# ``Armed`` records.
-GLOBAL_STATE_FIELDS = {"grad_mode", "autocast_state", "torch_function",
-                       "torch_function_all_disabled", "deterministic_algorithms",
-                       "deterministic_algorithms_warn_only", "allow_tf32", "allow_fp16_reduce",
-                       "allow_bf16_reduce", "num_threads", "default_dtype",
-                       "cuda_matmul_precision"}
-AUTOCAST_FIELDS = {"enabled", "dtype", "cached_enabled"}
+# What dynamo's GlobalStateGuard may compare (its serialized fields, in every supported torch
+# release: ``torch_internals.dynamo``): the native hit records the values these depend on to skip
+# calling it (hit_path.cpp, ``Armed``); a torch whose guard compares anything else keeps its
+# entries on the Python hit path. ``allow_tf32`` (to 2.14) and ``cuda_matmul_precision`` (from
+# 2.15) both derive from the CUDA matmul float32 precision, which ``Armed`` records.
+GLOBAL_STATE_FIELDS = dynamo.GLOBAL_STATE_FIELDS
+AUTOCAST_FIELDS = dynamo.AUTOCAST_FIELDS
 
 
 # ------------------------------------------------------------------------------- the build
@@ -117,7 +114,7 @@ def _torch_paths() -> tuple[str, str]:
 
 def _command(compiler: str, output: str) -> list[str]:
     include, lib = _torch_paths()
-    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    abi = dispatch.cxx11_abi()
     return [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", str(SOURCE),
             f"-I{sysconfig.get_paths()['include']}", f"-I{include}",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{lib}", "-lc10", "-ltorch_cpu",
@@ -338,7 +335,7 @@ _STATICS_EXPR = "*_s[1]"  # the fast prologue's spliced static tensors (``_splic
 
 def _plan(entry):
     """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
-    from torch._C._dynamo.guards import TensorGuards
+    TensorGuards = dynamo.TensorGuards
     prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
     if prologue is None or entry.hit_trace is None:
         return "its prologue is not the fast prologue's"

@@ -35,6 +35,7 @@ from ..core.tags import AFTER_STRUCTURE
 from ..core.runner import trace_step
 from ..core.trace import Trace
 from ..structure import _tree_token, hook_state, watch_modules
+from ..torch_internals.dispatch import dispatch_keys
 from .guard_trees import TensorTree, tensor_guards
 
 
@@ -424,7 +425,7 @@ def with_example(line, value_of: dict):
             return None
     elif type(tensor) is not type(compiled_for):
         return None
-    if torch._C._dispatch_keys(tensor) != torch._C._dispatch_keys(compiled_for):
+    if dispatch_keys(tensor) != dispatch_keys(compiled_for):
         return None
     return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
 

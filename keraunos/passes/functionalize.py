@@ -34,6 +34,7 @@ from ..core.proxies import TensorProxy
 from ..core.runner import trace_pass
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..core.tags import MUTATION
+from ..torch_internals.dispatch import OpOverloadPacket
 
 
 def _out_of_place(bsym: BoundSymbol):
@@ -47,7 +48,7 @@ def _out_of_place(bsym: BoundSymbol):
     base = name[:-1]
     packet = getattr(torch.ops.aten, base, None)
     method = getattr(torch.Tensor, base, None)
-    if packet is None or method is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+    if packet is None or method is None or not isinstance(packet, OpOverloadPacket):
         return None
     if not any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()):
         return None

@@ -12,8 +12,9 @@ first guard and then about as much per attribute as a Python line ``if d['traini
 True: return 7`` does (about 300), so the Python lines are cheaper at every count."""
 from __future__ import annotations
 
-import torch
-from torch._C._dynamo.guards import TensorGuards
+from ..torch_internals import dynamo
+from ..torch_internals.dispatch import dispatch_keys
+from ..torch_internals.dynamo import TensorGuards
 
 
 TREE_FROM = 4
@@ -43,14 +44,12 @@ class TensorTree:
     @classmethod
     def of(cls, reals, names) -> "TensorTree | None":
         try:
-            from torch._C._dynamo.guards import RootGuardManager
-            from torch._dynamo.guards import GuardManagerType
-            kind = GuardManagerType.GUARD_MANAGER
-            root = RootGuardManager()
+            kind = dynamo.GuardManagerType.GUARD_MANAGER
+            root = dynamo.RootGuardManager()
             for i, (t, name) in enumerate(zip(reals, names)):
                 item = root.tuple_getitem_manager(i, name, t, kind)
                 item.add_tensor_match_guard(t, list(t.shape), list(t.stride()), name, [name],
-                                            None, type(t), torch._C._dispatch_keys(t))
+                                            None, type(t), dispatch_keys(t))
         except Exception:  # an older or newer torch without this guard API: TensorGuards
             return None
         return cls(root)

@@ -35,6 +35,7 @@ from ..core.effects import may_drop, may_merge
 from ..core.tags import MUTATION
 from ..core.trace import Trace
 from ..core.runner import trace_pass
+from ..torch_internals.dispatch import OpOverload, has_kernel_for_dispatch_key
 
 _aten = torch.ops.aten
 
@@ -62,7 +63,7 @@ def read_past_noop_chains(trace: Trace) -> list[BoundSymbol]:
 def _op(bsym: BoundSymbol):
     """The ATen overload a line calls, or None (glue lines, torch-level calls)."""
     fn = getattr(bsym.symbol, "fn", None)
-    return fn if isinstance(fn, torch._ops.OpOverload) else None
+    return fn if isinstance(fn, OpOverload) else None
 
 
 def _same_data(lines: list[BoundSymbol], copies_allowed: bool) -> dict[str, TensorProxy]:
@@ -125,8 +126,7 @@ def _returns_fresh(op) -> bool:
     returns = op._schema.returns
     if not returns or any(r.alias_info is not None for r in returns):
         return False
-    return not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
-                                                              "CompositeImplicitAutograd")
+    return not has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def _read_past(bsym: BoundSymbol, same: dict[str, TensorProxy]) -> BoundSymbol:

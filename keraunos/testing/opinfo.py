@@ -75,7 +75,7 @@ def _compare_metadata(actual, expected, what: str) -> None:
 
 
 # float32 tolerances: torch.testing's defaults; with a fusion executor, those of PyTorch's own
-# accuracy check of compiled models (``torch._dynamo.utils.same``, tol=1e-4): Inductor reorders
+# accuracy check of compiled models (dynamo's ``utils.same``, tol=1e-4): Inductor reorders
 # reductions and fuses arithmetic, so results differ from eager in the last bits.
 EXACT = dict(atol=1e-5, rtol=1.3e-6)
 FUSED = dict(atol=1e-4, rtol=1e-4)

@@ -378,7 +378,7 @@ _EXTERN_NAMES = ("mm", "bmm", "addmm", "matmul", "linear", "conv1d", "conv2d", "
 
 def _extern_ops() -> dict[int, object]:
     """The ops of those names, by id (the values keep them alive): torch's functions and the
-    tensor methods, with their private (``torch._convolution``) and in-place (``addmm_``) forms
+    tensor methods, with their private (``torch`` namespace's ``_convolution``) and in-place (``addmm_``) forms
     and ``x @ w``; the ATen ops, with the overloads of each (``aten.mm.default``)."""
     aten = torch.ops.aten
     forms = [form for name in _EXTERN_NAMES for form in (name, "_" + name, name + "_")]

@@ -40,7 +40,7 @@ results copied back to eager's layout:
   ``BACKWARD_PIXELS`` pixels (the grouped ones' backward stays in eager's layout).
 
 Only tensors the trace records in eager's contiguous layout are relaid (a program already
-channels-last is left as it is), and only on the CPU. ``torch._inductor.config.patch`` is
+channels-last is left as it is), and only on the CPU. Inductor's ``config.patch`` is
 thread-local in torch 2.13 (the background tier compiles on its own thread), and the choice is
 part of the region's key; the copies are in the region's graph, and so in its key too.
 """
@@ -96,7 +96,7 @@ def inductor_layout(choice: bool | None):
     if choice is None:
         yield
         return
-    from torch._inductor import config
+    from ...torch_internals.inductor import config
     with config.patch(layout_optimization=choice):
         yield
 

@@ -43,6 +43,7 @@ import torch
 
 from ...core.proxies import TensorProxy
 from ...core.runner import stopwatch
+from ...torch_internals import dispatch, dynamo, inductor
 from . import channels_last, collecting, fx_graph, kernel_store, patches, symbolic, warming, workers
 
 # Inductor options for every region. ``fallback_random``: should a random op ever reach a
@@ -179,8 +180,8 @@ def _counting_writes(graph):
     return run
 
 
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
-_increment_version = torch._C._increment_version
+_eval_frame_callback = dynamo.eval_frame_callback
+_increment_version = dispatch.increment_version
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -188,8 +189,7 @@ def _unwrapped(compiled, args, outs):
     """Inductor's ``CompiledFxGraph`` inside ``compiled`` (found through the wrappers' closures),
     when calling it on ``args`` gives outputs like ``outs`` (a graph whose input writes the
     wrappers make returns the new values as more outputs); else None."""
-    from torch._inductor.output_code import CompiledFxGraph
-    graph = _find_in_closures(compiled, CompiledFxGraph)
+    graph = _find_in_closures(compiled, inductor.CompiledFxGraph)
     if graph is None or getattr(graph, "current_callable", None) is None:
         return None
     if any(isinstance(t, torch.Tensor) and (t.requires_grad or any(t is a for a in args))
@@ -297,9 +297,9 @@ def environment() -> tuple:
 def inductor_config_changes() -> dict:
     """Inductor's config entries this process set away from their defaults: {} when nothing of
     Inductor was imported yet (then it has the defaults, which a helper process starts with too;
-    reading them would import torch._dynamo, a second on a restart's first call). A helper
+    reading them would import dynamo, a second on a restart's first call). A helper
     process applies these on top of its own defaults (``workers``)."""
-    config = sys.modules.get("torch._inductor.config")
+    config = inductor.config_if_imported()
     if config is None:
         return {}
     portable = config.save_config_portable()
@@ -318,7 +318,7 @@ def _fresh_value(entry):
     """What a config entry holds in a process that never set it: its default, or what the
     environment made it (``TORCHINDUCTOR_*``), as a helper process started with this one's
     environment has it. (A value set and set back is not a change.)"""
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    unset = inductor.config_unset()
     for value in (getattr(entry, "env_value_force", unset),
                   getattr(entry, "env_value_default", unset)):
         if value is not unset:
@@ -474,7 +474,7 @@ def _stored_call(call, writes: tuple = ()):
             _increment_version(inputs)
             return outs
 
-    @torch._disable_dynamo
+    @dynamo.disable
     def wrapped(args):
         with torch.no_grad():
             return call(args)
@@ -490,12 +490,9 @@ def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
              layout_choice: bool | None = None) -> Kernel:
     """Compile the region in this process, on the calling thread (the user's: ``fuse="wait"``,
     or the ``torch.compile`` backend's compile)."""
-    from torch._dynamo.utils import counters
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from ...torch_internals.dynamo import counters
+    from ...torch_internals.fake import FakeTensorMode, ShapeEnv, TracingContext, tracing
+    from ...torch_internals.inductor import PyCodeCache, compile_fx
     with stopwatch() as elapsed, patches.applied(compiling=True):
         gm = make_graph()  # compile_fx changes the graph it compiles: the one shown is another
         shown = fx_graph.graph_module(graph) if graph is not None else make_graph()
@@ -536,10 +533,10 @@ def _cache_counts(counters) -> tuple[int, int]:
 def toolchain_problem(device_type: str) -> str | None:
     """Why Inductor cannot build kernels for ``device_type`` here (``None``: it can)."""
     if device_type == "cuda":
-        from torch.utils._triton import has_triton
+        from ...torch_internals.inductor import has_triton
         return None if has_triton() else "Triton is not installed"
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+        from ...torch_internals.inductor import get_cpp_compiler
         compiler = get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 - Inductor's own search failed
         return f"no C++ compiler found ({e})"

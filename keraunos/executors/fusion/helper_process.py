@@ -40,10 +40,8 @@ def _compile(nodes, metas, aliases, layout_choice, config_patches: dict,
     (``kernel_store.row``): the generated module, once a call of it alone is seen to give what
     a call through ``compile_fx``'s wrappers gives (``compiler._unwrapped``), on inputs of the
     region's layouts. Raises ``Refused`` where no row can be made."""
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from ...torch_internals.fake import FakeTensorMode, ShapeEnv, TracingContext, tracing
+    from ...torch_internals.inductor import compile_fx
     from . import channels_last, collecting, compiler, kernel_store
     from .fx_graph import example_values
     _apply(given)
@@ -87,7 +85,7 @@ def _apply(given: dict) -> None:
     setting one to the value it has can change another that keys the cache
     (``set_float32_matmul_precision("highest")`` turns the per-backend ``fp32_precision`` from
     "none" into "ieee")."""
-    from torch._inductor import config
+    from ...torch_internals.inductor import config
     if torch.get_num_threads() != given["threads"]:
         torch.set_num_threads(given["threads"])
     if torch.get_default_dtype() != given["default_dtype"]:
@@ -121,8 +119,9 @@ def serve() -> None:
     compiled, the row it made, why not), until the parent closes the pipe."""
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
-    import torch._inductor.compile_fx  # noqa: F401
-    from torch._inductor import cpu_vec_isa
+    from ...torch_internals import inductor
+    inductor.load_compiler()
+    cpu_vec_isa = inductor.cpu_vec_isa
     from . import patches
     patches.apply_for_good()  # a process of keraunos's own
     with contextlib.suppress(Exception):  # (a compile meets and reports the same problem)

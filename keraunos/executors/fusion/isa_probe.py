@@ -1,7 +1,7 @@
 """Inductor's probe of the CPU's vector instructions, remembered between processes.
 
 Before its first CPU compile, every process has Inductor find which vector instructions it may
-use (``torch._inductor.cpu_vec_isa.pick_vec_isa``): for each candidate it builds a small test
+use (Inductor's ``cpu_vec_isa.pick_vec_isa``): for each candidate it builds a small test
 library (kept in its cache: built once per machine) and then, every time, starts a Python child
 that loads it (``VecISA._probe_load``), ten children on an AVX-512 machine: 1.4 s of a warm
 restart whose first fused step takes 2.9 s in all (the 4-layer training step), paid by
@@ -48,7 +48,7 @@ _candidates: list = []  # the one CandidateList of this process, once made
 def lazy_list(original):
     """``cpu_vec_isa.valid_vec_isa_list``'s replacement (``patches``): it returns the process's
     ``CandidateList``, whose test builds run only as far as a pick reads."""
-    from torch._inductor import cpu_vec_isa
+    from ...torch_internals.inductor import cpu_vec_isa
     with _lock:
         if not _candidates:
             claimed = cpu_vec_isa.x86_isa_checker()
@@ -68,7 +68,7 @@ def picks_take_turns() -> bool:
     """Whether Inductor's picks go through a ``CandidateList`` (``lazy_list``
     installed it): then picks on two threads at once take turns at its lock, and the first one's
     test builds run alone."""
-    from torch._inductor import cpu_vec_isa
+    from ...torch_internals.inductor import cpu_vec_isa
     return bool(getattr(cpu_vec_isa.valid_vec_isa_list, "_keraunos_lazy", False))
 
 

@@ -37,6 +37,7 @@ import re
 import torch
 
 from ... import debug, store
+from ...torch_internals import inductor
 from ...version import __version__
 
 NAMESPACE = "inductor-region"  # the store's namespace for these rows
@@ -127,7 +128,7 @@ def load(key: str, data: bytes | None = None):
     try:
         kept = pickle.loads(data)
         source, writes = kept["source"], tuple(kept["writes"])
-        from torch._inductor.codecache import PyCodeCache
+        from ...torch_internals.inductor import PyCodeCache
         module = PyCodeCache.load(source)
         return module.call, source, module.__file__, writes
     except Exception as e:  # noqa: BLE001 - any failure to load is a miss: the region is compiled
@@ -136,13 +137,10 @@ def load(key: str, data: bytes | None = None):
         return None
 
 
-_EXTERN_KERNELS = "from torch._inductor.select_algorithm import extern_kernels\n"
+_EXTERN_KERNELS = inductor.EXTERN_KERNELS_IMPORT
 _TORCH_AS_EXTERN_KERNELS = "import torch as extern_kernels  # keraunos: each one used is torch's\n"
-_ALIGN = "from torch._inductor.codegen.memory_planning import _align as align\n"
-_LAZY_ALIGN = """def align(nbytes):  # keraunos: Inductor's, imported when first called
-    from torch._inductor.codegen.memory_planning import _align
-    return _align(nbytes)
-"""
+_ALIGN = inductor.ALIGN_IMPORT
+_LAZY_ALIGN = inductor.LAZY_ALIGN
 
 
 def _lighter_imports(source: str) -> str:
@@ -156,7 +154,7 @@ def _lighter_imports(source: str) -> str:
     source = source.replace(_ALIGN, _LAZY_ALIGN)
     if _EXTERN_KERNELS not in source:
         return source
-    from torch._inductor.select_algorithm import extern_kernels
+    extern_kernels = inductor.extern_kernels
     names = re.findall(r"\bextern_kernels\.(\w+)", source)
     every_use = len(re.findall(r"\bextern_kernels\b", source))
     if every_use != len(names) + source.count(_EXTERN_KERNELS):

@@ -32,11 +32,10 @@ import re
 import threading
 from concurrent.futures import Future
 
+from ...torch_internals import inductor
+
 _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\(')
-# The method table of Inductor's template, around its one entry (braces doubled: a format string).
-_TABLE_OPEN = "static PyMethodDef py_methods[] = {{\n"
-_TABLE_CLOSE = "    {{NULL, NULL, 0, NULL}}}};"
 
 # Builds started (``start``): "merged" files of several kernels and the kernels in them, "alone"
 # (a module with one kernel), and "failed": merged builds that were built again one by one.
@@ -69,7 +68,7 @@ def usable() -> bool:
     merged and ``AsyncCompile.cpp_pybinding`` is left as it is)."""
     with _install_lock:
         if not _installed:
-            _installed.append(_glue_parts() is not None)
+            _installed.append(inductor.binding_template_parts() is not None)
         return _installed[0]
 
 
@@ -112,9 +111,8 @@ def start():
     if not batch:
         return None
     kernels, batch[:] = list(batch), []
-    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
-    submit = AsyncCompile.submit if get_compile_threads() > 1 else None
+    Bindings = inductor.CppPythonBindingsCodeCache
+    submit = inductor.AsyncCompile.submit if inductor.get_compile_threads() > 1 else None
     try:
         if len(kernels) == 1:  # Inductor's own file: shared with torch.compile's caches
             one = kernels[0]
@@ -170,15 +168,15 @@ def describe() -> str:
 
 def merged_source(kernels: list[Pending]) -> str:
     """One C++ file of every kernel, ``kernel`` of the i-th in namespace ``keraunos_kernel_{i}``,
-    with a Python module ``kernel`` whose function ``k{i}`` calls it (Inductor's template)."""
-    pre, function, entry, tail = _glue_parts()
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
+    with a Python module ``kernel`` whose function ``k{i}`` calls it (Inductor's template, cut
+    by ``torch_internals.inductor.binding_template_parts``, whatever calling convention it has:
+    ``METH_VARARGS`` to torch 2.14, ``METH_FASTCALL`` from 2.15)."""
+    pre, function, entry, tail = inductor.binding_template_parts()
     parts = [_PREFIX]
     for i, kernel in enumerate(kernels):
         body = kernel.source.lstrip()[len(_PREFIX):]
         parts.append(f"namespace keraunos_kernel_{i} {{\n{_ENTRY.sub('void kernel(', body)}\n}}")
-    parts.append(pre.format(entry_func="kernel", extra_parse_arg=Bindings.extra_parse_arg.format(
-        array_len=-1)))
+    parts.append(pre.format(entry_func="kernel", extra_parse_arg=inductor.binding_parse_arg()))
     for i, kernel in enumerate(kernels):
         parse = ", ".join(f"parse_arg<{t.replace('const ', '')}>(args, {n})"
                           for n, t in enumerate(kernel.argtypes))
@@ -186,27 +184,6 @@ def merged_source(kernels: list[Pending]) -> str:
             entry_func=f"k{i}", arg_len=len(kernel.argtypes),
             call_entry_func=f"keraunos_kernel_{i}::kernel({parse}); Py_RETURN_NONE;"))
     methods = "".join(entry.format(entry_func=f"k{i}") for i in range(len(kernels)))
-    parts.append(_TABLE_OPEN.format() + methods + _TABLE_CLOSE.format()
-                 + tail.format(entry_func="kernel"))
+    parts.append(inductor.BINDING_TABLE_OPEN.format() + methods
+                 + inductor.BINDING_TABLE_CLOSE.format() + tail.format(entry_func="kernel"))
     return "\n".join(parts)
-
-
-@functools.lru_cache(maxsize=None)
-def _glue_parts() -> tuple[str, str, str, str] | None:
-    """Inductor's binding template cut in four: what comes before the one function that parses
-    the arguments and calls the kernel, that function, the method table's entry for it (its
-    calling convention: ``METH_VARARGS`` to torch 2.14, ``METH_FASTCALL`` from 2.15), and what
-    follows the table (the module and its init). None when the template is not of that shape."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
-    template = Bindings.suffix_template
-    head, found, rest = template.partition("static PyObject* {entry_func}_py")
-    if not found:
-        return None
-    function, found, table = rest.partition(_TABLE_OPEN)
-    if not found or Bindings.entry_function != "kernel" or \
-            Bindings.call_entry_function != "kernel({}); Py_RETURN_NONE;":
-        return None
-    entry, found, tail = table.partition(_TABLE_CLOSE)
-    if not found or "{entry_func}_py" not in entry:
-        return None
-    return head, "static PyObject* {entry_func}_py" + function, entry, tail

@@ -39,6 +39,7 @@ from ...core.effects import draws_random, forbidding, is_inplace_by_name, may_mo
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
 from ...core.tags import MUTATION, OPAQUE, RANDOM
+from ...torch_internals.dispatch import OpOverload, OpOverloadPacket
 from . import symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
@@ -73,7 +74,7 @@ def _data_dependent_callables() -> dict[int, object]:
     aten = torch.ops.aten
     found = [getattr(namespace, name) for name in _DATA_DEPENDENT_NAMES
              for namespace in (torch, torch.Tensor, aten) if hasattr(namespace, name)]
-    found += [getattr(p, o) for p in found if isinstance(p, torch._ops.OpOverloadPacket)
+    found += [getattr(p, o) for p in found if isinstance(p, OpOverloadPacket)
               for o in p.overloads()]
     return {id(f): f for f in found}
 
@@ -88,7 +89,7 @@ def _depends_on_data(symbol: TorchSymbol) -> bool:
     if id(symbol.fn) in _DATA_DEPENDENT:
         return True
     op = symbol.fn
-    return isinstance(op, torch._ops.OpOverload) and bool(_DATA_DEPENDENT_TAGS & set(op.tags))
+    return isinstance(op, OpOverload) and bool(_DATA_DEPENDENT_TAGS & set(op.tags))
 _STYLES = frozenset({"function", "method", "operator", "getitem", "getter"})
 # The attributes that are views (``x @ w.T``); ``x.grad``, ``x.data`` and the like read the
 # tensor object itself, which a compiled graph cannot. (``H`` and ``mH`` are ``T`` and ``mT`` here:
@@ -159,14 +160,14 @@ def _own_write_tag(bsym: BoundSymbol) -> bool:
     if MUTATION not in bsym.tags:
         return False
     fn = getattr(bsym.symbol, "fn", None)
-    return not (isinstance(fn, torch._ops.OpOverload) and not fn._schema.is_mutable
+    return not (isinstance(fn, OpOverload) and not fn._schema.is_mutable
                 and OPAQUE not in bsym.tags)
 
 
 def _aten_write(op) -> bool:
     """An ATen in-place overload that writes its first argument, only it, and returns it
     (``aten.hardswish_.default``, ``aten.add_.Tensor``), and not its metadata (``aten.t_``)."""
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return False
     schema = op._schema
     arguments, returns = schema.arguments, schema.returns

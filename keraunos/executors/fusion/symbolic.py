@@ -36,7 +36,7 @@ def is_symbolic(value) -> bool:
 
 def backed(value) -> bool:
     """A symbolic size the prologue binds (not one that depends on tensor data)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from ...torch_internals.fake import free_unbacked_symbols
     return not free_unbacked_symbols(value)
 
 
@@ -59,7 +59,7 @@ def _binary(op):
 
 
 def _expression_builders():
-    from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PythonMod
+    from ...torch_internals.fake import FloorDiv, Max, Min, Mod, PythonMod
     return {
         sympy.Add: _binary(operator.add),
         sympy.Mul: _binary(operator.mul),

@@ -2,7 +2,7 @@
 threads at once.
 
 Before a process's first CPU compile or load of a generated module, Inductor finds which vector
-instructions it may use (``torch._inductor.cpu_vec_isa.pick_vec_isa``): a g++ test build (kept
+instructions it may use (Inductor's ``cpu_vec_isa.pick_vec_isa``): a g++ test build (kept
 in Inductor's cache: once per machine) and a load of its library. keraunos's ``isa_probe`` makes
 it build only the candidate read and remembers the load between processes. In this process the
 probe runs on the user's thread (an in-process compile, or the switch to a fused tier, which
@@ -36,7 +36,7 @@ _probe_lock = threading.Lock()
 def probe_vector_isa() -> None:
     """Inductor's pick of the vector ISA, made once per process (the first pick test-builds),
     never on two threads at once; returns once it is made."""
-    from torch._inductor import cpu_vec_isa
+    from ...torch_internals.inductor import cpu_vec_isa
 
     from . import patches
     # (one test build, not four; a later process starts no child to load it)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import debug, store
+from ...torch_internals.dispatch import OpOverload
 
 ENV = "KERAUNOS_COMPILE_WORKERS"
 IDLE_S = 60.0  # helpers idle this long are ended
@@ -78,7 +79,7 @@ def settings(inductor_config: dict | None = None) -> dict:
     ``inductor_config``: the entries of Inductor's config to set in the helper
     (``compiler.inductor_config_changes``; by default every entry, as this process has it)."""
     if inductor_config is None:
-        from torch._inductor import config
+        from ...torch_internals.inductor import config
         inductor_config = config.save_config_portable()
     matmul = torch.backends.cuda.matmul
     return {"threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
@@ -143,7 +144,7 @@ class _GraphPickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch.fx.Node):
             return _Ref, (obj.name,)
-        if isinstance(obj, torch._ops.OpOverload):
+        if isinstance(obj, OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
         return NotImplemented
 

@@ -20,9 +20,11 @@ import warnings
 
 import torch
 
+from ...torch_internals import dispatch, dynamo, fx
+
 # Config modules compared, when the process has imported them (importing one here would change
 # what is compared: Inductor's config is imported by the first fused compile).
-CONFIG_MODULES = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+CONFIG_MODULES = dynamo.CONFIG_MODULES
 
 
 def _autocast_state() -> tuple:
@@ -65,15 +67,12 @@ def _unwatched(value):
 
 def _modes() -> tuple:
     """The types of the torch-function and dispatch modes active on this thread."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return (tuple(type(m).__name__ for m in _get_current_function_mode_stack()),
-            tuple(type(m).__name__ for m in _get_current_dispatch_mode_stack()))
+    return (tuple(type(m).__name__ for m in dispatch.function_modes()),
+            tuple(type(m).__name__ for m in dispatch.dispatch_modes()))
 
 
 def snapshot() -> dict:
     """The process-wide and thread-local state seen from the calling thread, by setting."""
-    from torch.fx import _symbolic_trace
     state = {
         "warnings.filters": list(warnings.filters),
         "grad mode": torch.is_grad_enabled(),
@@ -85,7 +84,7 @@ def snapshot() -> dict:
         "float32 matmul precision": torch.get_float32_matmul_precision(),
         "anomaly detection": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         "dispatch modes": _modes(),
-        "torch.fx tracing flag": _symbolic_trace._is_fx_tracing_flag,
+        "torch.fx tracing flag": fx.tracing(),
         "class dicts": _class_dicts(),
     }
     for name in CONFIG_MODULES:
@@ -160,9 +159,8 @@ def restore(before: dict, flags: bool = False) -> None:
     torch.set_grad_enabled(before["grad mode"])
     torch.set_default_dtype(before["default dtype"])
     if flags:
-        from torch.fx import _symbolic_trace
         torch.set_anomaly_enabled(*before["anomaly detection"])
-        _symbolic_trace._is_fx_tracing_flag = before["torch.fx tracing flag"]
+        fx.set_tracing(before["torch.fx tracing flag"])
     for name in CONFIG_MODULES:
         module = sys.modules.get(name)
         values = before.get(name)

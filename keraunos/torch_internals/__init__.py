@@ -1,0 +1,21 @@
+"""torch's private machinery, in one place: every API of torch's that is not public (fake tensors,
+dynamo's guards, Inductor, the C dispatcher's entry points, torch.fx's tracing flag) that keraunos
+uses is reached through a module of this package, never named elsewhere in keraunos.
+
+- ``fake``: fake tensors, their mode, the shape environment and symbolic sizes;
+- ``dispatch``: the C dispatcher's entry points (dispatch keys, torch-function and
+  torch-dispatch modes, storages and version counters, operator overloads, ``_VF``);
+- ``autograd``: grad mode as the generated code sets it, saved-tensor hooks, forward-mode levels,
+  ``autograd.Function.apply``'s descriptor;
+- ``functorch``: functorch's interpreter stack and its vmap primitives;
+- ``dynamo``: dynamo's C++ guards and eval-frame hook (imported with torch), the rest of dynamo
+  (imported when first used);
+- ``inductor``: Inductor's compiler, config, caches and vector-ISA probe (imported when first
+  used);
+- ``fx``: torch.fx's flag for a symbolic trace under way;
+- ``patching``: replacing attributes of torch's objects and giving the originals back.
+
+Where an API differs between the torch releases keraunos supports (``keraunos.version``), the
+module that owns it probes the installed torch and says which form it found. Importing this
+package imports neither dynamo nor Inductor: their modules load on first use.
+"""
