@@ -5,6 +5,7 @@ compiled here."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -221,3 +222,40 @@ def test_the_helper_compiles_under_this_processs_settings(pool):
         assert kernels[1] == compiler.STORED, kernels
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+SPAWNED = '''
+import sys
+import torch
+import torch.multiprocessing as mp
+
+
+def child(rank, queue):
+    import io
+    from keraunos.executors.fusion import workers
+    out = io.BytesIO()
+    workers._GraphPickler(out).dump([torch.contiguous_format, torch.channels_last,
+                                     torch.float16, torch.strided])
+    queue.put(out.getvalue())
+
+
+if __name__ == "__main__":
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(child, args=(queue,), nprocs=1)
+    sys.stdout.write(queue.get().hex())
+'''
+
+
+def test_a_graph_pickled_in_a_spawned_process_names_torchs_constants_by_torch(tmp_path):
+    """In a process ``multiprocessing`` spawned, pickle's own lookup names ``torch.float16`` and
+    the memory formats as attributes of ``__mp_main__``, which a helper process cannot find: the
+    graph pickler names them in ``torch`` itself."""
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = bytes.fromhex(done.stdout.strip())
+    assert b"__mp_main__" not in data and b"__main__" not in data
+    assert pickle.loads(data) == [torch.contiguous_format, torch.channels_last, torch.float16,
+                                  torch.strided]

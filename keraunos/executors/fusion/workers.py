@@ -138,14 +138,26 @@ def _op(name: str, overload: str):
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+def _torch_constant(name: str):
+    return getattr(torch, name)
+
+
 class _GraphPickler(pickle.Pickler):
-    """Pickles a graph's nodes: each node an ``_Ref`` by name, each ATen operator by its name."""
+    """Pickles a graph's nodes: each node an ``_Ref`` by name, each ATen operator by its name,
+    each dtype, layout and memory format by its name in ``torch``. (Their own pickling names
+    them by a dotted name that pickle looks for in whichever module holds ``torch``; in a process
+    started by ``multiprocessing``'s spawn it finds none and names ``__main__``, where the
+    helper process does not find it.)"""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.fx.Node):
             return _Ref, (obj.name,)
         if isinstance(obj, OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            name = str(obj).removeprefix("torch.")
+            if getattr(torch, name, None) is obj:
+                return _torch_constant, (name,)
         return NotImplemented
 
 
