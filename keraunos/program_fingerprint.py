@@ -305,6 +305,13 @@ class _Fingerprint:
             try:
                 self.parts.append(("value", name, self._plain(v)))
             except Unstorable:
+                if type(v) in (set, frozenset) and all(isinstance(x, type) for x in v):
+                    # A set of classes (transformers' cache classes): each class followed, in
+                    # the order of their names (a set's own order is its process's).
+                    self.parts.append(("class set", name, type(v).__name__, len(v)))
+                    for x in sorted(v, key=lambda c: (c.__module__, c.__qualname__)):
+                        self.value(x, f"{name}{{{x.__qualname__}}}")
+                    return
                 self.structure(v, name, why=sys.exc_info()[1])
 
     def structure(self, v, name: str, why: Unstorable) -> None:
@@ -333,8 +340,8 @@ class _Fingerprint:
                 for i, x in enumerate(v):
                     self.value(x, f"{name}[{i}]", constructed=True)
             if isinstance(v, dict):  # in key order, as a plain dict (``_plain``)
-                for k, x in sorted(v.items(), key=lambda item: repr(self._plain(item[0]))):
-                    self.parts.append(("key", self._plain(k)))
+                for k, x in sorted(v.items(), key=lambda item: repr(self._key(item[0]))):
+                    self.parts.append(("key", self._key(k)))
                     self.value(x, f"{name}[{k!r}]", constructed=True)
                 if isinstance(v, collections.defaultdict):
                     self.value(v.default_factory, f"{name}.default_factory")
@@ -342,6 +349,14 @@ class _Fingerprint:
                 self.value(x, f"{name}.{attribute}", constructed=True)
         finally:
             self.depth -= 1
+
+    def _key(self, k):
+        """A dict's key or a set's element: a plain value, or a library's class by its name (a
+        table keyed by classes: huggingface_hub's validators by type); what a library's class
+        does is its library's version, which the key holds."""
+        if isinstance(k, type) and _library(k.__module__):
+            return ("class", k.__module__, k.__qualname__)
+        return self._plain(k)
 
     def _plain(self, v):
         t = type(v)
@@ -355,7 +370,7 @@ class _Fingerprint:
         if t in (tuple, list):
             return (t.__name__, tuple(self._plain(x) for x in v))
         if t in (set, frozenset):  # sorted: their order is the process's string hashing's
-            return (t.__name__, tuple(sorted(repr(self._plain(x)) for x in v)))
+            return (t.__name__, tuple(sorted(repr(self._key(x)) for x in v)))
         if isinstance(v, enum.Enum):
             return ("enum", type(v).__module__, type(v).__qualname__, v.name)
         if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):

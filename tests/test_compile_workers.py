@@ -259,3 +259,31 @@ def test_a_graph_pickled_in_a_spawned_process_names_torchs_constants_by_torch(tm
     assert b"__mp_main__" not in data and b"__main__" not in data
     assert pickle.loads(data) == [torch.contiguous_format, torch.channels_last, torch.float16,
                                   torch.strided]
+
+
+CONFIG_CHANGES = '''
+import sys
+import torch, keraunos
+from keraunos.executors.fusion import compiler
+import torch._inductor.config as config
+assert compiler.inductor_config_changes() == {}, compiler.inductor_config_changes()
+print("lowering imported:", "torch._inductor.lowering" in sys.modules)
+with config.patch(max_fusion_size=17):
+    print("patched:", compiler.inductor_config_changes())
+config.max_fusion_size = 23
+print("set:", compiler.inductor_config_changes())
+'''
+
+
+def test_the_inductor_settings_a_helper_gets_are_those_this_process_changed(tmp_path):
+    """A helper process applies the Inductor config entries its parent changed (within
+    ``config.patch`` too), read on the calling thread without serializing the whole config (from
+    torch 2.15 that imports Inductor's lowering, a second of a restart)."""
+    script = tmp_path / "changes.py"
+    script.write_text(CONFIG_CHANGES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["lowering imported: False",
+                                        "patched: {'max_fusion_size': 17}",
+                                        "set: {'max_fusion_size': 23}"], done.stdout

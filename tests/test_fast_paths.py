@@ -52,6 +52,7 @@ def test_an_entry_the_native_path_cannot_take_says_why(_native_loaded):
 
 def test_a_native_path_that_is_not_loaded_is_reported_with_the_reason(monkeypatch):
     monkeypatch.setattr(native.LOADER, "module", None)
+    monkeypatch.setattr(native.LOADER, "built", None)  # (nothing for a poll to import)
     monkeypatch.setattr(native.LOADER, "failed", "CalledProcessError: g++ exited with 1")
     model, x = _mlp(), torch.randn(4, 16)
     jitted = keraunos.jit(model, fuse="off")

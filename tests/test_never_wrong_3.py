@@ -180,7 +180,8 @@ def _assert_same_seq2seq_output(got, want):
     from keraunos.testing.zoo import assert_same_output
     assert type(got) is type(want) and list(got.keys()) == list(want.keys())
     for key in want.keys():
-        if key == "past_key_values":  # the default use_cache=True: an EncoderDecoderCache
+        if key in ("past_key_values", "cache"):  # use_cache=True: an EncoderDecoderCache (named
+            # "cache" from transformers 5.2x)
             assert type(got[key]) is type(want[key])
             assert_same_output(got[key].self_attention_cache, want[key].self_attention_cache)
             assert_same_output(got[key].cross_attention_cache, want[key].cross_attention_cache)

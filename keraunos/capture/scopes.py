@@ -110,8 +110,11 @@ class ScopeGuards:
         """A list, tuple or dict holding more than plain values (``ACTS = [torch.relu]``, a list
         of configs): its length or keys, and each item: a plain one by value, a function or
         object by identity (an object also watched), a nested container the same way. Past 3
-        levels or 32 items only the in-place changes during capture are watched (not a check)."""
+        levels or 32 items, or in a dict keyed by anything but plain values (a table keyed by
+        classes), only the in-place changes during capture are watched (not a check)."""
         if depth > 3 or len(value) > 32:
+            return
+        if type(value) is dict and not all(is_plain(k) for k in value):
             return
         if type(value) is dict:
             self.guard(guards.KEYS, path, (dict, tuple(value)))

@@ -15,6 +15,7 @@ says which this torch's template uses.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import sys
@@ -73,6 +74,30 @@ def config_unset():
     """The marker torch's config entries hold for "not set by the environment" (None where the
     config machinery is not imported)."""
     return getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+
+
+def config_overridden() -> list[tuple[str, object, object]] | None:
+    """The Inductor config entries set here (``config.x = ...``, ``config.patch``): (name, the
+    entry's record, the value set), read without serializing the config (from torch 2.15 that
+    imports Inductor's lowering: a second on a restart). None where this torch keeps its config
+    otherwise, or nothing of Inductor is imported.
+
+    Release difference: an entry's override is a plain attribute up to torch 2.14 and a
+    ``ContextVar`` from 2.15 (each thread and context sees its own); it is read as the calling
+    thread sees it."""
+    config = config_if_imported()
+    entries = getattr(config, "_config", None)
+    if not isinstance(entries, dict):
+        return None
+    unset = config_unset()
+    found = []
+    for name, entry in entries.items():
+        value = getattr(entry, "user_override", unset)
+        if isinstance(value, contextvars.ContextVar):
+            value = value.get(unset)
+        if value is not unset:
+            found.append((name, entry, value))
+    return found
 
 
 def load_compiler() -> None:

@@ -302,16 +302,14 @@ def inductor_config_changes() -> dict:
     config = inductor.config_if_imported()
     if config is None:
         return {}
+    overridden = inductor.config_overridden()
+    if overridden is None:  # (another torch: every entry, keyed alike everywhere)
+        return config.save_config_portable()
+    names = [name for name, entry, value in overridden if value != _fresh_value(entry)]
+    if not names:  # (serializing the config imports Inductor's lowering from torch 2.15)
+        return {}
     portable = config.save_config_portable()
-    entries = getattr(config, "_config", None)
-    if not isinstance(entries, dict):  # (another torch: every entry, keyed alike everywhere)
-        return portable
-    changed = {}
-    for name, value in portable.items():
-        entry = entries.get(name)
-        if entry is None or value != _fresh_value(entry):
-            changed[name] = value
-    return changed
+    return {name: portable[name] for name in names if name in portable}
 
 
 def _fresh_value(entry):
