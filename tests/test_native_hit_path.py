@@ -112,12 +112,15 @@ def _precision_per_backend():
 
 @contextlib.contextmanager
 def _changed(setter, getter, value):
-    before = getter()
+    # Setting a matmul precision or TF32 back also turns the CUDA matmul precision from "none"
+    # into "ieee", which dynamo's global state compares from torch 2.15: it is put back too.
+    before, cuda_before = getter(), torch.backends.cuda.matmul.fp32_precision
     setter(value)
     try:
         yield
     finally:
         setter(before)
+        torch.backends.cuda.matmul.fp32_precision = cuda_before
 
 
 _cuda_matmul = torch.backends.cuda.matmul
