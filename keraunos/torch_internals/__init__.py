@@ -19,3 +19,18 @@ Where an API differs between the torch releases keraunos supports (``keraunos.ve
 module that owns it probes the installed torch and says which form it found. Importing this
 package imports neither dynamo nor Inductor: their modules load on first use.
 """
+from __future__ import annotations
+
+import importlib
+
+
+def lazy(module_name: str, table: dict[str, tuple[str, str | None]]):
+    """A module's ``__getattr__`` for ``table``: name -> (module, attribute, or None for the
+    module itself), imported when first asked for."""
+    def __getattr__(name: str):
+        if name not in table:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        module, attribute = table[name]
+        found = importlib.import_module(module)
+        return found if attribute is None else getattr(found, attribute)
+    return __getattr__

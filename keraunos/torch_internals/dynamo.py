@@ -13,10 +13,11 @@ matmul float32 precision). ``GLOBAL_STATE_FIELDS`` holds every field of the supp
 """
 from __future__ import annotations
 
-import importlib
 import json
 
 import torch
+
+from . import lazy
 
 # Each None in a build without it (then every check it would make is made in Python).
 _guards = getattr(torch._C, "_dynamo", None)
@@ -58,12 +59,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = _LAZY[name]
-    found = importlib.import_module(module)
-    return found if attribute is None else getattr(found, attribute)
+__getattr__ = lazy(__name__, _LAZY)
 
 
 __all__ = ["AUTOCAST_FIELDS", "CONFIG_MODULES", "GLOBAL_STATE_FIELDS", "GlobalStateGuard",

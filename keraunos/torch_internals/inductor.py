@@ -20,6 +20,8 @@ import functools
 import importlib
 import sys
 
+from . import lazy
+
 # name -> (module, attribute or None for the module itself): imported on first use.
 _LAZY = {
     "compile_fx": ("torch._inductor.compile_fx", "compile_fx"),
@@ -50,12 +52,7 @@ LAZY_ALIGN = """def align(nbytes):  # keraunos: Inductor's, imported when first 
 """
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = _LAZY[name]
-    found = importlib.import_module(module)
-    return found if attribute is None else getattr(found, attribute)
+__getattr__ = lazy(__name__, _LAZY)
 
 
 def imported(name: str) -> bool:
