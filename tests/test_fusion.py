@@ -387,6 +387,33 @@ def test_a_region_writing_a_kv_cache_is_called_past_the_wrappers():
     assert line.symbol.call.kernel_fn is not line.symbol.call.kernel.compiled
 
 
+def _append_to_cache(cache, length, x):
+    """A static cache that keeps its own length, as transformers' StaticCache does from 5.2x:
+    the positions written come from the length, which the same call then advances."""
+    pos = length + torch.arange(x.shape[0])
+    cache.index_copy_(0, pos, x)
+    length.add_(x.shape[0])
+    return (cache * 2).sum(0), pos
+
+
+def test_a_region_that_reads_the_input_it_writes_is_checked_on_the_values_before_its_write():
+    """The first call of a region that writes its inputs runs Inductor's graph a second time
+    to see whether it can be called past the wrappers; that second run computes from copies of
+    the written inputs as they were before the first call, not from the values the first call
+    left (here the advanced length, whose positions lie past the cache's end)."""
+    jitted = keraunos.jit(_append_to_cache, executors=FUSED, fuse="wait")
+    for _ in range(3):  # each call fills a fresh cache to its last row
+        x = torch.randn(2, 4)
+        cache, length = torch.zeros(2, 4), torch.zeros((), dtype=torch.long)
+        cache_ref, length_ref = torch.zeros(2, 4), torch.zeros((), dtype=torch.long)
+        assert_close(jitted(cache, length, x), _append_to_cache(cache_ref, length_ref, x))
+        assert_close(cache, cache_ref)
+        assert_close(length, length_ref)
+    (line,) = fusion_lines(keraunos.last_traces(jitted)[-1])
+    assert line.symbol.region.written == ["length_updated", "cache_updated"]
+    assert line.symbol.call.kernel_fn is not line.symbol.call.kernel.compiled
+
+
 def test_batchnorm_training_statistics_and_gradients_match_eager():
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 4))

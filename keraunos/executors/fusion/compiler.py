@@ -128,10 +128,18 @@ class Kernel:
             self.compiled = _stored_call(call, writes)
             self.seconds += elapsed()
 
-    def direct(self, args, outs, grad_free: bool = False):
+    def inputs_it_writes(self, args) -> dict[int, torch.Tensor]:
+        """Copies of the inputs the compiled graph writes (a KV cache and its length, BatchNorm's
+        statistics), taken before the region's first call for ``direct``'s check: the graph may
+        read what it writes (a cache's length, then the positions after it), so running it again
+        on the written inputs would compute from their new values."""
+        return {} if self._unwrapped is not None else inputs_written_by(self.compiled, args)
+
+    def direct(self, args, outs, grad_free: bool = False, before: dict | None = None):
         """The kernel as a callable past ``compile_fx``'s wrappers, or ``compiled`` where that is
         not known to give the same outputs. Decided once, on a region's first call: ``outs`` are
-        what the wrapped kernel gave for ``args``; the unwrapped graph must give outputs of the
+        what the wrapped kernel gave for ``args`` (``before``: the inputs it wrote, as they were
+        before, from ``inputs_it_writes``); the unwrapped graph must give outputs of the
         same layouts, none of them an input or requiring grad (a region is a pure inference
         graph: nothing for the wrappers to replay). A call still goes through the wrappers when
         Dynamo is evaluating frames (a jitted call inside a torch.compile'd function) or grad
@@ -140,7 +148,7 @@ class Kernel:
         drops the second condition: with no input requiring grad, grad mode changes nothing
         the graph computes."""
         if self._unwrapped is None:
-            self._unwrapped = _unwrapped(self.compiled, args, outs) or False
+            self._unwrapped = _unwrapped(self.compiled, args, outs, before or {}) or False
             if self._unwrapped is not False and self.store_key is not None:
                 # the graph alone gives what the wrappers give: a later process may load it
                 kernel_store.save(self.store_key, self._unwrapped)
@@ -185,10 +193,18 @@ _increment_version = dispatch.increment_version
 _grad_enabled = torch.is_grad_enabled
 
 
-def _unwrapped(compiled, args, outs):
+def inputs_written_by(compiled, args) -> dict[int, torch.Tensor]:
+    """Copies of those of ``args`` that the graph inside ``compiled`` writes, by position."""
+    graph = _find_in_closures(compiled, inductor.CompiledFxGraph)
+    return {i: _copy_of(args[i]) for i in getattr(graph, "mutated_input_idxs", None) or ()
+            if i < len(args) and _has_own_layout(args[i])}
+
+
+def _unwrapped(compiled, args, outs, before):
     """Inductor's ``CompiledFxGraph`` inside ``compiled`` (found through the wrappers' closures),
     when calling it on ``args`` gives outputs like ``outs`` (a graph whose input writes the
-    wrappers make returns the new values as more outputs); else None."""
+    wrappers make returns the new values as more outputs); else None. ``before`` holds copies
+    of the inputs the graph writes as they were before the call that gave ``outs``."""
     graph = _find_in_closures(compiled, inductor.CompiledFxGraph)
     if graph is None or getattr(graph, "current_callable", None) is None:
         return None
@@ -207,16 +223,18 @@ def _unwrapped(compiled, args, outs):
         # output, below). The real inputs were written once, by the call through the wrappers:
         # the graph writes copies of them, of the same layouts, and an output that comes back
         # as a written input's own buffer (an output cloned from it, fuzzer with fusion, 94:81)
-        # shows as sharing the copy's memory. Inputs sharing memory with each other may have
-        # been merged into one by AOTAutograd (its synthetic bases): those keep the wrappers.
+        # shows as sharing the copy's memory. The copies are of the values before the first
+        # call (``before``): a graph that reads what it writes (a static cache's length, then
+        # the positions after it) computes from them what it computed then. Inputs sharing
+        # memory with each other may have been merged into one by AOTAutograd (its synthetic
+        # bases): those keep the wrappers.
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if len({a.untyped_storage()._cdata for a in tensors}) != len(tensors):
             return None
         for i in graph.mutated_input_idxs:
-            if i >= len(given) or not isinstance(given[i], torch.Tensor) or any(
-                    s == 0 and n > 1 for n, s in zip(given[i].shape, given[i].stride())):
+            if i not in before:
                 return None  # (an expanded tensor has no copy of its own layout)
-            given[i] = _copy_of(given[i])
+            given[i] = before[i]
     with torch.no_grad():
         again = graph.current_callable(list(given))
     if len(again) != len(outs):
@@ -228,6 +246,13 @@ def _unwrapped(compiled, args, outs):
                 b.shape, b.stride(), b.dtype, b.device):
             return None
     return graph if _sharing(given, again) == sharing else None
+
+
+def _has_own_layout(t) -> bool:
+    """Whether ``t`` is a tensor a copy of the same sizes and strides can stand for (an expanded
+    tensor, with a stride 0 over a size above 1, has none)."""
+    return isinstance(t, torch.Tensor) and not any(
+        s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
 
 
 def _copy_of(t: torch.Tensor) -> torch.Tensor:
@@ -643,12 +668,14 @@ class RegionCall:
         checked = tuple(sorted(set(self.always_checked) | set(fix_inputs)))
         self.always_checked = checked
         given = _restrided(args, checked, inputs)
+        before = self.kernel.inputs_it_writes(given)
         outs = self.kernel.fn(*given)
         self.fixed_outputs = tuple(i for i, t in enumerate(outs)
                                    if outputs[i] is not None and t.stride() != outputs[i][1])
         self.copied_outputs = _shared_unlike_the_trace(
             given, outs, *self.storages, range(len(given)) if self.writes else ())
-        self.kernel_fn = self.kernel.direct(given, outs, self.grad_free)
+        self.kernel_fn = self.kernel.direct(given, outs, self.grad_free, before)
+        del before
         self.run = self.kernel_fn if not (checked or self.fixed_outputs or self.copied_outputs) \
             else self._fixing_call
         return self._finished(outs, outputs)

@@ -64,9 +64,10 @@ def _compile(nodes, metas, aliases, layout_choice, config_patches: dict,
         raise Refused("inputs that share memory")
     args = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
             for shape, stride, dtype, device in metas]
+    before = compiler.inputs_written_by(compiled, args)
     with torch.no_grad():
         outs = compiled(*args)
-    graph = compiler._unwrapped(compiled, args, outs)
+    graph = compiler._unwrapped(compiled, args, outs, before)
     if graph is None:
         raise Refused("its outputs share memory with its inputs (views), which only "
                       "compile_fx's wrappers remake")
