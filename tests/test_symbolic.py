@@ -558,6 +558,22 @@ def _generate_compiles(model, model_ref, counted, generate, prompts, **options):
 HF_KINDS = ["llama", "gpt2", "qwen2", "mistral"]
 
 
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_what_generate_varies_is_found_under_either_name_of_the_cache_keyword(keyword):
+    """transformers 5.2x renamed the forward's cache keyword ``past_key_values`` to ``cache``:
+    under either, the cache's tensors vary in their sequence dimension and its ints (a layer's
+    ``cumulative_length``) vary, so that a later prompt length compiles nothing."""
+    from keraunos.core.provenance import ATTR, ITEM, Path, root
+    from keraunos.integrations import huggingface
+    layer = Path(Path(Path(Path(root("kwargs"), ITEM, keyword), ATTR, "layers"), ITEM, 0),
+                 ATTR, "keys")
+    length = Path(layer.parent, ATTR, "cumulative_length")
+    assert huggingface.varying_dims(layer, 4) == {2}
+    assert huggingface.varies_int(length)
+    other = Path(Path(root("kwargs"), ITEM, "labels"), ATTR, "keys")
+    assert huggingface.varying_dims(other, 4) == set() and not huggingface.varies_int(other)
+
+
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_hf_generate_with_the_default_dynamic_cache(kind):
     model, model_ref = _hf_model(kind)

@@ -12,12 +12,12 @@ import sys
 from ..core.provenance import Path
 
 # What generate() varies, by keyword argument of the forward call: the dimensions that are the
-# sequence (negative: counted from the last). Within the cache object passed as
-# ``past_key_values``, its tensors' sequence dimension (-2) and its ints (a layer's
-# ``cumulative_length``, a static cache's ``max_cache_len``) vary too.
+# sequence (negative: counted from the last). Within the cache object (the keyword
+# ``past_key_values``, named ``cache`` from transformers 5.2x), its tensors' sequence dimension
+# (-2) and its ints (a layer's ``cumulative_length``, a static cache's ``max_cache_len``) vary too.
 SEQUENCE_DIMS = {"input_ids": (-1,), "token_type_ids": (-1,), "position_ids": (-1,),
                  "cache_position": (-1,), "inputs_embeds": (-2,), "attention_mask": (-1, -2)}
-CACHE_ARGUMENT = "past_key_values"
+CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 
 def called_from_generate(depth: int = 40) -> bool:
@@ -54,10 +54,10 @@ def varying_dims(path: Path, ndim: int) -> set[int]:
         dims = SEQUENCE_DIMS.get(name, ())
         # A 2-D attention mask is (batch, sequence): only its last dimension is the sequence.
         return {d % ndim for d in dims if -ndim <= d < ndim and (ndim > 2 or d == -1)}
-    return {ndim - 2} if name == CACHE_ARGUMENT and ndim >= 3 else set()
+    return {ndim - 2} if name in CACHE_ARGUMENTS and ndim >= 3 else set()
 
 
 def varies_int(path: Path) -> bool:
     """Whether generate() varies the int at ``path`` (one inside the cache object)."""
     role = _argument_of(path)
-    return bool(role) and role[0] == CACHE_ARGUMENT
+    return bool(role) and role[0] in CACHE_ARGUMENTS
