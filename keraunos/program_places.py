@@ -193,19 +193,26 @@ def resolve(pid: tuple, root):
         return vars(importlib.import_module(name))
     if kind == "cell at":  # a cell of a method of the tree or of its decorators' wrappers
         return _cell_at(name, *rest)
-    if kind == "object at":  # what an identity check of a global expects (``guarded_globals``)
+    if kind == "object at":  # what an identity check of a global expects (``guarded_objects``)
         steps, digest = rest
         obj = _follow(vars(importlib.import_module(name)), steps)
         if program_fingerprint.object_digest(obj) != digest:
             raise LookupError(f"{name}: the object at {steps} is not like the one kept")
         return obj
+    if kind == "module object at":  # one the module tree holds (``guarded_objects``)
+        steps, digest = name, rest[0]
+        obj = _follow(root, steps)
+        if program_fingerprint.object_digest(obj) != digest:
+            raise LookupError(f"the module's object at {steps} is not like the one kept")
+        return obj
 
     raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
-def guarded_globals(prologue) -> dict[int, tuple]:
+def guarded_objects(prologue, root, taken: dict) -> dict[int, tuple]:
     """The objects that the prologue's identity checks expect to find in a module's globals
-    (``_active_collector is <the object compiled for>``; transformers' attention registries),
+    (``_active_collector is <the object compiled for>``; transformers' attention registries)
+    or, for a jitted module ``root``, in its tree past the places ``paths_of`` names (``taken``),
     each named by that place and the digest of its contents. In another process "the same
     object" is the one at that place, if its contents (class, state, the code it holds) hash
     the same; a load finds it there (``_Unpickler``), and one whose contents differ is a miss.
@@ -217,12 +224,25 @@ def guarded_globals(prologue) -> dict[int, tuple]:
             continue
         steps, path = [], guard.path
         while not path.is_root:
-            if not (path.is_item or path.is_attr):
+            if not (path.is_item or path.is_attr or path.is_submodule):
                 break
-            steps.append(("item" if path.is_item else "attr", path.key))
+            steps.append(("item" if path.is_item else "sub" if path.is_submodule else "attr",
+                          path.key))
             path = path.parent
         label = path.key if path.is_root else None
         steps = tuple(reversed(steps))
+        if label == "module" and steps and isinstance(root, torch.nn.Module):
+            # An object the module tree holds where no path of ``paths_of`` reaches (an entry
+            # of a private attribute: the ``kernels`` package's per-layer function wrappers,
+            # which transformers keeps in ``_kernel_funcs``): by its place in the tree.
+            try:
+                if _follow(root, steps) is guard.expected and id(guard.expected) not in taken:
+                    found[id(guard.expected)] = (
+                        "module object at", steps,
+                        program_fingerprint.object_digest(guard.expected))
+            except (Unstorable, LookupError, AttributeError, TypeError):
+                pass
+            continue
         if label == "globals" and steps:  # the jitted forward's module's: a module holding it
             module = next((m for m in list(sys.modules.values())
                            if isinstance(m, types.ModuleType)
@@ -256,7 +276,8 @@ def _follow_or_none(obj, steps: tuple):
 
 def _follow(obj, steps: tuple):
     for kind, key in steps:
-        obj = obj[key] if kind == "item" else getattr(obj, key)
+        obj = obj[key] if kind == "item" else obj._modules[key] if kind == "sub" else \
+            getattr(obj, key)
     return obj
 
 

@@ -510,7 +510,8 @@ def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None]
     and closure, and the globals the prologue checks) is taken now, on the caller's thread: a
     module changed after this call is not seen, and the job walks no live object of the user's.
     ``owner`` (the jitted callable's state): deleting it drops the job if it has not started."""
-    paths = {**places.paths_of(root), **places.guarded_globals(stored["prologue"])}
+    paths = places.paths_of(root)
+    paths = {**paths, **places.guarded_objects(stored["prologue"], root, paths)}
     # The traces hold live objects of the user's (the module, in the prologue's namespace):
     # held here only while ``owner`` lives, so that deleting the jitted callable frees them.
     box = {"stored": stored}
@@ -541,7 +542,7 @@ def wait_for_keeps(timeout: float | None = None) -> bool:
 
 def keep(key: str, stored: dict, paths: dict) -> str:
     """Keep ``stored`` (the traces and facts ``pipeline.program_to_keep`` collects) under
-    ``key``, pickled against ``paths`` (``places.paths_of`` and ``places.guarded_globals``);
+    ``key``, pickled against ``paths`` (``places.paths_of`` and ``places.guarded_objects``);
     says what happened (``compile_stats().program_store``)."""
     try:
         data = dumps(stored, paths)

@@ -253,3 +253,60 @@ def test_a_damaged_stored_program_is_ignored_and_written_again(kept, damage):
     assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
     third = _run(directory, store=store)
     assert third["store"] == "loaded" and third["out"] == first["out"]
+
+
+HELD = textwrap.dedent('''
+    import json, os, sys
+    import torch, keraunos
+    from torch import nn
+
+
+    def _wrapper_class(fn):
+        class Wrapper(nn.Module):  # a class made per function, as the kernels package makes them
+            def forward(self, *args):
+                return fn(*args) * self.scale
+        return Wrapper
+
+
+    class Model(nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            wrapper = _wrapper_class(torch.nn.functional.gelu)()
+            wrapper.scale = scale
+            # held in a private dict, outside the module tree (transformers' ``_kernel_funcs``)
+            self.__dict__["_wrappers"] = {"act": wrapper}
+
+        def forward(self, x):
+            return self._wrappers["act"](self.fc(x))
+
+
+    torch.manual_seed(0)
+    model = Model(float(sys.argv[1]))
+    jitted = keraunos.jit(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out, expected = jitted(x), model(x)
+    torch.testing.assert_close(out, expected)
+    keraunos.program_store.wait_for_keeps()
+    stats = keraunos.compile_stats(jitted)
+    print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
+                      "out": out.double().flatten().tolist()}))
+''')
+
+
+def test_an_object_the_module_holds_outside_its_tree_is_found_again_by_its_place(tmp_path):
+    """transformers with the kernels package keeps a module of a class made at run time in a
+    private dict of each attention layer, and the prologue checks it by identity: a later
+    process finds it at the same place in its own model, and loads the program if its contents
+    (class, state, code) are like the kept one's; a different one is captured again."""
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    store = tmp_path / "store"
+    first = run_with_store(script, ["2.0"], store)
+    assert first["store"] == "kept" and first["captured"], first
+    second = run_with_store(script, ["2.0"], store)
+    assert second["store"] == "loaded" and not second["captured"], second
+    assert second["out"] == first["out"]
+    other = run_with_store(script, ["3.0"], store)  # the held object's state differs
+    assert other["captured"] and other["out"] != first["out"], other
