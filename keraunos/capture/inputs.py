@@ -156,9 +156,11 @@ class InputsMixin:
                 self.guard(guards.SYMBOLIC_INT, path, proxy)
                 return symint
         # A list or dict that came with the call (an argument, or held by an object passed in: a
-        # cache's list of layers) is a container the program may change, even while it holds only
-        # plain values: the program gets a stand-in, and the epilogue replays its changes.
-        held = type(value) in (list, dict) and _from_call(path)
+        # cache's list of layers) or that the module holds (a cache of computed tensors, such as
+        # timm's ``attention_bias_cache``) is a container the program may change, even while it
+        # holds only plain values: the program gets a stand-in, and the epilogue replays its
+        # changes. The user's container never sees a value of capture's.
+        held = type(value) in (list, dict) and (_from_call(path) or path.is_module_derived())
         if is_plain(value) and not path.is_root and not held:
             self.guard(guards.VALUE, path, value)
             return value

@@ -49,6 +49,9 @@ class ReadsMixin:
     def _init_reads(self) -> None:
         self.attribute_writes: list[AttributeWrite] = []
         self._overlay: dict[int, dict[str, Any]] = {}
+        # The stand-in of each list or dict a tree module holds, by (module id, name): every read
+        # of the attribute gets the one stand-in, so the program sees its own writes to it.
+        self._held_containers: dict[tuple[int, str], Any] = {}
         self.argument_objects: set[int] = set()  # ids of plain objects passed in (writable)
         self._swapped: list[tuple[Any, type]] = []
         self._object_paths: dict[int, Path] = {}
@@ -99,7 +102,12 @@ class ReadsMixin:
                 self.guard(guards.IDENTITY, path, sub)
             return sub
         if name in d and name not in MODULE_INTERNALS:
-            return self.value_input(d[name], Path(mpath, ATTR, name))
+            if type(d[name]) not in (list, dict):
+                return self.value_input(d[name], Path(mpath, ATTR, name))
+            key = (id(module), name)
+            if key not in self._held_containers:
+                self._held_containers[key] = self.value_input(d[name], Path(mpath, ATTR, name))
+            return self._held_containers[key]
         if name in ("_modules", "_parameters", "_buffers"):
             # The program looks at the whole table (iterating a ModuleList, say): its keys matter.
             self.guard(guards.KEYS, Path(mpath, ATTR, name), (dict, tuple(d[name])))

@@ -1,0 +1,99 @@
+"""Capture runs the user's Python code on fake tensors; none of them, and no other object of
+capture's, may stay in what the user's code keeps: the module's attributes, the dicts and lists
+it holds, caches filled on a first call. Each test compares with eager on a deep copy, and looks
+at the user's containers after every call."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import keraunos
+from keraunos.torch_internals.fake import FakeTensor
+
+
+class BiasCache(nn.Module):
+    """timm's LeViT, TinyViT and EfficientFormerV2 attention: in eval mode, the gathered
+    attention biases are kept in a dict by device on the first call and read from it after."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention_biases = nn.Parameter(torch.randn(2, 9))
+        self.register_buffer("attention_bias_idxs", torch.randint(0, 9, (4, 4)),
+                             persistent=False)
+        self.attention_bias_cache = {}
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.attention_bias_cache:
+            self.attention_bias_cache = {}  # stale once the biases train
+        return self
+
+    def get_attention_biases(self, device):
+        if self.training:
+            return self.attention_biases[:, self.attention_bias_idxs]
+        key = str(device)
+        if key not in self.attention_bias_cache:
+            self.attention_bias_cache[key] = self.attention_biases[:, self.attention_bias_idxs]
+        return self.attention_bias_cache[key]
+
+    def forward(self, x):
+        return (x @ x.transpose(-1, -2)) + self.get_attention_biases(x.device)
+
+
+def _no_fakes(container) -> None:
+    values = container.values() if isinstance(container, dict) else container
+    assert not any(isinstance(v, FakeTensor) for v in values), container
+
+
+def test_a_dict_the_module_fills_on_its_first_call_holds_real_tensors():
+    torch.manual_seed(0)
+    model = BiasCache().eval()
+    eager = copy.deepcopy(model)
+    jitted = keraunos.jit(model)
+    for _ in range(3):
+        x = torch.randn(2, 4, 4)
+        with torch.no_grad():
+            assert_close(jitted(x), eager(x))
+        _no_fakes(model.attention_bias_cache)
+        assert list(model.attention_bias_cache) == list(eager.attention_bias_cache)
+        assert_close(model.attention_bias_cache["cpu"], eager.attention_bias_cache["cpu"])
+    # the first call filled the dict (the epilogue wrote it), the second compiled for a full one
+    assert keraunos.cache_misses(jitted) == 2 and keraunos.cache_hits(jitted) == 1
+    model.train(), eager.train()
+    x = torch.randn(2, 4, 4)
+    jitted(x).sum().backward()
+    eager(x).sum().backward()
+    assert_close(model.attention_biases.grad, eager.attention_biases.grad)
+    assert model.attention_bias_cache == {} == eager.attention_bias_cache
+
+
+class Appends(nn.Module):
+    """A list the module holds and appends to on each call (a history of activations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.history = []
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.history.append(y.detach())
+        return y * len(self.history)
+
+
+def test_a_list_the_module_appends_to_holds_real_tensors():
+    torch.manual_seed(0)
+    model = Appends()
+    eager = copy.deepcopy(model)
+    jitted = keraunos.jit(model)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            assert_close(jitted(x), eager(x))
+        _no_fakes(model.history)
+        assert len(model.history) == len(eager.history)
+        for a, b in zip(model.history, eager.history):
+            assert_close(a, b)
