@@ -49,7 +49,7 @@ from . import debug
 from . import executors as executors_module
 from . import native
 from .cache import NOT_ASKED, CacheEntry, CacheMode, tensor_positions
-from .capture.leaks import capture_values_in
+from .capture.leaks import capture_values_in, capture_values_in_user_state
 from .capture.state import _active, active_context
 from .capture.symbolic import DynamicRequest
 from .errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
@@ -335,6 +335,21 @@ def checked_result(state: _JitState, result):
     return result
 
 
+def _check_user_state(state: _JitState, args: tuple, kwargs: dict) -> None:
+    """After a capture, under ``KERAUNOS_CHECK_RESULTS=1`` (the test suite: an error) or
+    ``KERAUNOS_DEBUG`` (a warning): no FakeTensor of capture's is left in what the user keeps."""
+    if not (CHECK_RESULTS or debug.level()):
+        return
+    found = capture_values_in_user_state(state.module, args, kwargs)
+    if found is None:
+        return
+    message = (f"keraunos internal error: capture of {state.name} left a FakeTensor in {found}; "
+               f"please report this with the program")
+    if CHECK_RESULTS:
+        raise AssertionError(message)
+    warnings.warn(message, stacklevel=2)
+
+
 _call_unchecked = call
 if os.environ.get("KERAUNOS_CHECK_RESULTS", "0") not in ("", "0"):
     call = _call_checking_results
@@ -458,6 +473,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         try:
             entry = _compile(state, args, kwargs)
         except CaptureError as e:
+            _check_user_state(state, args, kwargs)
             if isinstance(e, LazyStateError) and state.lazy_state_calls < LAZY_STATE_CALLS:
                 # State made on this call (an optimizer's first step): made for real by running
                 # the program eagerly; the next call captures a program that reads it.
@@ -472,6 +488,7 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
             _sync_native(state)
             state.last_entry = entry
             return entry, (args, kwargs), None
+        _check_user_state(state, args, kwargs)
         debug.compiled(state, entry)  # KERAUNOS_DEBUG logging and trace files; history for reports
         r = entry.prologue_fn(*args, **kwargs)
         checking = _clock()  # once more, warm: what a hit's checks take (compile_stats)

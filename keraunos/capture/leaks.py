@@ -5,6 +5,9 @@ become the computation's outputs), but an object the program made and the templa
 was (a module built inside the program, a tensor subclass wrapping fake tensors) would carry
 capture's FakeTensors out. ``capture_values_in`` finds them; capture refuses such a program, and
 with ``KERAUNOS_CHECK_RESULTS=1`` every call's result is searched too (the test suite runs so).
+Capture's writes to what the user keeps (a module's dict it fills on a first call) go to stand-ins
+and are replayed by the epilogue with real tensors; ``capture_values_in_user_state`` checks that
+none reached the user's own objects, after every capture in the test suite and in debug mode.
 """
 from __future__ import annotations
 
@@ -78,3 +81,32 @@ def _search_attributes(value, where, depth, seen):
         if found:
             return found
     return None
+
+
+# A module's own tables, searched through ``named_parameters`` and ``named_buffers`` (and their
+# ``.grad``) instead; hooks are the user's functions, not state a program writes.
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def capture_values_in_user_state(module: torch.nn.Module | None, args: tuple, kwargs: dict,
+                                 depth: int = 3) -> str | None:
+    """Where a FakeTensor of capture's is in what the user's code keeps after a capture: the
+    module tree's attributes (the dicts and lists a module fills, ``attention_bias_cache``), its
+    parameters' and buffers' gradients, and the objects passed in (a KV cache); or ``None``.
+    Asked after every capture under ``KERAUNOS_CHECK_RESULTS=1`` (the test suite) and
+    ``KERAUNOS_DEBUG``."""
+    seen: set[int] = set()
+    if module is not None:
+        for name, sub in module.named_modules(remove_duplicate=True):
+            prefix = f"module.{name}" if name else "module"
+            for key, value in list(vars(sub).items()):
+                if key in _MODULE_TABLES or "_hooks" in key:
+                    continue
+                found = capture_values_in(value, f"{prefix}.{key}", depth, seen)
+                if found:
+                    return found
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if isinstance(t, FakeTensor) or isinstance(t.grad, FakeTensor):
+                return f"module.{name}" + ("" if isinstance(t, FakeTensor) else ".grad")
+    return capture_values_in(args, "args", depth, seen) or \
+        capture_values_in(kwargs, "kwargs", depth, seen)
