@@ -636,3 +636,36 @@ def test_vmap_with_a_constant_made_inside_the_vmapped_function():
         assert_close(jf(x), f(x))
     assert keraunos.cache_hits(jf) == 1
     assert "torch.tensor(2.0" in str(keraunos.last_traces(jf)[-1])
+
+
+@torch.jit.script
+def _log_buckets(relative, mid: int):
+    """DeBERTa-v2's shape of helper: a TorchScript function of tensors and ints."""
+    sign = torch.sign(relative)
+    far = torch.where(relative.abs() < mid, torch.tensor(mid - 1).type_as(relative),
+                      relative.abs())
+    return torch.ceil(torch.log(far / mid) * (mid - 1)) * sign + mid
+
+
+def test_a_torch_jit_script_function_is_captured_from_the_python_it_was_made_from():
+    """The TorchScript interpreter cannot run on capture's fake tensors; capture runs the Python
+    function ``torch.jit.script`` was given instead, so its ops are the trace's own lines (and
+    have a backward), and the scripted function still runs in TorchScript outside capture."""
+    def f(x, w):
+        return (_log_buckets(x, 4) * w).sum(-1)
+
+    x = torch.arange(-8.0, 8.0).reshape(2, 8)
+    w = torch.randn(8, requires_grad=True)
+    jf = keraunos.jit(f)
+    w_ref = w.detach().clone().requires_grad_()
+    out, ref = jf(x, w), f(x, w_ref)
+    assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    assert_close(w.grad, w_ref.grad)
+    trace = str(keraunos.last_traces(jf)[-1])
+    assert "sign" in trace and "ceil" in trace
+    assert keraunos.last_backward_traces(jf)
+    assert isinstance(_log_buckets, torch.jit.ScriptFunction)
+    from keraunos.capture import interceptors  # TorchScript's own call, given back after capture
+    assert vars(torch.jit.ScriptFunction)["__call__"] is interceptors._script_call_original

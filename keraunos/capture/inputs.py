@@ -117,7 +117,9 @@ class InputsMixin:
         if self.symbols is not None:
             self.symbols.bind_tensor(fake, proxy, path)
         with DisableTorchFunction():
-            entry = TensorInput(path, real, fake, proxy, fake.grad)
+            # (a non-leaf's ``.grad`` is None unless it retains it; reading it warns)
+            grad = fake.grad if fake.is_leaf or fake.retains_grad else None
+            entry = TensorInput(path, real, fake, proxy, grad)
         self.inputs.append(entry)
         self._input_by_real[id(real)] = entry
         self._input_by_fake[id(fake)] = entry

@@ -3,8 +3,9 @@
 ``torch.manual_seed``/``get_rng_state``/``set_rng_state`` and ``torch.vmap`` have no
 ``__torch_function__``, so the recording mode cannot see them: during capture they are recorders.
 ``torch.autograd.Function.apply`` is guarded (a custom Function's own backward would be lost), and
-``torch.compiler.is_compiling()`` is true, so that libraries take their trace-friendly paths.
-Other threads calling these meanwhile get the originals.
+``torch.compiler.is_compiling()`` is true, so that libraries take their trace-friendly paths,
+and a ``torch.jit.script`` function runs as the Python function it was made from. Other threads
+calling these meanwhile get the originals.
 """
 from __future__ import annotations
 
@@ -130,6 +131,21 @@ def _is_compiling() -> bool:
     return active_context() is not None or _is_compiling_original()
 
 
+# A function made with ``@torch.jit.script`` (transformers' DeBERTa-v2 has six) runs in the
+# TorchScript interpreter, which cannot run on capture's fake tensors and whose ops the recording
+# mode would not see one by one: during capture the Python function it was made from runs in its
+# place (``torch.jit.script`` keeps it, for Dynamo, as ``_torchdynamo_inline``), and is captured
+# like any other code of the program.
+_script_call_original = torch.jit.ScriptFunction.__call__
+
+
+def _script_call(self, *args, **kwargs):
+    python = getattr(self, "_torchdynamo_inline", None)
+    if active_context() is None or python is None:
+        return _script_call_original(self, *args, **kwargs)
+    return python(*args, **kwargs)
+
+
 # (owner, attribute, stand-in during capture, original)
 _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
           for name in _RNG_FUNCTIONS for owner in (torch, torch.random)] + [
@@ -137,6 +153,7 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
     (torch, "vmap", _recording_vmap, _vmap_original),
     (torch.func, "vmap", _recording_vmap, _vmap_original),
     (torch.compiler, "is_compiling", _is_compiling, _is_compiling_original),
+    (torch.jit.ScriptFunction, "__call__", _script_call, _script_call_original),
 ] + [(torch.func, name, _refusing_transform(name), _func_originals[name])
      for name in _FUNC_TRANSFORMS] + replayed.SWAPS  # print, logging and warnings.warn: made again by the epilogue
 

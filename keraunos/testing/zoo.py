@@ -123,6 +123,10 @@ ZOO: dict[str, Arch] = {
     "bert": Arch(build("BertConfig", "BertForMaskedLM", **TINY), "text"),
     "roberta": Arch(build("RobertaConfig", "RobertaForMaskedLM", **TINY, pad_token_id=1),
                     "text"),
+    # relative-position attention whose helpers are ``torch.jit.script`` functions
+    "deberta_v2": Arch(build("DebertaV2Config", "DebertaV2ForMaskedLM", **TINY,
+                             relative_attention=True, position_buckets=8,
+                             pos_att_type=["p2c", "c2p"]), "text"),
     "distilbert": Arch(lambda: tf.DistilBertForMaskedLM(tf.DistilBertConfig(
         vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
         max_position_embeddings=64)), "text"),
