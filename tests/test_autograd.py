@@ -955,3 +955,26 @@ def test_incoming_gradients_of_any_strides_give_eagers_gradients(executors):
         jitted(idx).backward(grad)
         reference(idx).backward(grad)
         assert_grads_match(model, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_a_backward_view_of_a_gradient_whose_eager_strides_differ_from_the_recorded_ones():
+    """The backward is recorded on fake tensors, whose kernels do not always give eager's
+    strides: ``softplus_backward``'s meta kernel makes a contiguous gradient where the CPU
+    kernel keeps the incoming gradient's transposed layout. The backward of the forward's
+    ``view`` (a reshape, recorded as a view of the contiguous fake) must still run eagerly
+    (transformers' Mamba and Qwen3.5 training steps)."""
+    def f(x, w, c):
+        a = (x @ w).view(2, 8, 64)
+        return (F.softplus(a).transpose(1, 2) * c).sum()
+
+    x, c = torch.randn(16, 32), torch.randn(2, 64, 8)
+    w = torch.randn(32, 64, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    jf = keraunos.jit(f)
+    out, ref = jf(x, w, c), f(x, w_ref, c)
+    out.backward()
+    ref.backward()
+    assert_close(out, ref)
+    assert_close(w.grad, w_ref.grad)
+    backward = str(keraunos.last_backward_traces(jf)[-1])
+    assert "aten.reshape.default" in backward and "aten.view.default" not in backward

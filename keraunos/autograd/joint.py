@@ -154,10 +154,42 @@ def record_joint(computation: Trace) -> Joint:
                 [None] * len(needs_grad)
     finally:
         set_grad_enabled(state)
-    return Joint(inputs, env, recorder_calls_forward, recorder.calls, outputs, forward.outputs,
+    return Joint(inputs, env, recorder_calls_forward, _reshapes(recorder.calls), outputs,
+                 forward.outputs,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode],
                  reached_from=_reached_from(inputs, [outputs[i] for i in differentiable]),
                  rebound=forward.rebound)
+
+
+_VIEW, _RESHAPE = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+
+
+def _reshapes(calls: list[AtenCall]) -> list[AtenCall]:
+    """The backward's ``view`` calls as ``reshape``, where nothing writes their memory.
+
+    A derivative formula reshapes (``grad.reshape(sizes)``, the backward of every ``view``),
+    and ATen's ``reshape`` becomes a ``view`` when the recorded (fake) tensor's strides allow
+    it. Fake kernels do not always give eager's strides: ``softplus_backward``'s meta kernel
+    makes a contiguous tensor where the CPU kernel keeps its input's transposed layout, and the
+    ``view`` recorded for it fails at run time (Mamba's training step). ``reshape`` is the same
+    view wherever the view works and a copy where it would fail; a view whose memory some call
+    writes keeps its aliasing (the write must reach, or come through, the view)."""
+    written = set()
+    for c in calls:
+        schema = c.func._schema
+        if not schema.is_mutable:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            value = c.args[i] if i < len(c.args) else c.kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write and \
+                    isinstance(value, torch.Tensor):
+                written.add(_storage(value))
+    return [AtenCall(_RESHAPE, c.args, c.kwargs, c.out, c.parent)
+            if c.func is _VIEW and _storage(c.args[0]) not in written else c for c in calls]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def _reached_from(inputs: list, outputs: list) -> dict[int, set[int]]:
