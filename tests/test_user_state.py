@@ -1,7 +1,8 @@
-"""Capture runs the user's Python code on fake tensors; none of them, and no other object of
-capture's, may stay in what the user's code keeps: the module's attributes, the dicts and lists
-it holds, caches filled on a first call. Each test compares with eager on a deep copy, and looks
-at the user's containers after every call."""
+"""What the user's code keeps is left as eager leaves it. Capture runs the user's Python code on
+fake tensors; none of them, and no other object of capture's, may stay in the module's
+attributes, the dicts and lists it holds, caches filled on a first call; and a write the program
+makes to the module's state is made as eager makes it (through ``.data``: without autograd). Each
+test compares with eager on a deep copy, and looks at the user's state after every call."""
 from __future__ import annotations
 
 import copy
@@ -97,3 +98,34 @@ def test_a_list_the_module_appends_to_holds_real_tensors():
         assert len(model.history) == len(eager.history)
         for a, b in zip(model.history, eager.history):
             assert_close(a, b)
+
+
+class ClampsItsWeight(nn.Module):
+    """transformers' Gemma3n AltUp: in training, the coefficients are clipped in place through
+    ``.data`` before use; autograd records nothing for that write."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefs = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        if self.training:
+            self.coefs.weight.data.clamp_(-0.2, 0.2)
+        return self.coefs(x).tanh()
+
+
+def test_a_parameter_written_through_data_in_training_is_written_without_autograd():
+    torch.manual_seed(0)
+    model = ClampsItsWeight()
+    eager = copy.deepcopy(model)
+    jitted = keraunos.jit(model)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        out, ref = jitted(x), eager(x)
+        assert_close(out, ref)
+        out.sum().backward()
+        ref.sum().backward()
+        assert_close(model.coefs.weight, eager.coefs.weight)
+        assert_close(model.coefs.weight.grad, eager.coefs.weight.grad)
+        assert model.coefs.weight.is_leaf and model.coefs.weight.requires_grad
+    assert keraunos.last_backward_traces(jitted)

@@ -163,9 +163,11 @@ class CallsMixin:
             for t in mutated:
                 key = t.untyped_storage()._cdata
                 self.mutated_storages.add(key)
-                # Whether any write happened with grad mode on: the epilogue's copy-back follows.
-                self.mutated_with_grad[key] = self.mutated_with_grad.get(key, False) or \
-                    torch.is_grad_enabled()
+                # Whether any write happened with grad mode on, to a tensor autograd tracks: the
+                # epilogue's copy-back follows (a write through ``.data`` or a detached alias,
+                # ``weight.data.clamp_()``, is none: eager records nothing for it).
+                self.mutated_with_grad[key] = self.mutated_with_grad.get(key, False) or (
+                    torch.is_grad_enabled() and t.requires_grad)
         if draws_random(symbol, args, kwargs):
             tags.add(RANDOM)
         comment = None
