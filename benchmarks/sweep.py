@@ -1,0 +1,167 @@
+"""Every model of transformers' catalogue under keraunos and torch.compile, against float64.
+
+Run: python benchmarks/sweep.py [--only llama,bert] [--shard I/N] [--limit N] [--timeout S]
+         [--systems keraunos,torch.compile] [--out benchmarks/results/sweep_transformers.jsonl]
+     python benchmarks/sweep.py --table [--out ...]
+
+Each model type transformers' auto-config knows is built small from its config class with random
+weights (``keraunos/testing/catalogue.py``: the shrinking, the head, the inputs), in a process
+of its own with a time limit. In that process: a float64 run and an eager float32 run (eval
+forward on two inputs, two SGD training steps), then each system on a copy of the model, each
+value judged against float64: at most three times eager float32's own error. A row per model is
+appended to the output file as it finishes, so a run can stop and go on (models already there are
+skipped), and shards (``--shard 0/4`` ... ``3/4``) can run side by side into files of their own.
+
+A model whose build or eager run fails is listed, not counted: the recipe, not the system, did not
+fit it. ``--table`` prints the markdown table and the pass rates of what the file holds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+DEFAULT_OUT = RESULTS / "sweep_transformers.jsonl"
+DEFAULT_SYSTEMS = ("keraunos", "torch.compile")
+
+
+def child(model_type: str, systems: list[str]) -> dict:
+    """One model, in this process: its row."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+    from keraunos.testing import catalogue
+    torch.set_num_threads(1)
+    row: dict = {"model_type": model_type, "torch": torch.__version__.split("+")[0],
+                 "transformers": transformers.__version__}
+    try:
+        built = catalogue.build(model_type)
+        built.inputs(0, True)
+    except Exception as e:  # noqa: BLE001 - the recipe does not fit this model type
+        row["build"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        return row
+    row["head"] = built.head
+    try:
+        reference_model = copy.deepcopy(built.model).double()
+        reference = catalogue.run(reference_model, reference_model, built.inputs, torch.float64)
+        eager_model = copy.deepcopy(built.model)
+        start = time.perf_counter()
+        eager = catalogue.run(eager_model, eager_model, built.inputs)
+        row["eager_seconds"] = round(time.perf_counter() - start, 3)
+    except Exception as e:  # noqa: BLE001 - eager itself fails with this recipe
+        row["eager"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        return row
+    for system in systems:
+        outcome = catalogue.check(built, system, eager, reference)
+        row[system] = dataclasses.asdict(outcome)
+        row[system]["seconds"] = round(outcome.seconds, 3)
+    return row
+
+
+def _done(out: pathlib.Path) -> set[str]:
+    if not out.exists():
+        return set()
+    return {json.loads(line)["model_type"] for line in out.read_text().splitlines() if line}
+
+
+def sweep(args) -> None:
+    from keraunos.testing import catalogue
+    types = args.only.split(",") if args.only else catalogue.model_types()
+    index, count = (int(x) for x in args.shard.split("/"))
+    types = [t for i, t in enumerate(types) if i % count == index]
+    done = _done(args.out)
+    todo = [t for t in types if t not in done][:args.limit or None]
+    print(f"sweep: {len(todo)} model types to run ({len(done)} already in {args.out})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for n, model_type in enumerate(todo, 1):
+        row = _run_child(model_type, args.systems, args.timeout)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[{n}/{len(todo)}] {model_type}: {_summary(row, args.systems)}", flush=True)
+
+
+def _run_child(model_type: str, systems: list[str], timeout: float) -> dict:
+    command = [sys.executable, __file__, "--child", model_type, "--systems", ",".join(systems)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"model_type": model_type,
+                **{s: {"status": "timeout", "detail": f"over {timeout:.0f} s"} for s in systems}}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:240]
+        return {"model_type": model_type, "crashed": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def _summary(row: dict, systems) -> str:
+    for reason in ("build", "eager", "crashed"):
+        if reason in row:
+            return f"{reason} failed: {row[reason][:100]}"
+    return ", ".join(f"{s} {row[s]['status']}" for s in systems if s in row)
+
+
+def table(out: pathlib.Path, systems) -> str:
+    """The markdown table of a results file, and each system's pass rates."""
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line]
+    ran = [r for r in rows if all(s in r for s in systems)]
+    lines = ["| model type | head | " + " | ".join(systems) + " | keraunos route | "
+             "time to result, keraunos / torch.compile |",
+             "|---|---|" + "---|" * len(systems) + "---|---|"]
+    for r in sorted(ran, key=lambda r: r["model_type"]):
+        cells = [_cell(r[s]) for s in systems]
+        k, c = r.get("keraunos", {}), r.get("torch.compile", {})
+        ratio = f"{k['seconds'] / c['seconds']:.2f}" if k.get("seconds") and c.get("seconds") \
+            else ""
+        lines.append(f"| {r['model_type']} | {r.get('head', '')} | " + " | ".join(cells)
+                     + f" | {k.get('route', '')} | {ratio} |")
+    lines.append("")
+    for s in systems:
+        statuses = [r[s]["status"] for r in ran]
+        counts = {k: statuses.count(k) for k in sorted(set(statuses))}
+        lines.append(f"- {s}: {counts.get('pass', 0)}/{len(ran)} pass "
+                     f"({', '.join(f'{k} {v}' for k, v in counts.items())})")
+    skipped = len(rows) - len(ran)
+    lines.append(f"- not counted: {skipped} model types whose build or eager run failed with "
+                 f"this recipe")
+    return "\n".join(lines)
+
+
+def _cell(outcome: dict) -> str:
+    status = outcome["status"]
+    if status == "pass":
+        return "pass"
+    detail = outcome.get("detail") or (outcome.get("worst") or {}).get("value", "")
+    return f"{status}: {detail[:80]}".replace("|", "/")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--only", default="")
+    parser.add_argument("--shard", default="0/1")
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    args.systems = [s for s in args.systems.split(",") if s]
+    if args.child:
+        print(json.dumps(child(args.child, args.systems)))
+    elif args.table:
+        print(table(args.out, args.systems))
+    else:
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Any model of transformers' catalogue, built small from its config class, and checked.
+
+``build(model_type)`` makes a random-weight model of a transformers model type from its default
+config, shrunk generically (widths, layers, heads, vocabularies, positions, image sizes; dropout
+off, so that a train-mode step is deterministic), with the head the auto-model mappings list
+first for it (causal LM, masked LM, seq2seq, image or sequence classification, else the bare
+model). ``inputs_for`` makes inputs from the forward's signature. ``check`` runs one system
+(keraunos.jit, torch.compile, torch.compile with keraunos's backend) on a copy of the model: an
+eval forward twice, then two training steps with SGD, each compared with a float64 run of the
+same model; a value passes when its error against float64 is at most ``TOLERANCE`` times eager
+float32's own (plus a floor for values eager gets exactly). ``benchmarks/sweep.py`` runs this
+for every model type, each in a process of its own.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+BATCH, SEQUENCE, IMAGE, VOCAB = 2, 8, 32, 128
+TOLERANCE = 3.0   # a system's error against float64 may be this many times eager float32's
+FLOOR = 1e-6      # relative to the reference's scale: where eager float32 is (nearly) exact
+
+# Config attributes by what they size, matched on the name (sub-configs are shrunk alike).
+_LAYERS = re.compile(r"^(num_(hidden_)?layers|n_layers?|num_(encoder|decoder)_layers|"
+                     r"(encoder|decoder)_layers|num_blocks|depth)$")
+_HEADS = re.compile(r"^(num_attention_heads|n_heads?|num_heads|(encoder|decoder)_attention_heads)$")
+_WIDTHS = re.compile(r"^(hidden_size|d_model|n_embd|embed_dim|dim|word_embed_proj_dim)$")
+_FFN = re.compile(r"^(intermediate_size|ffn_dim|(encoder|decoder)_ffn_dim|d_ff|n_inner|"
+                  r"moe_intermediate_size|shared_expert_intermediate_size)$")
+_POSITIONS = re.compile(r"^(max_position_embeddings|n_positions|max_seq_len|seq_length)$")
+_TOKEN_IDS = re.compile(r"_token_id$")
+_DROPOUT = re.compile(r"(dropout|_prob|drop_rate|layerdrop|drop_path_rate)")
+
+# The heads tried for a model type, in order: the first the type has is built.
+_HEADS_IN_ORDER = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                   "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                   "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+                   "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+@dataclass
+class Built:
+    """A small model of one type, and what to call it with."""
+
+    model_type: str
+    model: torch.nn.Module
+    head: str                      # the class built
+    inputs: Callable[[int, bool], dict]  # (seed, with labels) -> forward's keyword arguments
+
+
+def model_types() -> list[str]:
+    """Every model type transformers' auto-config knows, in its own order."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return list(CONFIG_MAPPING_NAMES)
+
+
+def shrink(config) -> None:
+    """``config`` made small, in place (and its sub-configs): see the module docstring."""
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            shrink(value)
+            continue
+        if type(value) is bool or not isinstance(value, (int, float, list)):
+            continue
+        new = _small(name, value, config)
+        if new is not value:
+            try:
+                setattr(config, name, new)
+            except (AttributeError, ValueError, TypeError):
+                pass
+    if getattr(config, "num_key_value_heads", None):
+        config.num_key_value_heads = min(config.num_key_value_heads, 2)
+    if getattr(config, "head_dim", None):
+        config.head_dim = 8
+    if isinstance(getattr(config, "layer_types", None), list):
+        layers = _layer_count(config)
+        if layers:
+            config.layer_types = config.layer_types[:layers]
+
+
+def _layer_count(config) -> int | None:
+    for name in ("num_hidden_layers", "num_layers", "n_layer"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
+
+
+def _small(name: str, value, config):
+    if isinstance(value, float):
+        return 0.0 if _DROPOUT.search(name) else value
+    if isinstance(value, list):
+        if name in ("hidden_sizes", "embed_dims", "dims"):
+            return [8 * 2 ** i for i in range(min(len(value), 2))]
+        if name in ("depths", "num_layers_per_block"):
+            return [1] * min(len(value), 2)
+        return value
+    if _LAYERS.match(name):
+        return min(value, 2)
+    if _HEADS.match(name):
+        return min(value, 4)
+    if _WIDTHS.match(name):
+        return min(value, 32)
+    if _FFN.match(name):
+        return min(value, 64)
+    if name == "vocab_size":
+        return min(value, VOCAB)
+    if _POSITIONS.match(name):
+        return min(value, 64)
+    if _TOKEN_IDS.search(name):
+        return value % VOCAB
+    if name == "image_size":
+        return min(value, IMAGE)
+    if name == "patch_size":
+        return min(value, 8)
+    if name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        return min(value, 4)
+    return value
+
+
+def build(model_type: str, seed: int = 0) -> Built:
+    """A random-weight model of ``model_type``, shrunk, with its first head (see above)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    config = transformers.AutoConfig.for_model(model_type)
+    shrink(config)
+    for mapping in _HEADS_IN_ORDER:
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        if isinstance(name, (tuple, list)):
+            name = name[0]
+        cls = getattr(transformers, name, None) if name else None
+        if cls is not None:
+            break
+    else:
+        raise LookupError(f"no model class for {model_type}")
+    if "SEQ_TO_SEQ" in mapping and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    return Built(model_type, model, cls.__name__, _input_maker(model, config, mapping))
+
+
+def _input_maker(model, config, mapping: str) -> Callable[[int, bool], dict]:
+    accepted = set(inspect.signature(model.forward).parameters)
+    vocab = getattr(config.get_text_config(), "vocab_size", None) or VOCAB
+    channels = getattr(config, "num_channels", 3)
+    image = getattr(config, "image_size", IMAGE)
+    image = image[0] if isinstance(image, (list, tuple)) else image
+    classes = getattr(config, "num_labels", 2)
+
+    def inputs(seed: int, labels: bool) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        kwargs: dict[str, Any] = {}
+        if "input_ids" in accepted:
+            kwargs["input_ids"] = torch.randint(2, min(vocab, VOCAB), (BATCH, SEQUENCE),
+                                                generator=g)
+        if "pixel_values" in accepted:
+            kwargs["pixel_values"] = torch.randn(BATCH, channels, image, image, generator=g)
+        if "decoder_input_ids" in accepted and "input_ids" in kwargs and not labels:
+            kwargs["decoder_input_ids"] = kwargs["input_ids"].flip(-1)
+        if labels and "labels" in accepted:
+            if "CLASSIFICATION" in mapping:
+                kwargs["labels"] = torch.randint(0, classes, (BATCH,), generator=g)
+            elif "input_ids" in kwargs:
+                kwargs["labels"] = kwargs["input_ids"].clone()
+        if not kwargs:
+            raise LookupError("no inputs this sweep knows how to make (audio, video, ...)")
+        return kwargs
+    return inputs
+
+
+# --------------------------------------------------------------------------------- checking
+@dataclass
+class Outcome:
+    """One system on one model: ``status`` is pass, wrong, refused or internal error."""
+
+    status: str
+    detail: str = ""
+    route: str = ""
+    seconds: float = 0.0
+    worst: dict = field(default_factory=dict)  # the value farthest from float64, as a ratio
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def _loss(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return sum(t.double().square().mean() for t in _tensors(out)[:1])
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).square().mean().sqrt().item()
+
+
+def _judge(name: str, got, eager, reference) -> tuple[bool, float]:
+    if got is None or reference is None:
+        return (got is None) == (reference is None), 0.0
+    if got.shape != reference.shape:
+        return False, math.inf
+    scale = reference.double().abs().max().item() or 1.0
+    error, allowed = _rmse(got, reference), TOLERANCE * _rmse(eager, reference) + FLOOR * scale
+    return error <= allowed or not math.isfinite(allowed), error / allowed
+
+
+@dataclass
+class _Run:
+    """What one system (or eager, in float32 or float64) computed on the model."""
+
+    forward: list
+    grads: list  # per step: {name: grad}
+
+
+def run(model: torch.nn.Module, call: Callable, inputs: Callable, dtype=torch.float32) -> _Run:
+    """Eval forward on two inputs, then two SGD training steps; what each produced."""
+    cast = (lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v)
+    forward = []
+    model.eval()
+    with torch.no_grad():
+        for seed in (1, 2):
+            out = call(**{k: cast(v) for k, v in inputs(seed, False).items()})
+            forward.append([t.detach() for t in _tensors(out)])
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    grads = []
+    for seed in (3, 4):
+        optimizer.zero_grad(set_to_none=True)
+        _loss(call(**{k: cast(v) for k, v in inputs(seed, True).items()})).backward()
+        grads.append({n: None if p.grad is None else p.grad.detach().clone()
+                      for n, p in model.named_parameters()})
+        optimizer.step()
+    return _Run(forward, grads)
+
+
+def compare(got: _Run, eager: _Run, reference: _Run) -> tuple[bool, dict]:
+    """Whether every forward output and gradient of ``got`` is as close to float64 as allowed,
+    and the worst value (its name, and its error over what is allowed)."""
+    worst = {"value": "", "ratio": 0.0}
+    ok = True
+    values = [(f"forward {i} output {j}", g, e, r)
+              for i, (gs, es, rs) in enumerate(zip(got.forward, eager.forward, reference.forward))
+              for j, (g, e, r) in enumerate(zip(gs, es, rs))]
+    values += [(f"step {i} grad {n}", gs[n], es[n], rs[n])
+               for i, (gs, es, rs) in enumerate(zip(got.grads, eager.grads, reference.grads))
+               for n in rs]
+    for name, g, e, r in values:
+        passed, ratio = _judge(name, g, e, r)
+        ok &= passed
+        if ratio > worst["ratio"]:
+            worst = {"value": name, "ratio": round(ratio, 3)}
+    return ok, worst
+
+
+SYSTEMS: dict[str, Callable[[torch.nn.Module], Callable]] = {
+    "keraunos": lambda m: __import__("keraunos").jit(m),
+    "torch.compile": lambda m: torch.compile(m),
+    "keraunos backend": lambda m: torch.compile(m, backend="keraunos"),
+}
+
+
+def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
+    """``system`` on a copy of ``built.model``, against eager float32 and float64 runs."""
+    import keraunos
+    from keraunos.errors import KeraunosError
+    model = copy.deepcopy(built.model)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compiled = SYSTEMS[system](model)
+            got = run(model, compiled, built.inputs)
+        except KeraunosError as e:
+            internal = "internal error" in str(e)
+            return Outcome("internal error" if internal else "refused",
+                           _first_line(e), seconds=time.perf_counter() - start)
+        except Exception as e:  # noqa: BLE001 - any other error is the system's failure
+            return Outcome("internal error", f"{type(e).__name__}: {_first_line(e)}",
+                           seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    route = ""
+    if system == "keraunos":
+        fell_back = [str(w.message) for w in caught if "falls back" in str(w.message)]
+        route = ("fallback: " + fell_back[0].split(" because of ")[-1][:160]) if fell_back \
+            else "own capture"
+        del keraunos
+    ok, worst = compare(got, eager, reference)
+    return Outcome("pass" if ok else "wrong", "", route, seconds, worst)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:240]

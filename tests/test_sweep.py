@@ -1,0 +1,60 @@
+"""The catalogue sweep (benchmarks/sweep.py, keraunos/testing/catalogue.py): a slice of it runs
+here, each model type in a process of its own as the sweep runs it, and every value keraunos
+computes is judged against a float64 run of the same model."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SWEEP = pathlib.Path(__file__).parent.parent / "benchmarks" / "sweep.py"
+
+# One of each kind the catalogue builds: a decoder, an encoder with relative positions whose
+# helpers are TorchScript functions, an encoder-decoder, a state-space model, a vision model.
+SLICE = ["llama", "deberta-v2", "t5", "mamba", "vit"]
+
+
+@pytest.mark.long
+def test_a_slice_of_the_catalogue_passes_against_float64(tmp_path):
+    out = tmp_path / "sweep.jsonl"
+    done = subprocess.run([sys.executable, str(SWEEP), "--only", ",".join(SLICE),
+                           "--systems", "keraunos", "--out", str(out), "--timeout", "400"],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["model_type"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == set(SLICE)
+    for name, row in rows.items():
+        assert "keraunos" in row, row  # built, and eager ran
+        assert row["keraunos"]["status"] == "pass", row
+        assert row["keraunos"]["route"] == "own capture", row
+
+
+def test_the_table_counts_each_outcome_and_leaves_out_models_eager_could_not_run(tmp_path):
+    sys.path.insert(0, str(SWEEP.parent))
+    try:
+        import sweep
+    finally:
+        sys.path.remove(str(SWEEP.parent))
+    rows = [
+        {"model_type": "a", "head": "AForCausalLM",
+         "keraunos": {"status": "pass", "route": "own capture", "seconds": 1.0},
+         "torch.compile": {"status": "pass", "seconds": 4.0}},
+        {"model_type": "b", "head": "BModel",
+         "keraunos": {"status": "wrong", "worst": {"value": "step 0 grad w", "ratio": 5.0},
+                      "route": "own capture", "seconds": 2.0},
+         "torch.compile": {"status": "internal error", "detail": "KeyError: x", "seconds": 1.0}},
+        {"model_type": "c", "build": "ValueError: no"},
+    ]
+    out = tmp_path / "rows.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = sweep.table(out, ["keraunos", "torch.compile"])
+    assert "| a | AForCausalLM | pass | pass | own capture | 0.25 |" in text
+    assert "wrong: step 0 grad w" in text and "internal error: KeyError: x" in text
+    assert "- keraunos: 1/2 pass (pass 1, wrong 1)" in text
+    assert "- torch.compile: 1/2 pass (internal error 1, pass 1)" in text
+    assert "not counted: 1 model types" in text
