@@ -64,6 +64,8 @@ def model_types() -> list[str]:
 
 def shrink(config) -> None:
     """``config`` made small, in place (and its sub-configs): see the module docstring."""
+    name = _layer_count_name(config)
+    layers_before = getattr(config, name) if name else None
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
             shrink(value)
@@ -81,16 +83,23 @@ def shrink(config) -> None:
     if getattr(config, "head_dim", None):
         config.head_dim = 8
     if isinstance(getattr(config, "layer_types", None), list):
-        layers = _layer_count(config)
-        if layers:
-            config.layer_types = config.layer_types[:layers]
+        # one layer of each kind the model has (Qwen3.5's linear and full attention), in order
+        kinds = list(dict.fromkeys(config.layer_types))
+        name = _layer_count_name(config)
+        if name is not None:
+            layers = max(getattr(config, name), len(kinds))
+            setattr(config, name, layers)
+            config.layer_types = (kinds + list(config.layer_types))[:layers]
+    name = _layer_count_name(config)
+    if name is not None and layers_before:
+        for key, value in list(vars(config).items()):  # per-layer lists (Gemma3n's sparsity)
+            if key != "layer_types" and isinstance(value, list) and len(value) == layers_before:
+                setattr(config, key, value[:getattr(config, name)])
 
 
-def _layer_count(config) -> int | None:
-    for name in ("num_hidden_layers", "num_layers", "n_layer"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    return None
+def _layer_count_name(config) -> str | None:
+    return next((n for n in ("num_hidden_layers", "num_layers", "n_layer")
+                 if isinstance(getattr(config, n, None), int)), None)
 
 
 def _small(name: str, value, config):
@@ -122,6 +131,8 @@ def _small(name: str, value, config):
         return min(value, 8)
     if name in ("num_experts", "num_local_experts", "n_routed_experts"):
         return min(value, 4)
+    if name == "num_kv_shared_layers":  # layers reading another layer's cache (Gemma3n)
+        return 0
     return value
 
 
@@ -300,8 +311,8 @@ def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
     route = ""
     if system == "keraunos":
         fell_back = [str(w.message) for w in caught if "falls back" in str(w.message)]
-        route = ("fallback: " + fell_back[0].split(" because of ")[-1][:160]) if fell_back \
-            else "own capture"
+        where = fell_back[0].split(" because of ")[-1].splitlines()[0] if fell_back else ""
+        route = f"fallback: {where[-160:]}" if fell_back else "own capture"
         del keraunos
     ok, worst = compare(got, eager, reference)
     return Outcome("pass" if ok else "wrong", "", route, seconds, worst)
