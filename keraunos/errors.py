@@ -101,9 +101,18 @@ class LazyStateError(CaptureError):
     does it again on that call takes the ``fallback`` route like a ``ScopeMutationError``."""
 
 
+class TorchScriptModuleError(CaptureError):
+    """The module tree holds a TorchScript module (``torch.jit.script(module)``,
+    ``torch.jit.trace(module, ...)``): it runs in the TorchScript interpreter, which cannot run
+    on capture's fake tensors, and it keeps no Python forward to capture instead (a
+    ``torch.jit.script`` *function* does: capture runs that). Like a ``DataDependentError`` it
+    takes the ``fallback`` route, where the TorchScript module runs as it is."""
+
+
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
 FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
-                   UnguardableStateError, LazyStateError, FakeKernelError)
+                   UnguardableStateError, LazyStateError, FakeKernelError,
+                   TorchScriptModuleError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

@@ -669,3 +669,30 @@ def test_a_torch_jit_script_function_is_captured_from_the_python_it_was_made_fro
     assert isinstance(_log_buckets, torch.jit.ScriptFunction)
     from keraunos.capture import interceptors  # TorchScript's own call, given back after capture
     assert vars(torch.jit.ScriptFunction)["__call__"] is interceptors._script_call_original
+
+
+class _HoldsTorchScript(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                             torch.nn.ReLU()))
+        self.traced = torch.jit.trace(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+    def forward(self, x):
+        return self.traced(self.scripted(x)).sum(-1)
+
+
+def test_a_torchscript_module_in_the_tree_takes_the_fallback_route_or_is_refused():
+    """A scripted or traced module keeps no Python forward to capture: the default falls back
+    to torch.compile(backend="keraunos") with one warning naming it; fallback="error" raises a
+    CaptureError naming it, and leaves the module as it was."""
+    from keraunos.errors import TorchScriptModuleError
+    model = _HoldsTorchScript()
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"module\.scripted: it is a TorchScript module"):
+        out = keraunos.jit(model)(x)
+    assert_close(out, model(x))
+    with pytest.raises(TorchScriptModuleError, match="What to do"):
+        keraunos.jit(model, fallback="error")(x)
+    assert isinstance(model.scripted, torch.jit.ScriptModule)
+    assert_close(model(x), out)

@@ -26,7 +26,7 @@ from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 
-from ..errors import CaptureError, UnguardableStateError
+from ..errors import CaptureError, TorchScriptModuleError, UnguardableStateError
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .recorder import _data_dependent_error
 from .ambient import AmbientSnapshot
@@ -158,9 +158,23 @@ def _refuse_capture_values(template, what: str) -> None:
                 f"function and pass them in, or return plain tensors.")
 
 
+def _refuse_torchscript_modules(module: torch.nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            where = f"module.{name}" if name else "the module"
+            raise TorchScriptModuleError(
+                f"keraunos cannot capture {where}: it is a TorchScript module "
+                f"({type(sub).__name__}, from torch.jit.script or torch.jit.trace), which runs in "
+                f"the TorchScript interpreter, not as Python that capture can record.\n"
+                f"  What to do: use the module it was made from (keraunos compiles it), or keep "
+                f"the default fallback=\"dynamo\", which runs it as it is.")
+
+
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
                     check_values: bool = True, specialize_data: bool = False) -> Program:
     t0 = time.perf_counter()
+    if module is not None:
+        _refuse_torchscript_modules(module)
     names = NameGenerator()
     ctx = CaptureContext(names, module, fn, requested_dynamic())
     ctx.specialize_data = specialize_data

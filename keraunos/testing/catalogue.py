@@ -131,6 +131,8 @@ def _small(name: str, value, config):
         return min(value, 8)
     if name in ("num_experts", "num_local_experts", "n_routed_experts"):
         return min(value, 4)
+    if name in ("num_experts_per_tok", "top_k", "moe_topk", "num_selected_experts"):
+        return min(value, 2)
     if name == "num_kv_shared_layers":  # layers reading another layer's cache (Gemma3n)
         return 0
     return value
