@@ -101,6 +101,14 @@ class LazyStateError(CaptureError):
     does it again on that call takes the ``fallback`` route like a ``ScopeMutationError``."""
 
 
+class CustomFunctionError(CaptureError):
+    """A custom ``torch.autograd.Function`` runs inside the program on tensors that require grad
+    (BLOOM's ``GeLUFunction``, ``checkpoint(..., use_reentrant=True)``, module backward hooks):
+    the trace records its forward's ops, and its own backward would be lost. Like a
+    ``DataDependentError`` it takes the ``fallback`` route, where Dynamo keeps the Function's
+    backward."""
+
+
 class TorchScriptModuleError(CaptureError):
     """The module tree holds a TorchScript module (``torch.jit.script(module)``,
     ``torch.jit.trace(module, ...)``): it runs in the TorchScript interpreter, which cannot run
@@ -112,7 +120,7 @@ class TorchScriptModuleError(CaptureError):
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
 FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
                    UnguardableStateError, LazyStateError, FakeKernelError,
-                   TorchScriptModuleError)
+                   CustomFunctionError, TorchScriptModuleError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

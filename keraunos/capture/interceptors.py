@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..torch_internals import autograd as autograd_internals, dispatch, patching
-from ..errors import CaptureError, FunctionTransformError, user_source
+from ..errors import CaptureError, CustomFunctionError, FunctionTransformError, user_source
 from . import replayed
 from .state import active_context
 
@@ -72,7 +72,7 @@ def _guarded_apply(cls, *args, **kwargs):
             # DTensor backward capture derives (capture/dtensor_autograd.py).
             ctx.dtensors.autograd = True
             return _original_apply(cls, args, kwargs)
-        raise CaptureError(
+        raise CustomFunctionError(
             f"keraunos cannot capture {user_source()}\n  the custom autograd.Function "
             f"`{cls.__qualname__}` runs inside the program with inputs that require grad; its own "
             f"backward would be lost (torch.utils.checkpoint with use_reentrant=True and module "
