@@ -129,3 +129,36 @@ def test_a_parameter_written_through_data_in_training_is_written_without_autogra
         assert_close(model.coefs.weight.grad, eager.coefs.weight.grad)
         assert model.coefs.weight.is_leaf and model.coefs.weight.requires_grad
     assert keraunos.last_backward_traces(jitted)
+
+
+class SwapsItsAttention(nn.Module):
+    """transformers' BigBird: when a sequence is too short for block-sparse attention, the
+    forward puts a full attention module in the tree in place of the sparse one, once."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.Linear(4, 4)
+        self.kind = "block_sparse"
+
+    def forward(self, x):
+        if self.kind == "block_sparse" and x.shape[0] < 8:
+            full = nn.Linear(4, 4)
+            full.weight, full.bias = self.attention.weight, self.attention.bias
+            self.attention = full
+            self.kind = "original_full"
+        return self.attention(x).relu() * (2 if self.kind == "original_full" else 1)
+
+
+def test_a_module_the_program_puts_in_the_tree_is_put_there_by_an_eager_call():
+    """The call that changes the tree runs eagerly (the change is made, for real, once); the
+    next call is captured on the new tree, and later calls hit it."""
+    torch.manual_seed(0)
+    model = SwapsItsAttention()
+    eager = copy.deepcopy(model)
+    jitted = keraunos.jit(model)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        assert_close(jitted(x), eager(x))
+    assert model.kind == "original_full" and type(model.attention) is nn.Linear
+    assert keraunos.cache_misses(jitted) == 2 and keraunos.cache_hits(jitted) == 1
+    assert "linear" in str(keraunos.last_traces(jitted)[-1])

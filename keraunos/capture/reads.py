@@ -22,8 +22,8 @@ from ..torch_internals.dispatch import DisableTorchFunction
 from ..torch_internals.fake import FakeTensor
 from ..core.provenance import ATTR, BUFFER, CALL, PARAMETER, SUBMODULE, Path, root
 from ..core.tags import STATIC_MEMORY_LOCATION
-from ..errors import (CaptureError, UnguardableStateError, UnsupportedInputError, is_stdlib,
-                      user_source)
+from ..errors import (CaptureError, LazyStateError, UnguardableStateError,
+                      UnsupportedInputError, is_stdlib, user_source)
 from . import guards
 from .dtensor import is_device_mesh
 from .guards import is_plain
@@ -201,6 +201,14 @@ class ReadsMixin:
         call; only tensors and plain values can be replayed."""
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             value = self.real_tensor_reached_program(value)
+        if isinstance(value, torch.nn.Module) and what == "modules":
+            # A module the program puts in the tree (BigBird swaps its attention for the
+            # full one when a sequence is too short for blocks): the tree changes once.
+            raise LazyStateError(
+                f"keraunos cannot capture this call as one trace: it sets {path}.{name} to a "
+                f"{type(value).__qualname__} at {user_source()}, which changes the module tree."
+                f"\n  keraunos.jit runs this call eagerly, which makes the change, and captures "
+                f"the next call, which runs on the new tree.")
         if not (isinstance(value, FakeTensor) or is_plain(value)):
             raise CaptureError(
                 f"keraunos: the program sets {path}.{name} to a {type(value).__qualname__} at "
