@@ -343,8 +343,8 @@ def _check_user_state(state: _JitState, args: tuple, kwargs: dict) -> None:
     found = capture_values_in_user_state(state.module, args, kwargs)
     if found is None:
         return
-    message = (f"keraunos internal error: capture of {state.name} left a FakeTensor in {found}; "
-               f"please report this with the program")
+    message = (f"keraunos internal error: capture of {state.name} left an object of its own in "
+               f"{found}; please report this with the program")
     if CHECK_RESULTS:
         raise AssertionError(message)
     warnings.warn(message, stacklevel=2)

@@ -17,6 +17,7 @@ import torch
 
 from ..torch_internals.dispatch import NO_TORCH_DISPATCH, is_traceable_wrapper_subclass
 from ..torch_internals.fake import FakeTensor
+from .recording import ORIGINAL
 
 _NO_DISPATCH = NO_TORCH_DISPATCH
 
@@ -34,7 +35,8 @@ def is_tensor_subclass_with_dispatch(t: torch.Tensor) -> bool:
 
 def capture_values_in(value: Any, where: str = "the result", depth: int = 4,
                       _seen: set | None = None) -> str | None:
-    """Where in ``value`` a FakeTensor is (``"the result[0].weight"``), or ``None``. Containers,
+    """Where in ``value`` a FakeTensor is (``"the result[0].weight"``), or an object still
+    wearing one of capture's recording classes, or ``None``. Containers,
     modules' parameters and buffers, tensor subclasses' inner tensors and objects' ``__dict__``
     are searched, ``depth`` levels of objects deep."""
     if _seen is None:
@@ -44,6 +46,8 @@ def capture_values_in(value: Any, where: str = "the result", depth: int = 4,
     _seen.add(id(value))
     if isinstance(value, FakeTensor):
         return where
+    if ORIGINAL in type(value).__dict__:
+        return f"{where} (an object still wearing capture's recording class)"
     if isinstance(value, torch.Tensor):
         if is_traceable_wrapper_subclass(value):
             names, _ = value.__tensor_flatten__()
