@@ -24,6 +24,11 @@ fi
 if [ ! -d .venv/vendor/torchvision ]; then
   "${PIP[@]}" install --no-deps --target .venv/vendor torchvision==0.28.0
 fi
+# timm (pure Python; it imports torchvision) beside it, for `benchmarks/sweep.py --suite timm`
+# and tests/test_sweep.py.
+if [ ! -d .venv/vendor/timm ]; then
+  "${PIP[@]}" install --no-deps --target .venv/vendor timm==1.0.31
+fi
 # Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, only
 # when missing, only where apt-get can run as root. Any failure is reported and the tests skip.
 if ! command -v chromium >/dev/null 2>&1; then

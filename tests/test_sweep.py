@@ -19,14 +19,42 @@ SWEEP = pathlib.Path(__file__).parent.parent / "benchmarks" / "sweep.py"
 SLICE = ["llama", "deberta-v2", "t5", "mamba", "vit"]
 
 
-@pytest.mark.long
-def test_a_slice_of_the_catalogue_passes_against_float64(tmp_path):
+# timm's families whose attention keeps its biases in a dict filled on the first eval call.
+TIMM_SLICE = ["timm:levit_128s", "timm:tiny_vit_5m_224", "timm:efficientformerv2_s0"]
+
+
+def _timm_available() -> bool:
+    try:
+        from keraunos.testing.vision import import_torchvision
+        import_torchvision()
+        import timm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sweep(tmp_path, names: list[str]) -> dict:
     out = tmp_path / "sweep.jsonl"
-    done = subprocess.run([sys.executable, str(SWEEP), "--only", ",".join(SLICE),
+    done = subprocess.run([sys.executable, str(SWEEP), "--only", ",".join(names),
                            "--systems", "keraunos", "--out", str(out), "--timeout", "400"],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {r["model_type"]: r for r in map(json.loads, out.read_text().splitlines())}
+    return {r["model_type"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not _timm_available(),
+                    reason="timm is not installed (scripts/setup.sh puts it in .venv/vendor)")
+def test_a_slice_of_timms_families_passes_against_float64(tmp_path):
+    rows = _sweep(tmp_path, TIMM_SLICE)
+    for name, row in rows.items():
+        assert row.get("keraunos", {}).get("status") == "pass", row
+        assert row["keraunos"]["route"] == "own capture", row
+
+
+@pytest.mark.long
+def test_a_slice_of_the_catalogue_passes_against_float64(tmp_path):
+    rows = _sweep(tmp_path, SLICE)
     assert set(rows) == set(SLICE)
     for name, row in rows.items():
         assert "keraunos" in row, row  # built, and eager ran

@@ -334,3 +334,40 @@ def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:240]
+
+
+# ------------------------------------------------------------------------------------- timm
+# Names that mark a family's small members, preferred when picking one or two of a family.
+_SMALL = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "small", "s0", "_t", "mini")
+
+
+def timm_models(per_family: int = 1) -> list[str]:
+    """``per_family`` models of each of timm's model modules (its families), small ones first."""
+    import timm
+    picked = []
+    for family in sorted(timm.list_modules()):
+        names = sorted(timm.list_models(module=family),
+                       key=lambda n: (not any(s in n for s in _SMALL), len(n), n))
+        picked += [f"timm:{n}" for n in names[:per_family]]
+    return picked
+
+
+def build_timm(name: str, seed: int = 0) -> Built:
+    """A random-weight timm model with 10 classes, on images of 64 px where it takes a size
+    (else its own input size)."""
+    import timm
+    torch.manual_seed(seed)
+    try:
+        model = timm.create_model(name, pretrained=False, num_classes=10, img_size=64)
+        size = (3, 64, 64)
+    except TypeError:  # a model without an image size of its own (a CNN), or a fixed one
+        model = timm.create_model(name, pretrained=False, num_classes=10)
+        size = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
+        if "fixed_input_size" not in model.pretrained_cfg or \
+                not model.pretrained_cfg["fixed_input_size"]:
+            size = (size[0], 64, 64)
+
+    def inputs(seed: int, labels: bool) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"x": torch.randn(BATCH, *size, generator=g)}
+    return Built(f"timm:{name}", model.eval(), type(model).__name__, inputs)
