@@ -35,7 +35,9 @@ _HEADS = re.compile(r"^(num_attention_heads|n_heads?|num_heads|(encoder|decoder)
 _WIDTHS = re.compile(r"^(hidden_size|d_model|n_embd|embed_dim|dim|word_embed_proj_dim)$")
 _FFN = re.compile(r"^(intermediate_size|ffn_dim|(encoder|decoder)_ffn_dim|d_ff|n_inner|"
                   r"moe_intermediate_size|shared_expert_intermediate_size)$")
-_POSITIONS = re.compile(r"^(max_position_embeddings|n_positions|max_seq_len|seq_length)$")
+_POSITIONS = re.compile(r"^(max_position_embeddings|n_positions|max_seq_len|seq_length|"
+                        r"max_source_positions|max_target_positions)$")
+AUDIO_SAMPLES = 1600  # raw audio (``input_values``): 0.1 s at 16 kHz
 _TOKEN_IDS = re.compile(r"_token_id$")
 _DROPOUT = re.compile(r"(dropout|_prob|drop_rate|layerdrop|drop_path_rate)")
 
@@ -177,17 +179,37 @@ def _input_maker(model, config, mapping: str) -> Callable[[int, bool], dict]:
                                                 generator=g)
         if "pixel_values" in accepted:
             kwargs["pixel_values"] = torch.randn(BATCH, channels, image, image, generator=g)
-        if "decoder_input_ids" in accepted and "input_ids" in kwargs and not labels:
-            kwargs["decoder_input_ids"] = kwargs["input_ids"].flip(-1)
+        if "input_values" in accepted and not kwargs:  # raw audio (wav2vec2, HuBERT)
+            kwargs["input_values"] = torch.randn(BATCH, AUDIO_SAMPLES, generator=g)
+        if "input_features" in accepted and not kwargs:
+            kwargs["input_features"] = _audio_features(config, g)
+        if "decoder_input_ids" in accepted and not (labels and "labels" in accepted):
+            kwargs["decoder_input_ids"] = torch.randint(2, min(vocab, VOCAB),
+                                                        (BATCH, SEQUENCE), generator=g)
         if labels and "labels" in accepted:
             if "CLASSIFICATION" in mapping:
                 kwargs["labels"] = torch.randint(0, classes, (BATCH,), generator=g)
             elif "input_ids" in kwargs:
                 kwargs["labels"] = kwargs["input_ids"].clone()
+            else:  # a decoder's targets beside audio or image inputs
+                kwargs["labels"] = torch.randint(2, min(vocab, VOCAB), (BATCH, SEQUENCE),
+                                                 generator=g)
         if not kwargs:
             raise LookupError("no inputs this sweep knows how to make (audio, video, ...)")
         return kwargs
     return inputs
+
+
+def _audio_features(config, g: torch.Generator) -> torch.Tensor:
+    """Spectrogram features: (batch, mel bins, frames) where the config counts mel bins
+    (Whisper: frames twice its source positions), else (batch, frames, features) (Speech2Text)."""
+    mels = getattr(config, "num_mel_bins", None)
+    if mels:
+        frames = 2 * getattr(config, "max_source_positions", SEQUENCE * 4)
+        return torch.randn(BATCH, mels, frames, generator=g)
+    features = (getattr(config, "input_feat_per_channel", None) or
+                getattr(config, "feature_size", None) or 80) * getattr(config, "input_channels", 1)
+    return torch.randn(BATCH, SEQUENCE * 4, features, generator=g)
 
 
 # --------------------------------------------------------------------------------- checking
