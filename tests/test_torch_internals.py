@@ -144,3 +144,13 @@ def test_swap_in_and_out():
     assert Owner.value == 2
     patching.swap_out(swaps)
     assert Owner.value == 1
+
+
+def test_scripted_function_keeps_the_python_it_was_made_from():
+    from keraunos.torch_internals import jit
+
+    def twice(x):
+        return x * 2
+    scripted = torch.jit.script(twice)
+    assert isinstance(scripted, jit.SCRIPT_FUNCTION)
+    assert jit.python_of(scripted) is twice

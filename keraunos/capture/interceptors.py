@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..torch_internals import autograd as autograd_internals, dispatch, patching
+from ..torch_internals import jit as jit_internals
 from ..errors import CaptureError, CustomFunctionError, FunctionTransformError, user_source
 from . import replayed
 from .state import active_context
@@ -134,13 +135,13 @@ def _is_compiling() -> bool:
 # A function made with ``@torch.jit.script`` (transformers' DeBERTa-v2 has six) runs in the
 # TorchScript interpreter, which cannot run on capture's fake tensors and whose ops the recording
 # mode would not see one by one: during capture the Python function it was made from runs in its
-# place (``torch.jit.script`` keeps it, for Dynamo, as ``_torchdynamo_inline``), and is captured
-# like any other code of the program.
-_script_call_original = torch.jit.ScriptFunction.__call__
+# place (``torch.jit.script`` keeps it: ``torch_internals.jit``), and is captured like any other
+# code of the program.
+_script_call_original = jit_internals.SCRIPT_FUNCTION.__call__
 
 
 def _script_call(self, *args, **kwargs):
-    python = getattr(self, "_torchdynamo_inline", None)
+    python = jit_internals.python_of(self)
     if active_context() is None or python is None:
         return _script_call_original(self, *args, **kwargs)
     return python(*args, **kwargs)
@@ -153,7 +154,7 @@ _SWAPS = [(owner, name, _rng_recorders[name], _rng_originals[name])
     (torch, "vmap", _recording_vmap, _vmap_original),
     (torch.func, "vmap", _recording_vmap, _vmap_original),
     (torch.compiler, "is_compiling", _is_compiling, _is_compiling_original),
-    (torch.jit.ScriptFunction, "__call__", _script_call, _script_call_original),
+    (jit_internals.SCRIPT_FUNCTION, "__call__", _script_call, _script_call_original),
 ] + [(torch.func, name, _refusing_transform(name), _func_originals[name])
      for name in _FUNC_TRANSFORMS] + replayed.SWAPS  # print, logging and warnings.warn: made again by the epilogue
 

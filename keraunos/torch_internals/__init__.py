@@ -13,6 +13,7 @@ uses is reached through a module of this package, never named elsewhere in kerau
 - ``inductor``: Inductor's compiler, config, caches and vector-ISA probe (imported when first
   used);
 - ``fx``: torch.fx's flag for a symbolic trace under way;
+- ``jit``: the Python function a ``torch.jit.script`` function was made from;
 - ``patching``: replacing attributes of torch's objects and giving the originals back.
 
 Where an API differs between the torch releases keraunos supports (``keraunos.version``), the
