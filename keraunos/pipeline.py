@@ -108,8 +108,11 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     and ``STAGES``; a captured one is kept there."""
     native.LOADER.poll()  # a native hit path built in the background is imported here
     key, why_not, key_seconds = program_key(state, args, kwargs)
-    c = load_program(state, key, args, kwargs) if key is not None else None
-    refused = None  # why a stored program that loaded did not serve the call
+    c, refused = load_program(state, key, args, kwargs) if key is not None else (None, None)
+    # (``refused``: why a stored program under the key did not serve the call)
+    if refused is not None:
+        debug.logger.debug("keraunos: %s: the stored program did not serve the call (%s); "
+                           "capturing it again", state.name, refused)
     if c is not None:
         c.time("program key", key_seconds)
         try:
@@ -262,14 +265,15 @@ def _predicted_sizes(request: DynamicRequest | None) -> DynamicRequest | None:
     return scratch
 
 
-def load_program(state, key: str, args, kwargs) -> Compilation | None:
+def load_program(state, key: str, args, kwargs) -> tuple[Compilation | None, str | None]:
     """The compilation kept under ``key``, as ``STAGES`` left it, if its readable prologue
-    accepts this call (None otherwise: the program is captured)."""
+    accepts this call (None otherwise: the program is captured), and why a stored program
+    under ``key`` did not serve (None: it did, or there was none)."""
     t0 = time.perf_counter()
     root = state.module if state.module is not None else state.fn
-    stored = program_store.load(key, root, args, kwargs)
+    stored, refused = program_store.load(key, root, args, kwargs)
     if stored is None:
-        return None
+        return None, refused
     program = Program(stored["prologue"], stored["computation"], stored["epilogue"],
                       stored["check_descriptions"])
     c = Compilation(state, program, [stored["prologue"]], [stored["computation"]],
@@ -287,7 +291,7 @@ def load_program(state, key: str, args, kwargs) -> Compilation | None:
             request.changes.extend(predicted.changes)
             request.any_dynamic = request.any_dynamic or predicted.any_dynamic
     c.time("load stored program", time.perf_counter() - t0)
-    return c
+    return c, None
 
 
 def program_to_keep(c: Compilation) -> dict | str:

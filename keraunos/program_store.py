@@ -554,18 +554,19 @@ def keep(key: str, stored: dict, paths: dict) -> str:
     return "kept"
 
 
-def load(key: str, root, args: tuple, kwargs: dict) -> dict | None:
+def load(key: str, root, args: tuple, kwargs: dict) -> tuple[dict | None, str | None]:
     """What ``keep`` kept under ``key`` for ``root`` (the module, or the jitted function), with
     its readable prologue's tensor checks made from this call's tensors, when that prologue
-    accepts the call; None otherwise (nothing kept, a row that does not load, a check that
-    fails)."""
+    accepts the call, and None; else None and why a row that was there could not be used (None
+    when nothing was kept under ``key``, or when its prologue rejects the call: a miss, as any
+    entry's)."""
     data = get(key)
     if data is None:
-        return None
+        return None, None
     try:
         stored = loads(data, root)
         if type(stored) is not dict or set(stored) != set(_KEYS):
-            return None
+            return None, "the row is not a stored program of this version"
         prologue = stored["prologue"]
         if isinstance(root, torch.nn.Module):
             # Module attributes are checked by identity with the objects compiled for: here
@@ -574,17 +575,17 @@ def load(key: str, root, args: tuple, kwargs: dict) -> dict | None:
                              [expecting_values_of(b, root) for b in prologue.bound_symbols],
                              prologue.header, prologue.namespace)
         accepted = prologue.python_callable()(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a row that does not load is a miss
-        return None
-    if type(accepted) is not tuple:
-        return None
+    except Exception as e:  # noqa: BLE001 - a row that does not load is a miss
+        return None, f"it did not load ({type(e).__name__}: {str(e)[:200]})"
+    if type(accepted) is not tuple:  # a miss like any entry's: what it depends on changed
+        return None, None
     ret = prologue.bound_symbols[-1]
     value_of = {p.name: v for p, v in zip(ret.args[0], accepted[0]) if isinstance(p, Proxy)}
     lines = [with_example(_with_call_example(b, value_of), value_of)
              for b in prologue.bound_symbols]
     if any(b is None for b in lines):
-        return None
+        return None, "a tensor of the call is not like the one it was kept with"
     stored["prologue"] = Trace(prologue.name, list(prologue.params), lines,
                                prologue.header + ["Loaded from keraunos's program store"],
                                prologue.namespace)
-    return stored
+    return stored, None

@@ -247,7 +247,9 @@ def test_a_damaged_stored_program_is_ignored_and_written_again(kept, damage):
     else:
         _set_value(store, os.urandom(len(value)), fix_checksum=True)
     second = _run(directory, store=store)
-    assert second["captured"] and second["store"] == "kept", second
+    assert second["captured"] and second["store"].startswith("kept"), second
+    if damage != "truncated":  # a row there that did not load: compile_stats says why
+        assert "the stored program was refused (it did not load" in second["store"], second
     assert second["out"] == first["out"]
     (rewritten_key, rewritten), = program_rows(store)
     assert rewritten_key == key and len(rewritten) > 100  # written again, under the same key
@@ -310,3 +312,4 @@ def test_an_object_the_module_holds_outside_its_tree_is_found_again_by_its_place
     assert second["out"] == first["out"]
     other = run_with_store(script, ["3.0"], store)  # the held object's state differs
     assert other["captured"] and other["out"] != first["out"], other
+    assert "is not like the one kept" in other["store"], other  # compile_stats says why
