@@ -215,7 +215,7 @@ def child(case: str, systems: list[str], calls: int, directory: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     torch._inductor.config.fallback_random = True  # a train step's dropout: eager's draws
-    from keraunos import native
+    from keraunos.runtime import native
     native.LOADER.start(wait=True)  # the native hit path, built first where it is not yet
     for label in systems:
         if case == "litgpt-decode":

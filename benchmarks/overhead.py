@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import keraunos  # noqa: E402
-from keraunos import native  # noqa: E402
+from keraunos.runtime import native  # noqa: E402
 
 native.LOADER.start(wait=True)  # keraunos.jit's native hit path, built first where it is not yet
 from keraunos.transforms import ExtractionOnlyPrologueTransform  # noqa: E402

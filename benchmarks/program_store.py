@@ -1,4 +1,4 @@
-"""What a restart saves when the program store (keraunos/program_store.py) holds a jitted
+"""What a restart saves when the program store (keraunos/persist/programs.py) holds a jitted
 function's program and a symbolic entry's.
 
 Run: python benchmarks/program_store.py [--repeats 3] [--cases function,generate,transformers]
@@ -73,7 +73,7 @@ def child_function() -> dict:
     t0 = time.perf_counter()
     jitted(x, layers).sum().backward()
     again = time.perf_counter() - t0
-    keraunos.program_store.wait_for_keeps()
+    keraunos.persist.programs.wait_for_keeps()
     return {"first call": first, "compiled call": again,
             "store": [keraunos.compile_stats(jitted).program_store]}
 
@@ -84,7 +84,7 @@ def child_generate() -> dict:
     import litgpt
     from litgpt.generate.base import generate
     from litgpt.model import GPT
-    from keraunos.jit import state_of
+    from keraunos.runtime.call import state_of
     torch.manual_seed(0)
     config = litgpt.Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128,
                            padded_vocab_size=128, block_size=256)
@@ -103,7 +103,7 @@ def child_generate() -> dict:
         eager.set_kv_cache(batch_size=1)
         same = same and torch.equal(tokens, generate(eager, prompt, length + 8, temperature=0.0,
                                                      top_k=1))
-        keraunos.program_store.wait_for_keeps()
+        keraunos.persist.programs.wait_for_keeps()
     if not same:
         raise AssertionError("the jitted model generated other tokens than eager")
     out["misses"] = keraunos.cache_misses(jitted)
@@ -128,7 +128,7 @@ def child_transformers() -> dict:
         t0 = time.perf_counter()
         jitted(**inputs)
         again = time.perf_counter() - t0
-    keraunos.program_store.wait_for_keeps()
+    keraunos.persist.programs.wait_for_keeps()
     return {"first call": first, "compiled call": again,
             "store": [keraunos.compile_stats(jitted).program_store]}
 

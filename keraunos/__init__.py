@@ -12,9 +12,9 @@ from . import executors
 from .core.tags import STATIC_MEMORY_LOCATION, Tag
 from .core.trace import Trace
 from .errors import CaptureError, DataDependentError, KeraunosError, UnsupportedInputError
-from .structure import invalidate_module_structure
-from .jit import CacheMode, CompileStats, Fallback, state_of
-from .jitted import JittedFunction, JittedModule, jit
+from .runtime.structure import invalidate_module_structure
+from .runtime.call import CacheMode, CompileStats, Fallback, state_of
+from .runtime.jitted import JittedFunction, JittedModule, jit
 from .capture.symbolic import mark_dynamic, mark_static
 from .report import report
 from .transforms import Transform
@@ -23,7 +23,7 @@ from .inspection import (cache_hits, cache_misses, compile_stats, last_backward_
                          last_prologue_traces, last_traces, wait_for_fusion)
 from .version import __version__  # noqa: F401
 from .version import warn_if_untested as _warn_if_untested
-from .jit import set_dynamo_backend
+from .runtime.call import set_dynamo_backend
 
 
 def _dynamo_backend():

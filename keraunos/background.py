@@ -9,7 +9,7 @@ swapping; ``compiler.kept_warnings`` keeps a job's messages for the user's threa
 flags, configs, modes or class dictionaries, and no import of torch's compiler stack (two
 threads importing Dynamo's circle of modules at once can meet one half initialized). Whatever
 must touch those (loading a fused tier's kernels, generating its code) is left for the user's
-thread at a call boundary (``tiers.py``).
+thread at a call boundary (``runtime/tiers.py``).
 
 Jobs run one at a time, by priority (lower first), then oldest first. A job belongs to an owner
 (a jitted callable's state): ``cancel(owner)`` drops its jobs that have not started, and a job

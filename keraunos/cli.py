@@ -29,7 +29,7 @@ import torch
 
 import keraunos
 from keraunos.examples.gpt import GPT, GPTConfig
-from keraunos.store import Store
+from keraunos.persist.store import Store
 
 
 WARMUP = 10  # calls before the timed ones

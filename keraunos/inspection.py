@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from .core.trace import Trace
-from .jit import CompileStats, state_of
+from .runtime.call import CompileStats, state_of
 
 
 def _last_entry(jitted):
@@ -100,8 +100,8 @@ def compile_stats(jitted) -> CompileStats:
 
 def _hit_path(state, entry) -> str:
     """Which hit path serves ``entry``'s calls: "native", or "python (<why>)"."""
-    from . import native
-    from .cache import NOT_ASKED
+    from .runtime import native
+    from .runtime.cache import NOT_ASKED
     if state.native_front is None:
         why = native.unavailable() if native.LOADER.module is None else (
             "this callable's calls go through hooks, a profiler or a distributed wrapper")
@@ -122,7 +122,7 @@ def wait_for_fusion(jitted, timeout: float | None = None) -> bool:
     Returns False if ``timeout`` seconds passed first. For benchmarks and tests: a program
     never needs to call it. A program that fell back to ``torch.compile(backend="keraunos")``
     waits for its subgraphs' fused programs."""
-    from .tiers import wait_for_fusion as wait
+    from .runtime.tiers import wait_for_fusion as wait
     state = state_of(jitted)
     states = [state]
     if state.dynamo_compiled is not None:

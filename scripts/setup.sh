@@ -42,8 +42,8 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "setup.sh: chromium is not installed (needs root and apt-get); the browser tests will skip"
   fi
 fi
-# The native hit path (keraunos/native): compiled here once (about 10 s of one core) into
+# The native hit path (keraunos/runtime/native): compiled here once (about 10 s of one core) into
 # ~/.cache/keraunos-native, so that the tests and the first jitted call find it built. Without a
 # compiler keraunos uses the Python hit path, so a failure here is reported and nothing more.
-.venv/bin/python -m keraunos.native || echo "setup.sh: keraunos will use the Python hit path"
+.venv/bin/python -m keraunos.runtime.native || echo "setup.sh: keraunos will use the Python hit path"
 .venv/bin/python -c "import torch, keraunos; print('keraunos', keraunos.__version__, 'with torch', torch.__version__)"

@@ -30,7 +30,7 @@ PY
     "${DEPS[@]}" >&2
 fi
 "${PIP[@]}" install --no-deps -e . >&2
-"$ENV/bin/python" -m keraunos.native >&2 || echo "test_transformers.sh: the native hit path did not build" >&2
+"$ENV/bin/python" -m keraunos.runtime.native >&2 || echo "test_transformers.sh: the native hit path did not build" >&2
 PY="$ENV/bin/python"
 echo "== the transformers tests on transformers $VERSION: $PY"
 run() {

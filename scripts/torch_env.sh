@@ -40,5 +40,5 @@ if ! "$ENV/bin/python" -c "import litgpt, pytest, xdist, expecttest, transformer
 fi
 # This checkout, editable (its entry point registers torch.compile's "keraunos" backend).
 "${PIP[@]}" install --no-deps -e . >&2
-"$ENV/bin/python" -m keraunos.native >&2 || echo "torch_env.sh: the native hit path did not build" >&2
+"$ENV/bin/python" -m keraunos.runtime.native >&2 || echo "torch_env.sh: the native hit path did not build" >&2
 echo "$ENV/bin/python"

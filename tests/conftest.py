@@ -19,13 +19,13 @@ os.environ.setdefault("KERAUNOS_FUSE", "off")
 # start depends on the machine's load, and a region a helper compiled is a cache hit here, which
 # tests of the caches would see. tests/test_compile_workers.py starts its own.
 os.environ.setdefault("KERAUNOS_COMPILE_WORKERS", "0")
-# keraunos's store (keraunos/store.py) in a directory of this run, not the user's ~/.cache: what
+# keraunos's store (keraunos/persist/store.py) in a directory of this run, not the user's ~/.cache: what
 # an earlier run stored (today: which vector-ISA test libraries load) never decides a test.
 if "KERAUNOS_CACHE_DIR" not in os.environ:
     import tempfile  # noqa: E402
     os.environ["KERAUNOS_CACHE_DIR"] = tempfile.mkdtemp(prefix="keraunos-test-store-")
 
-# No captured programs kept between tests (keraunos/program_store.py): a test that jits a module
+# No captured programs kept between tests (keraunos/persist/programs.py): a test that jits a module
 # another test jitted would load its program instead of capturing, and tests of capture would see
 # that. tests/test_program_store.py turns it on in the processes it starts.
 os.environ.setdefault("KERAUNOS_PROGRAM_STORE", "0")

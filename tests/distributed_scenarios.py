@@ -482,7 +482,7 @@ def _fsdp_case(rank, world_size, checkpointed=False, mp=None, tol=1e-5, ref_tol=
 def _compiled_programs(jitted) -> int:
     """How many programs were compiled for these jitted modules' blocks (an entry rebound to an
     identical block shares its computation traces)."""
-    from keraunos.jit import state_of
+    from keraunos.runtime.call import state_of
     states = [u for j in jitted for u in getattr(state_of(j), "units", [state_of(j)])]
     return len({id(e.computation_traces) for s in states for e in s.entries})
 

@@ -16,7 +16,7 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-from keraunos import store
+from keraunos.persist import store
 from keraunos.executors.fusion import compiler, workers
 from keraunos.executors.fusion.compiler import toolchain_problem
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import keraunos
-from keraunos import pipeline
+from keraunos.runtime import pipeline
 from keraunos.autograd.buckets import BucketCaps
 from keraunos.autograd.function import _FirstNode, _MiddleNode, _OutputNode
 

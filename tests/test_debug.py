@@ -11,7 +11,7 @@ import torch
 
 import keraunos
 from keraunos import debug
-from keraunos.jit import state_of
+from keraunos.runtime.call import state_of
 from keraunos.examples.gpt import GPT, GPTConfig
 
 

@@ -358,7 +358,7 @@ def test_jit_fallback_is_a_typed_option():
 def test_a_graph_keraunos_cannot_compile_runs_eagerly_with_a_warning(monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("an op capture does not handle")
-    monkeypatch.setattr(sys.modules["keraunos.jit"], "compile_entry", refuse)
+    monkeypatch.setattr(keraunos.runtime.call, "compile_entry", refuse)
     f = torch.compile(lambda x: (x * 3).cos(), backend=kd.backend())
     x = torch.randn(4)
     with pytest.warns(UserWarning, match="runs eagerly.*an op capture does not handle"):

@@ -1,5 +1,5 @@
 """The fast paths are on for the installed torch, and where one is off, ``compile_stats`` says
-which path served the calls and why: the native hit path (``keraunos/native``), the one-file
+which path served the calls and why: the native hit path (``keraunos/runtime/native``), the one-file
 build of a fused module's C++ kernels (``executors/fusion/one_build.py``), and the torch
 release check at import (``keraunos/version.py``). Run on every torch release the suite is run
 on, these are what a release that changed torch's internals fails first."""
@@ -13,7 +13,8 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-from keraunos import native, version
+from keraunos.runtime import native
+from keraunos import version
 from keraunos.executors.fusion import one_build
 from keraunos.executors.fusion.compiler import toolchain_problem
 

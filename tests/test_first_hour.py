@@ -293,7 +293,7 @@ def test_cli_run_labels_when_its_cache_counters_were_read(capsys):
 
 def test_the_compilation_log_numbers_entries_not_what_became_symbolic():
     from keraunos import debug
-    from keraunos.jit import state_of
+    from keraunos.runtime.call import state_of
     jf = keraunos.jit(lambda x: x.exp() - 1)
     for n in (2, 5):
         x = torch.randn(n)

@@ -26,7 +26,7 @@ import keraunos.dynamo
 from keraunos.examples.gpt import GPT, GPTConfig
 from keraunos.executors import fusion
 from keraunos.executors.fusion import collecting, compiler, patches
-from keraunos.jit import state_of
+from keraunos.runtime.call import state_of
 
 FUSED = ["inductor", "torch"]
 TOL = dict(rtol=1e-4, atol=1e-4)

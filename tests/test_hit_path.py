@@ -5,7 +5,7 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-from keraunos.jit import state_of
+from keraunos.runtime.call import state_of
 
 
 def _front(jitted):
@@ -129,7 +129,7 @@ def test_tier_switch_is_seen_by_the_hit_path():
     def switched(*inputs):
         calls.append(len(inputs))
         return original(*inputs)
-    entry.computation_fn = switched  # what tiers.py's switch does
+    entry.computation_fn = switched  # what runtime/tiers.py's switch does
     assert_close(jitted(x), x * 3)
     assert calls == [1]
 

@@ -493,13 +493,13 @@ def _accumulate_inputs(shared: bool):
 
 
 def test_a_program_shared_by_identical_modules_serves_only_inputs_shared_alike():
-    """Identical blocks of a fully_shard'ed model share one compiled program (rebind.py); one
+    """Identical blocks of a fully_shard'ed model share one compiled program (runtime/rebind.py); one
     captured for inputs of their own must not serve a call whose inputs are one memory."""
-    from keraunos.jit import state_of
+    from keraunos.runtime.call import state_of
 
     first, second = _Accumulate(), _Accumulate()
     jitted_first, jitted_second = keraunos.jit(first), keraunos.jit(second)
-    # What jitted.py does for the units fully_shard makes of identical blocks.
+    # What runtime/jitted.py does for the units fully_shard makes of identical blocks.
     family = weakref.WeakSet([state_of(jitted_first), state_of(jitted_second)])
     state_of(jitted_first).siblings = state_of(jitted_second).siblings = family
     jitted_first(*_accumulate_inputs(shared=False))

@@ -147,7 +147,7 @@ def test_a_library_that_loaded_before_is_not_probed_again(tmp_path):
     (ten on an AVX-512 machine, 1.4 s a process): a load that worked is remembered in the store
     under the library's bytes, so the next process starts none; a failed one is asked again."""
     from keraunos.executors.fusion import isa_probe
-    from keraunos.store import Store
+    from keraunos.persist.store import Store
     where = Store(tmp_path / "store")
     library = tmp_path / "probe.so"
     library.write_bytes(b"\x7fELF one build")
@@ -173,7 +173,7 @@ def test_a_library_that_loaded_before_is_not_probed_again(tmp_path):
 
 def test_the_probe_runs_as_inductors_own_when_the_store_cannot_be_used(tmp_path):
     from keraunos.executors.fusion import isa_probe
-    from keraunos.store import Store
+    from keraunos.persist.store import Store
     blocked = tmp_path / "a file, not a directory"
     blocked.write_text("")
     library = tmp_path / "probe.so"
@@ -199,7 +199,7 @@ needs_cxx = pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
 @pytest.fixture
 def own_store(tmp_path, monkeypatch):
     """A store of this test's own, and no kernel compiled before it in this process."""
-    from keraunos import store
+    from keraunos.persist import store
     monkeypatch.setattr(store, "_default", store.Store(tmp_path / "store"))
     monkeypatch.setattr(compiler, "_kernels", {})
     return store._default

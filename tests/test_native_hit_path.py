@@ -1,4 +1,4 @@
-"""The native hit path (``keraunos/native``): a jitted function's hit in one C call. It must accept
+"""The native hit path (``keraunos/runtime/native``): a jitted function's hit in one C call. It must accept
 a call exactly when the Python hit path accepts it, and give eager's results; anything it
 rejects goes to the Python path, which explains the miss and recompiles as before. Every
 behaviour is compared with eager PyTorch."""
@@ -12,10 +12,10 @@ import torch
 from torch.testing import assert_close
 
 import keraunos
-import keraunos.jitted
-from keraunos import native
+import keraunos.runtime.jitted
+from keraunos.runtime import native
 from keraunos.capture.ambient import AMBIENT_STATE
-from keraunos.jit import state_of
+from keraunos.runtime.call import state_of
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,7 +29,7 @@ def _native_loaded():
 def _call_route(request, monkeypatch):
     """Each test twice: with the Front as the class's ``__call__`` (how users call it) and with
     the suite's result checks, a Python ``__call__`` that calls the Front."""
-    monkeypatch.setattr(keraunos.jitted, "CHECK_RESULTS", request.param == "checked")
+    monkeypatch.setattr(keraunos.runtime.jitted, "CHECK_RESULTS", request.param == "checked")
 
 
 def _f(x):
@@ -80,7 +80,7 @@ def test_native_path_serves_a_tiny_function_with_eager_results():
         assert_close(jitted(x), _f(x))
     assert python_calls == []  # served in C
     assert (type(jitted).__call__ is state_of(jitted).native_front) == (
-        not keraunos.jitted.CHECK_RESULTS)
+        not keraunos.runtime.jitted.CHECK_RESULTS)
     assert hit.armed  # the guards' values recorded: later calls skip the guards
     assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
     assert state_of(jitted).last_entry is state_of(jitted).entries[0]
@@ -335,7 +335,7 @@ def test_module_entry_is_served_natively_with_eager_results(grad):
             assert_close(jitted(x), eager(x))
         assert python_calls == [] and hit.armed  # served in C
         assert type(jitted).__qualname__ == "JittedModule[Sequential]"
-        assert isinstance(jitted, keraunos.jitted.JittedModule)
+        assert isinstance(jitted, keraunos.runtime.jitted.JittedModule)
     assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (1, 3)
     if grad:
         copy = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
@@ -537,7 +537,7 @@ def test_functions_jitted_before_the_build_finished_go_native_after_it(tmp_path,
 
     def through_wrapper(state, args, kwargs):
         routed_calls.append(1)
-        return keraunos.jitted.call(state, args, kwargs)
+        return keraunos.runtime.jitted.call(state, args, kwargs)
     object.__setattr__(routed, "_call", through_wrapper)
     x = torch.randn(4)
     assert_close(jitted(x), _f(x))

@@ -230,7 +230,7 @@ def test_libraries_beside_torch_and_keraunos_are_user_code():
     assert errors.is_internal(os.path.join(errors._TORCH_DIR, "nn", "functional.py"))
     keraunos_dir = errors._KERAUNOS_DIR
     assert not errors.is_internal(keraunos_dir + "_plugins" + os.sep + "ops.py")
-    assert errors.is_internal(os.path.join(keraunos_dir, "jit.py"))
+    assert errors.is_internal(os.path.join(keraunos_dir, "runtime/call.py"))
 
 
 def test_libraries_installed_inside_the_standard_library_directory_are_user_code(monkeypatch):
@@ -298,8 +298,7 @@ def scale_if_any(x, box):
 
 
 def test_a_prologue_that_raises_is_not_this_entry_and_later_calls_stay_fast(monkeypatch):
-    import sys
-    jit_module = sys.modules["keraunos.jit"]  # (the package's `jit` attribute is the function)
+    from keraunos.runtime import call as jit_module
     jitted = keraunos.jit(scale_if_any)
     x = torch.randn(3)
     scaled, plain = Box(), Box()

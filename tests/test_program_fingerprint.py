@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from keraunos.program_fingerprint import Unstorable, code_fingerprint, function_fingerprint
+from keraunos.persist.fingerprint import Unstorable, code_fingerprint, function_fingerprint
 from helpers import ROOT
 
 BASE = '''
@@ -137,7 +137,7 @@ def test_the_fingerprint_is_the_same_in_another_process():
     string hashing (``PYTHONHASHSEED``), which differs between processes."""
     script = textwrap.dedent('''
         import types
-        from keraunos.program_fingerprint import function_fingerprint
+        from keraunos.persist.fingerprint import function_fingerprint
         def use(x):
             return x in NAMES and MAPPING[x]
         g = {"NAMES": frozenset("abcdefghij"), "MAPPING": {c: i for i, c in enumerate(set("klmnop"))},

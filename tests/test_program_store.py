@@ -1,4 +1,4 @@
-"""Captured programs kept between processes (keraunos/program_store.py): a second process on the
+"""Captured programs kept between processes (keraunos/persist/programs.py): a second process on the
 same cache directory loads the program instead of capturing it, and computes what eager does;
 anything the program depends on that changed (its code, a global it reads, the module's
 structure, an option, the input's dtype) is a miss, and a stored row that does not load is
@@ -100,7 +100,7 @@ RUN = textwrap.dedent('''
             expected = reference(x)
         grads = []
     torch.testing.assert_close(out, expected)
-    keraunos.program_store.wait_for_keeps()  # a captured program is pickled in the background
+    keraunos.persist.programs.wait_for_keeps()  # a captured program is pickled in the background
     stats = keraunos.compile_stats(jitted)
     with torch.no_grad():  # a second call hits the entry, loaded or captured
         again = jitted(x) if not train else None
@@ -290,7 +290,7 @@ HELD = textwrap.dedent('''
     with torch.no_grad():
         out, expected = jitted(x), model(x)
     torch.testing.assert_close(out, expected)
-    keraunos.program_store.wait_for_keeps()
+    keraunos.persist.programs.wait_for_keeps()
     stats = keraunos.compile_stats(jitted)
     print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
                       "out": out.double().flatten().tolist()}))

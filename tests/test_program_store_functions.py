@@ -1,4 +1,4 @@
-"""Jitted functions and symbolic-size entries kept between processes (keraunos/program_store.py):
+"""Jitted functions and symbolic-size entries kept between processes (keraunos/persist/programs.py):
 a second process on the same cache directory loads the program instead of capturing it and
 computes what eager does (results, in-place effects, gradients); a change of the function's
 code, a global it reads, a default or a closure value is a miss; a symbolic entry loaded serves
@@ -93,7 +93,7 @@ RUN = textwrap.dedent('''
             torch.testing.assert_close(args[1].grad, reference[1].grad, **tolerance)
             grads.append(args[1].grad.double().flatten().tolist())
         results.append(out.detach().double().flatten().tolist())
-        keraunos.program_store.wait_for_keeps()  # a captured program is pickled in the background
+        keraunos.persist.programs.wait_for_keeps()  # a captured program is pickled in the background
         stats = keraunos.compile_stats(jitted)
         stores.append(stats.program_store)
         tiers.append(stats.tier)

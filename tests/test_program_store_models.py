@@ -38,7 +38,7 @@ RUN = textwrap.dedent('''
         want = want.logits if hasattr(want, "logits") else want[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         results.append(got.double().sum().item())
-    keraunos.program_store.wait_for_keeps()
+    keraunos.persist.programs.wait_for_keeps()
     stats = keraunos.compile_stats(jitted)
     print(json.dumps({"store": stats.program_store, "results": results,
                       "misses": keraunos.cache_misses(jitted)}))

@@ -22,7 +22,7 @@ from helpers import assert_grads_match
 import keraunos
 from keraunos import debug
 from keraunos.examples.gpt import GPT, GPTConfig
-from keraunos.jit import state_of
+from keraunos.runtime.call import state_of
 from keraunos.report.highlight import highlight_lines
 
 CHROMIUM = "/usr/bin/chromium"

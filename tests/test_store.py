@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from keraunos import store as store_module
-from keraunos.store import Store, default_directory
+from keraunos.persist import store as store_module
+from keraunos.persist.store import Store, default_directory
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def _reopen(store: Store) -> Store:
     return Store(store.directory, max_bytes=store.max_bytes)
 
 
-# A child process that loads keraunos/store.py alone (standard library only: no torch import).
+# A child process that loads keraunos/persist/store.py alone (standard library only: no torch import).
 CHILD = textwrap.dedent("""
     import importlib.util, sys
     spec = importlib.util.spec_from_file_location("keraunos_store", sys.argv[1])

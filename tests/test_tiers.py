@@ -1,4 +1,4 @@
-"""Tiered compilation (keraunos/tiers.py) against eager PyTorch.
+"""Tiered compilation (keraunos/runtime/tiers.py) against eager PyTorch.
 
 The first call runs on the torch executor while the fused program compiles in the background;
 later calls switch to it between calls. Every test compares with eager: outputs, gradients,
@@ -23,9 +23,10 @@ from torch.testing import assert_close
 from helpers import assert_grads_match
 import keraunos
 from keraunos.executors.fusion.compiler import toolchain_problem
-from keraunos.jit import state_of
-from keraunos import background, tiers
-from keraunos.tiers import FuseMode
+from keraunos.runtime.call import state_of
+from keraunos import background
+from keraunos.runtime import tiers
+from keraunos.runtime.tiers import FuseMode
 
 pytestmark = pytest.mark.skipif(toolchain_problem("cpu") is not None,
                                 reason="Inductor cannot build CPU kernels here (no C++ compiler)")

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import keraunos
-from keraunos.jitted import JittedModule
+from keraunos.runtime.jitted import JittedModule
 from keraunos.core.tags import INPUT_TENSOR, MODULE_CHECK, STATIC_MEMORY_LOCATION
 from keraunos.transforms import ExtractionOnlyPrologueTransform, PrunePrologueChecks
 

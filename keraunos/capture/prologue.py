@@ -164,7 +164,7 @@ def symbolic_tensor_guards(b: _Builder, entries) -> None:
 class SymbolicTensorGuards:
     """dynamo's ``TensorGuards`` over the tensors with symbolic sizes (``check``, its C
     method), with what it was made of, so that a program loaded by another process
-    (``program_store.py``) makes it again: each tensor's class, dtype, device, requires_grad
+    (``persist/programs.py``) makes it again: each tensor's class, dtype, device, requires_grad
     and dispatch keys, and the sizes and strides compiled as numbers (None where symbolic)."""
 
     __slots__ = ("check", "tensors", "sizes", "strides")

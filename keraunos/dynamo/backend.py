@@ -12,10 +12,10 @@ from typing import Sequence
 
 import torch
 
-from ..cache import CacheEntry
+from ..runtime.cache import CacheEntry
 from ..core import glue
 from ..core.trace import Trace
-from ..jitted import jit
+from ..runtime.jitted import jit
 from ..torch_internals import autograd as autograd_internals, dynamo, functorch
 from ..torch_internals.fx import LazyGraphModule
 from ..transforms import Transform

@@ -50,7 +50,7 @@ class FusionExecutor(Executor):
     - ``compile_site(elsewhere)``: for an executor with ``compiles_elsewhere``, on the user's
       thread, what ``fuse`` and ``prefetch`` take as ``site``: where regions are compiled and
       what of the user's process that depends on (``elsewhere``: not in this process; see
-      ``tiers.py``).
+      ``runtime/tiers.py``).
     - ``prefetch(trace, *, observable, always_checked, forward, min_shared_layers, site)``:
       optional; ``trace`` (the backward) will be fused after another trace (the forward): work
       on its regions may start now, elsewhere (the Inductor executor hands them to helper
@@ -163,7 +163,7 @@ def register(executor: Executor) -> Executor:
 register(TorchExecutor())
 register(PythonExecutor())
 
-# Fusion by default, compiled in the background (tiers.py): the first calls run on the torch
+# Fusion by default, compiled in the background (runtime/tiers.py): the first calls run on the torch
 # executor, later ones on Inductor's regions; ``jit(..., fuse="off")`` leaves just "torch".
 DEFAULT_EXECUTORS = ("inductor", "torch")
 

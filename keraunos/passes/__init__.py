@@ -1,4 +1,4 @@
-"""Passes: functions from trace to trace (see ``core.runner.trace_pass``); ``keraunos/pipeline.py``
+"""Passes: functions from trace to trace (see ``core.runner.trace_pass``); ``keraunos/runtime/pipeline.py``
 runs them in the order its ``STAGES`` list."""
 from .cse import common_subexpression_elimination
 from .dce import dead_code_elimination

@@ -28,7 +28,7 @@ import torch
 
 from .. import debug
 from ..inspection import compile_stats
-from ..jit import state_of
+from ..runtime.call import state_of
 from ..version import __version__
 from ..debug import format_duration
 from .highlight import highlight_lines

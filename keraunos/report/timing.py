@@ -1,4 +1,4 @@
-"""Per-call stage timings for the report: the call path (``keraunos/jit.py``) timed step by step, the
+"""Per-call stage timings for the report: the call path (``keraunos/runtime/call.py``) timed step by step, the
 original (eager) program for comparison, and the ops inside the computation under
 ``torch.profiler``."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..jit import get_computation_and_inputs, maybe_call_epilogue, state_of
+from ..runtime.call import get_computation_and_inputs, maybe_call_epilogue, state_of
 
 STEPS = ("get_computation_and_inputs", "computation_fn", "maybe_call_epilogue")
 PROFILED_CALLS = 10

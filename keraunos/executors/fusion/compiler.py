@@ -768,7 +768,7 @@ def _note_exiting() -> None:
 
 def warn_once(message: str) -> None:
     """Warn once per process: a missing compiler concerns every compilation alike. Not while
-    the process exits: a fused tier compiling then fails for that reason alone (tiers.py).
+    the process exits: a fused tier compiling then fails for that reason alone (runtime/tiers.py).
     On a thread that keeps its warnings for the user's (``kept_warnings``), the message is
     kept: ``warnings.warn`` reads the filters the user's thread may be changing."""
     if _exiting or sys.is_finalizing():

@@ -8,7 +8,7 @@ restart whose first fused step takes 2.9 s in all (the 4-layer training step), p
 ``torch.compile`` too.
 
 A load that worked once works again while nothing it depends on changed, so a successful load is
-kept in keraunos's store (``keraunos/store.py``) under a key made of the library's own bytes,
+kept in keraunos's store (``keraunos/persist/store.py``) under a key made of the library's own bytes,
 its path, the torch version, the Python executable and the kernel's release; a later process
 finds it there and starts no child. A failed load is never kept (it is asked again, as Inductor
 does), and when the store cannot be used the probe runs as Inductor's own.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import store
+from ...persist import store
 
 NAMESPACE = "inductor vector-ISA probe"
 _lock = threading.Lock()

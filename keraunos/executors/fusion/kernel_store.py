@@ -36,7 +36,8 @@ import re
 
 import torch
 
-from ... import debug, store
+from ... import debug
+from ...persist import store
 from ...torch_internals import inductor
 from ...version import __version__
 

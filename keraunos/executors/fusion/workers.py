@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ... import debug, store
+from ... import debug
+from ...persist import store
 from ...torch_internals.dispatch import OpOverload
 
 ENV = "KERAUNOS_COMPILE_WORKERS"

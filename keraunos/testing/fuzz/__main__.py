@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         parser.error("--back-to-back runs in one process on the default tier: "
                      "no --jobs, no --fuse")
     if args.min_fused_ops is not None:
-        from ... import tiers
+        from ...runtime import tiers
         tiers.MIN_FUSED_OPS = args.min_fused_ops
     names = args.only or [f"{args.seed}:{i}" for i in range(args.programs)]
     if args.back_to_back:

@@ -187,7 +187,7 @@ def warnings_as_errors():
 def fusion_failures(jitted) -> list[str]:
     """Why the fused tiers of ``jitted``'s cache entries (and of its subgraphs, when it fell back
     to ``torch.compile``) failed to compile, one line each; empty when none failed."""
-    from ...jit import state_of
+    from ...runtime.call import state_of
     states = [state_of(jitted)]
     if getattr(states[0], "dynamo_compiled", None) is not None:
         from ...dynamo.backend import subgraphs_of
@@ -206,7 +206,7 @@ def fusion_failures(jitted) -> list[str]:
 
 def _tiered(jitted) -> bool:
     """A keraunos-jitted callable (its fused tiers can be waited for and checked)."""
-    from ...jit import state_of
+    from ...runtime.call import state_of
     try:
         state_of(jitted)
     except Exception:  # noqa: BLE001 - a planted "compiler" of the tests

@@ -53,7 +53,7 @@ def _classes() -> list[type]:
 def _class_dicts() -> dict:
     """``Class.name`` -> the object in the class's ``__dict__`` (compared by identity). The
     hook-registration methods keraunos wraps on the user's thread, at the first walk of a jitted
-    module's tree, for good (``keraunos/structure.py``), count as torch's own."""
+    module's tree, for good (``keraunos/runtime/structure.py``), count as torch's own."""
     return {f"{cls.__qualname__}.{key}": _unwatched(value)
             for cls in _classes() for key, value in list(vars(cls).items())
             if callable(value) or hasattr(value, "__get__")}

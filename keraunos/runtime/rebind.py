@@ -1,7 +1,7 @@
 """One compiled program for identical modules: an entry compiled for one FSDP2 unit made to
 serve another of the same class (``rebind_entry``), so that a model of identical blocks compiles
-once per distinct layer, as ``torch.compile`` shares one graph between them. ``jit.py`` tries
-this before compiling a unit's miss (``_entry_of_an_identical_unit``); ``jitted.py`` says which
+once per distinct layer, as ``torch.compile`` shares one graph between them. ``runtime/call.py`` tries
+this before compiling a unit's miss (``_entry_of_an_identical_unit``); ``runtime/jitted.py`` says which
 units form a family."""
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from dataclasses import replace
 import torch
 
 from .cache import CacheEntry, sharing_of
-from .core import glue
-from .core.proxies import Proxy
-from .core.trace import Trace
-from .passes.fast_prologue import expecting_values_of, fast_prologue, with_example
+from ..core import glue
+from ..core.proxies import Proxy
+from ..core.trace import Trace
+from ..capture.retarget import expecting_values_of, with_example
+from .fast_prologue import fast_prologue
 from .structure import _GLOBAL_HOOK_TABLES, _HOOK_TABLES, hook_state
 
 

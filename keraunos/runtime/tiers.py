@@ -56,7 +56,7 @@ from typing import Callable
 
 import torch
 
-from . import background
+from .. import background
 
 
 class FuseMode(enum.Enum):
@@ -134,7 +134,7 @@ class Tiering:
 
 
 def _warn(message: str) -> None:
-    from .executors.fusion.compiler import warn_once
+    from ..executors.fusion.compiler import warn_once
     warn_once(message)
 
 
@@ -150,7 +150,7 @@ def schedule(tiering: Tiering, compile_fused: Callable[[], object],
     del entry
 
     def job():
-        from .executors.fusion.compiler import kept_warnings
+        from ..executors.fusion.compiler import kept_warnings
         with kept_warnings() as messages:
             try:
                 with torch.set_grad_enabled(grad_mode):

@@ -1,4 +1,4 @@
-"""The code fingerprint of a program kept in the program store (``program_store.py``): a hash of
+"""The code fingerprint of a program kept in the program store (``persist/programs.py``): a hash of
 the code a jitted module's or function's program may run, found by static reachability (every
 method of every class in the module tree, each name the code reads followed into its globals and
 closures, plain values by value), so that a stored program is loaded only while that code is the
@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from .torch_internals.dispatch import OpOverload, OpOverloadPacket
+from ..torch_internals.dispatch import OpOverload, OpOverloadPacket
 
 
 class Unstorable(Exception):

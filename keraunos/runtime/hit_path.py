@@ -1,6 +1,6 @@
 """A cache entry's alias check and its hit path: what decides, on every call, whether the
 most recently used entry serves it, and runs it when it does (``jit.call`` calls them; the
-module docstring of ``jit.py`` describes the call path they are the first part of)."""
+module docstring of ``runtime/call.py`` describes the call path they are the first part of)."""
 from __future__ import annotations
 
 import operator
@@ -9,10 +9,10 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import CacheEntry, storage_alias_pattern
-from .core import glue
-from .core.trace import Trace
-from .passes.fast_prologue import ReturnInputs
-from .torch_internals import dispatch
+from ..core import glue
+from ..core.trace import Trace
+from .fast_prologue import ReturnInputs
+from ..torch_internals import dispatch
 
 
 # ------------------------------------------------------------------------- storage aliases
@@ -142,7 +142,7 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
         return lines
     line = glue.PYTHON.bind(label="hit", lines=run, outputs=None, executor="python")
     trace = Trace("hit", ["args", "kwargs"], prologue.bound_symbols[:-1] + [line],
-                  prologue.header + ["Constructed by Hit Path (hit_path.py): the prologue's checks, "
+                  prologue.header + ["Constructed by Hit Path (runtime/hit_path.py): the prologue's checks, "
                                      "then the computation and the epilogue"],
                   {**prologue.namespace, "_entry": entry, "ProgramRaised": ProgramRaised})
     return trace.python_callable(), trace

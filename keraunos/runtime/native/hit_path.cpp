@@ -1,5 +1,5 @@
 // The native hit path of keraunos.jit: one C call that checks what the Python hit path of a
-// simple entry checks, then runs its computation. keraunos/native/__init__.py says which entries
+// simple entry checks, then runs its computation. keraunos/runtime/native/__init__.py says which entries
 // it serves and why it accepts exactly the calls their Python hit path accepts.
 //
 // Two types:
@@ -191,7 +191,7 @@ struct Hit {
   PyObject* prologue;       // the entry's prologue: decides a call the record does not, where
                             // there are no guards to call
   PyObject* structure;      // the fast prologue's kept module walk (a list), or null: a function
-  PyObject* tree_token;     // structure.py's _tree_token (a list), or null
+  PyObject* tree_token;     // runtime/structure.py's _tree_token (a list), or null
   std::vector<Source>* sources;  // the computation's inputs; null: the arguments as they came
   std::vector<std::pair<c10::DeviceType, c10::ScalarType>>* autocast_dtypes;
   int matmul_precision;     // at::Float32MatmulPrecision as an int; -1: not checked
@@ -812,7 +812,7 @@ PyGetSetDef Front_getset[] = {
     {nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_keraunos_hit_path",
-                          "keraunos's native hit path (keraunos/native/hit_path.cpp)", -1,
+                          "keraunos's native hit path (keraunos/runtime/native/hit_path.cpp)", -1,
                           nullptr};
 
 }  // namespace
@@ -821,7 +821,7 @@ PyMODINIT_FUNC PyInit__keraunos_hit_path(void) {
   computation_fn_name = PyUnicode_InternFromString("computation_fn");
   if (computation_fn_name == nullptr) return nullptr;
 
-  HitType.tp_name = "keraunos.native.Hit";
+  HitType.tp_name = "keraunos.runtime.native.Hit";
   HitType.tp_basicsize = sizeof(Hit);
   HitType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   HitType.tp_doc = "Hit(entry, nargs, global_guard, tensor_guards, autocast_dtypes, "
@@ -835,7 +835,7 @@ PyMODINIT_FUNC PyInit__keraunos_hit_path(void) {
   HitType.tp_getset = Hit_getset;
   if (PyType_Ready(&HitType) < 0) return nullptr;
 
-  FrontType.tp_name = "keraunos.native.Front";
+  FrontType.tp_name = "keraunos.runtime.native.Front";
   FrontType.tp_basicsize = sizeof(Front);
   FrontType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
                        Py_TPFLAGS_METHOD_DESCRIPTOR;

@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .core.trace import Trace
-from .torch_internals import dispatch
+from ..core.trace import Trace
+from ..torch_internals import dispatch
 
 
 class _NotAsked:
@@ -35,7 +35,7 @@ class CacheEntry:
     Built with keywords; the fields a hit path changes later say so."""
 
     prologue_fn: Callable
-    computation_fn: Callable  # replaced once, by the switch to the fused tier (tiers.py)
+    computation_fn: Callable  # replaced once, by the switch to the fused tier (runtime/tiers.py)
     epilogue_fn: Callable
     prologue_traces: list[Trace] = field(default_factory=list)
     computation_traces: list[Trace] = field(default_factory=list)
@@ -44,7 +44,7 @@ class CacheEntry:
     check_descriptions: list[str] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)
     # The storage sharing of the tensor inputs it was compiled for (None: every tensor input has
-    # memory of its own); set by the first call (jit.py), which knows the real inputs.
+    # memory of its own); set by the first call (runtime/call.py), which knows the real inputs.
     alias_pattern: tuple | None = None
     hits: int = 0
     # Which inputs the alias check compares (None: at most one tensor), and which the program

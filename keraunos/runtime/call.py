@@ -1,6 +1,6 @@
 """The call path of a jitted callable, its cache entries, and compilation on a miss.
 
-(What ``keraunos.jit`` returns, the wrappers that call this path, is in ``jitted.py``.)
+(What ``keraunos.jit`` returns, the wrappers that call this path, is in ``runtime/jitted.py``.)
 
 Every call runs the three steps below, each a module-level function so that profilers see them
 by name:
@@ -13,7 +13,7 @@ by name:
 valid for a call when its prologue's checks pass and ``check_storage_aliases`` finds the inputs
 share memory exactly as they did when it was compiled. On a miss it compiles a new entry.
 
-The most recently used entry is tried first by its *hit path* (``hit_path.py``), one generated
+The most recently used entry is tried first by its *hit path* (``runtime/hit_path.py``), one generated
 function that runs those three steps for it in a row: the prologue's checks as they are, the
 alias check where sharing matters, then the computation and the epilogue (read off the entry on
 every call: a tier switch replaces the computation). It returns ``(result,)``, or what the
@@ -21,7 +21,7 @@ failed check returns (the index of its description, or a reason), and ``call`` g
 way with the other entries; or, when the program itself raised after the checks passed, a
 ``ProgramRaised``, whose error ``call`` raises without trying the call again. Print one with
 ``print(keraunos.state_of(jitted).last_entry.hit_trace)``. For a jitted function whose front
-entry it can check whole, the native hit path (``keraunos/native``) does all this in one C call
+entry it can check whole, the native hit path (``keraunos/runtime/native``) does all this in one C call
 before any of it runs (``_sync_native`` keeps it on the front entry).
 
 There is no separate step that connects the result to autograd (the design's
@@ -45,23 +45,23 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from . import debug
-from . import executors as executors_module
+from .. import debug
+from .. import executors as executors_module
 from . import native
 from .cache import NOT_ASKED, CacheEntry, CacheMode, tensor_positions
-from .capture.leaks import capture_values_in, capture_values_in_user_state
-from .capture.state import _active, active_context
-from .capture.symbolic import DynamicRequest
-from .errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
-                     user_source)
+from ..capture.leaks import capture_values_in, capture_values_in_user_state
+from ..capture.state import _active, active_context
+from ..capture.symbolic import DynamicRequest
+from ..errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
+    user_source)
 from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_storage_aliases,
-                       hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
+    hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
 from .pipeline import compile_entry
 from .rebind import rebind_entry
 from .tiers import FuseMode, default_mode
-from .torch_internals import autograd as autograd_internals
-from .torch_internals.functorch import is_functorch_wrapped_tensor
-from .transforms import Transform
+from ..torch_internals import autograd as autograd_internals
+from ..torch_internals.functorch import is_functorch_wrapped_tensor
+from ..transforms import Transform
 
 
 @dataclass
@@ -87,7 +87,7 @@ class CompileStats:
     fusion_pending: bool = False
     fusion_note: str | None = None
     # What the program store did with the entry: "loaded" (no capture ran), "kept", or
-    # "not kept: <why>" (program_store.py).
+    # "not kept: <why>" (persist/programs.py).
     program_store: str | None = None
     # Which hit path serves the entry's calls: "native" (one C call checks and runs it), or
     # "python (<why not native>)"; and, for a fused entry, how its C++ kernels were built:
@@ -197,7 +197,7 @@ class _JitState:
         self.warned_transform = False  # called under a torch.func transform: warned once
         self.lazy_state_calls = 0  # calls run eagerly because they made state (LazyStateError)
         # A unit of a fully_shard'ed model: captured from its ``forward`` alone (its call hooks
-        # are FSDP2's, run eagerly around the program; jitted.py, _jit_fsdp), and when it last ran.
+        # are FSDP2's, run eagerly around the program; runtime/jitted.py, _jit_fsdp), and when it last ran.
         self.forward_only = False
         self.last_used = 0.0
         # FSDP2 units: the states of the other units (a ``WeakSet``), whose entries are
@@ -205,11 +205,11 @@ class _JitState:
         self.siblings = ()
         # The program fell back to torch.compile(backend="keraunos"): what it compiled.
         self.dynamo_compiled = None
-        # Methods routed through the compiled forward (jitted.py): how deep such calls are
+        # Methods routed through the compiled forward (runtime/jitted.py): how deep such calls are
         # nested, and the original's own ``forward`` attribute to put back after the outermost.
         self.routing_depth = 0
         self.saved_forward = None
-        # A JittedFunction served by the native hit path (jitted.py, _go_native): its
+        # A JittedFunction served by the native hit path (runtime/jitted.py, _go_native): its
         # ``__call__``, whose ``hit`` is the front entry's (``_sync_native`` keeps it so).
         self.native_front = None
 
@@ -406,7 +406,7 @@ def _sync_native(state: _JitState) -> None:
 def _native_hit(entry: CacheEntry):
     """``entry``'s native ``Hit``, made once (None where the native hit path cannot serve it):
     it checks what the prologue checks; the alias check and the epilogue must have nothing to
-    do (``keraunos/native`` says which prologues it takes)."""
+    do (``keraunos/runtime/native`` says which prologues it takes)."""
     if entry.native_hit is NOT_ASKED:
         hit = "its inputs may share memory, or its epilogue has work of its own"
         if (entry.alias_check is sharing_cannot_matter and entry.epilogue_traces

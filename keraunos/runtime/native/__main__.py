@@ -1,4 +1,4 @@
-"""``python -m keraunos.native``: build the native hit path now (``scripts/setup.sh`` does), and
+"""``python -m keraunos.runtime.native``: build the native hit path now (``scripts/setup.sh`` does), and
 say where it is and how long it took; exit status 1 when it cannot be built."""
 import sys
 import time

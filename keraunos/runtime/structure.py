@@ -1,6 +1,6 @@
 """Module structure: one token that changes whenever any module's tree may have changed.
 
-The fast prologue (``passes/fast_prologue.py``) keeps the result of walking a module's tree
+The fast prologue (``runtime/fast_prologue.py``) keeps the result of walking a module's tree
 (submodules, parameters, buffers, hooks) until this token changes. Only registering a module,
 parameter or buffer can change what that walk finds, and PyTorch calls global registration hooks
 on every such assignment (``register_module_{module,parameter,buffer}_registration_hook``), so
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_internals import patching
+from ..torch_internals import patching
 
 
 class _Token:

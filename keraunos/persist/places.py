@@ -15,8 +15,8 @@ import types
 
 import torch
 
-from . import program_fingerprint
-from .program_fingerprint import _SIMPLE, Unstorable
+from . import fingerprint as program_fingerprint
+from .fingerprint import _SIMPLE, Unstorable
 
 
 def keraunos_singletons() -> dict[int, tuple]:

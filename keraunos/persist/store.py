@@ -5,7 +5,7 @@ on every read), when it was written and when it was last read. Past a byte limit
 used entries go first. It holds which of Inductor's vector-ISA test libraries load
 (``executors/fusion/isa_probe.py``) and each fused region's compiled module
 (``executors/fusion/kernel_store.py``), and jitted modules' captured programs
-(``program_store.py``).
+(``persist/programs.py``).
 
 The store cannot hurt: a store that fails (a corrupted or truncated file, a checksum mismatch, a
 read-only or missing directory, a full disk, a lock held past the timeout) behaves as an empty one.

@@ -3,7 +3,7 @@ DistributedDataParallel and FSDP2 models; ``jit()`` itself.
 
 A ``JittedModule`` presents the original module's interface (its class name, ``forward``'s
 signature, parameters, state dict, every method routed through the compiled forward) and calls
-``jit.py``'s call path; hooks registered on the wrapper itself (FSDP2's) run around it through
+``runtime/call.py``'s call path; hooks registered on the wrapper itself (FSDP2's) run around it through
 ``nn.Module.__call__``. DDP and FSDP2 models are compiled around their wrappers' own eager
 bookkeeping (``_jit_ddp``, ``_jit_fsdp``).
 """
@@ -22,19 +22,19 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import CacheMode
-from .capture.state import active_context
+from ..capture.state import active_context
 from . import native
-from .jit import (CHECK_RESULTS, Fallback, JitOptions, ProgramRaised, _fsdp_units, _JitState,
-                  _sync_native, _warn_at_user_line, call, call_past_hit_path, call_profiled,
-                  checked_result, reraise)
+from .call import (CHECK_RESULTS, Fallback, JitOptions, ProgramRaised, _fsdp_units, _JitState,
+    _sync_native, _warn_at_user_line, call, call_past_hit_path, call_profiled, checked_result,
+    reraise)
 from .tiers import FuseMode
-from .transforms import Transform
+from ..transforms import Transform
 
 # ------------------------------------------------------------------------- public wrappers
 class JittedFunction:
     """A function compiled by ``keraunos.jit``; call it as you would the original.
 
-    Once the native hit path is loaded (``keraunos/native``), the instance's class becomes a
+    Once the native hit path is loaded (``keraunos/runtime/native``), the instance's class becomes a
     subclass of its own whose ``__call__`` is a ``native.Front``: a C callable that serves the
     front entry's hits (when its prologue is one the native path can check) and calls the
     ``__call__`` below for everything else (``_go_native``)."""
@@ -130,7 +130,7 @@ class JittedModule(torch.nn.Module):
     - As a submodule of another module, its state dict has the original's keys (no
       ``_orig_mod.``), and loads from them.
 
-    Once the native hit path is loaded (``keraunos/native``), and while no call hooks or
+    Once the native hit path is loaded (``keraunos/runtime/native``), and while no call hooks or
     distributed wrapper take part, the instance's class becomes a subclass of its own, with the
     same names, whose ``__call__`` is a ``native.Front`` (``_go_native_module``).
     """
@@ -522,7 +522,7 @@ def jit(fn_or_module: Callable | torch.nn.Module, *, executors: Sequence | None 
         executors: who runs the operations, in order of preference (names or ``Executor``s);
             default ``["inductor", "torch"]``: fused regions where they pay, compiled as
             ``fuse`` says, the torch executor for the rest.
-        fuse: how the fusion executors' regions are compiled (see ``keraunos/tiers.py``):
+        fuse: how the fusion executors' regions are compiled (see ``keraunos/runtime/tiers.py``):
             ``"background"`` (default, or ``KERAUNOS_FUSE``): the first call runs at once on the
             torch executor while the fused program compiles on a background thread, and later
             calls switch to it (``keraunos.wait_for_fusion`` waits for it); programs too small

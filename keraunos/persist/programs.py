@@ -45,21 +45,20 @@ from typing import Callable
 import sympy
 import torch
 
-from . import background
-from . import program_places as places, store
-from .torch_internals.dispatch import OpOverload, OpOverloadPacket, dispatch_keys
-from .torch_internals.dynamo import GlobalStateGuard
-from .torch_internals.fake import ShapeEnv, ShapeGuard, SLoc, ValueRanges
-from .program_fingerprint import (_SIMPLE, Unstorable, _tensor, code_fingerprint,
-                                  function_fingerprint)
-from .capture.symbolic import Symbols
-from .core import glue
-from .core.provenance import ITEM, Path, root as path_root
-from .core.proxies import Proxy, TensorProxy
-from .core.symbolic import SizePrinter, SymbolicValue
-from .core.trace import Trace
-from .passes.fast_prologue import expecting_values_of, with_example
-from .version import __version__
+from .. import background
+from . import places, store
+from ..torch_internals.dispatch import OpOverload, OpOverloadPacket, dispatch_keys
+from ..torch_internals.dynamo import GlobalStateGuard
+from ..torch_internals.fake import ShapeEnv, ShapeGuard, SLoc, ValueRanges
+from .fingerprint import _SIMPLE, Unstorable, _tensor, code_fingerprint, function_fingerprint
+from ..capture.symbolic import Symbols
+from ..core import glue
+from ..core.provenance import ITEM, Path, root as path_root
+from ..core.proxies import Proxy, TensorProxy
+from ..core.symbolic import SizePrinter, SymbolicValue
+from ..core.trace import Trace
+from ..capture.retarget import expecting_values_of, with_example
+from ..version import __version__
 
 NAMESPACE = "program"  # the store's namespace for these rows
 FORMAT = 2             # bump when what a row holds, or how it is loaded, changes

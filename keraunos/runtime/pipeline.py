@@ -14,27 +14,29 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import executors as executors_module
+from .. import executors as executors_module
 from . import tiers
-from .autograd import make_autograd_computation, split_forward_backward
-from .autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
-from .autograd.function import make_segmented_computation
+from ..autograd import make_autograd_computation, split_forward_backward
+from ..autograd.buckets import active_ddp_bucket_caps, display_trace, plan_segments
+from ..autograd.function import make_segmented_computation
 from .cache import CacheEntry, CacheMode, sharing_of, storage_alias_pattern
-from . import debug, native, program_store
-from .capture.program import Program, capture_program
-from .capture.state import _active
-from .capture.symbolic import DynamicRequest
-from .core.proxies import Proxy, TensorProxy
-from .core import lint
-from .core.runner import trace_pass, trace_step
-from .core.symbolic import refuse_raw_symbols
-from .core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
-from .core.trace import Trace
-from .passes.fast_prologue import fast_prologue
-from .passes.peephole import peephole_stage
-from .passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
-from .passes.functionalize import functionalize_writes
-from .passes.reinplace import can_reinplace, every_op_without_grad, reinplace
+from .. import debug
+from . import native
+from ..persist import programs as program_store
+from ..capture.program import Program, capture_program
+from ..capture.state import _active
+from ..capture.symbolic import DynamicRequest
+from ..core.proxies import Proxy, TensorProxy
+from ..core import lint
+from ..core.runner import trace_pass, trace_step
+from ..core.symbolic import refuse_raw_symbols
+from ..core.tags import COPY_OF_WRITTEN_INPUT, OPAQUE
+from ..core.trace import Trace
+from .fast_prologue import fast_prologue
+from ..passes.peephole import peephole_stage
+from ..passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
+from ..passes.functionalize import functionalize_writes
+from ..passes.reinplace import can_reinplace, every_op_without_grad, reinplace
 from .structure import hook_state
 from .tiers import FuseMode, Tiering
 
@@ -75,7 +77,7 @@ class Compilation:
     # boundaries (``split_at_ddp_buckets``) into ``segments``.
     bucket_caps: Any = None
     segments: Any = None
-    # Loaded from the program store (``program_store.py``) instead of captured; what the store
+    # Loaded from the program store (``persist/programs.py``) instead of captured; what the store
     # did with this compilation (compile_stats's ``program_store``); for a loaded one, the
     # captured facts make_entry needs: (number of inputs, the inputs it writes).
     loaded: bool = False
@@ -103,8 +105,8 @@ def compile_entry(state, args, kwargs) -> CacheEntry:
     """Capture the program, run every stage in ``STAGES`` order, then the fast prologue, the
     claims and what follows them (``TIER_STAGES``) once per tier: the entry holds it all. With
     fusion in the background, the entry runs tier 0 (no fusion executors) and switches to the
-    fused tier when the worker has compiled it (``tiers.py``). A program kept by the program
-    store (``program_store.py``) whose readable prologue accepts the call stands in for capture
+    fused tier when the worker has compiled it (``runtime/tiers.py``). A program kept by the program
+    store (``persist/programs.py``) whose readable prologue accepts the call stands in for capture
     and ``STAGES``; a captured one is kept there."""
     native.LOADER.poll()  # a native hit path built in the background is imported here
     key, why_not, key_seconds = program_key(state, args, kwargs)
@@ -330,7 +332,7 @@ def _fuse_mode(c: Compilation) -> FuseMode | None:
     fusers = executors_module.fusion_executors(c.executors)
     if not all(getattr(e, "compiles_elsewhere", False) for e in fusers):
         # A fusion executor that compiles only in this process: on the calling thread, never
-        # beside it (``tiers.py``).
+        # beside it (``runtime/tiers.py``).
         return FuseMode.WAIT
     def computes(b):
         return any(e.computes_in_region(b) for e in fusers)
@@ -420,7 +422,7 @@ def _switch(state, entry: CacheEntry, computation_fn, c: Compilation) -> None:
 def capture(state, args, kwargs) -> Compilation:
     """The program as the user's code ran it: prologue, computation, epilogue traces."""
     # A unit of a fully_shard'ed model is captured from its forward: its call hooks are
-    # FSDP2's, which run eagerly around the program (jitted.py, _jit_fsdp).
+    # FSDP2's, which run eagerly around the program (runtime/jitted.py, _jit_fsdp).
     target = state.module if state.module is not None and not state.forward_only else state.fn
     fusing = _fusing(state.options.executors) and state.options.fuse is not FuseMode.OFF
     # A module's capture takes long enough (0.8 s for 32 layers) that the helper processes, which

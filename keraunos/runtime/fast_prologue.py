@@ -3,7 +3,7 @@
 The readable prologue walks the module tree on every call: it extracts each submodule, parameter
 and buffer and checks each submodule's type. That walk moves into a function of its own,
 ``refresh_module_structure``, whose result is kept until the module-structure token
-(``keraunos/structure.py``) changes; the prologue then only checks:
+(``keraunos/runtime/structure.py``) changes; the prologue then only checks:
 
 - the call's arguments and global state, as before;
 - each module attribute the program read (``training``, ``eps``, a config object and its fields),
@@ -19,13 +19,11 @@ that is both exact and cheapest.
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..capture.guards import VALUE, same_value
 from ..core.provenance import root
 from ..core import glue
 from ..core.glue import CHECK, CHECK_TENSOR, UNPACK
@@ -34,8 +32,7 @@ from ..core.symbols import BoundSymbol, Code
 from ..core.tags import AFTER_STRUCTURE
 from ..core.runner import trace_step
 from ..core.trace import Trace
-from ..structure import _tree_token, hook_state, watch_modules
-from ..torch_internals.dispatch import dispatch_keys
+from .structure import _tree_token, hook_state, watch_modules
 from .guard_trees import TensorTree, tensor_guards
 
 
@@ -202,7 +199,7 @@ def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trac
 class TensorChecks:
     """The line that checks every tensor's metadata in one C++ call: ``guards`` (a
     ``TensorGuards``, or a ``TensorTree`` from ``TREE_FROM`` tensors on) over the tensors named
-    ``checked``, written as ``arg_list``; the native hit path (``keraunos/native``) calls the same
+    ``checked``, written as ``arg_list``; the native hit path (``keraunos/runtime/native``) calls the same
     ``guards``."""
 
     guards: Any
@@ -235,7 +232,7 @@ class TensorChecks:
 @dataclass(frozen=True)
 class ReturnInputs:
     """The fast prologue's last line, ``return (inputs,), pro_to_epi``, in two parts that the hit
-    path (``jit.py``) also writes: ``inputs`` as call arguments (``x, *_s[1]``) and what the
+    path (``runtime/call.py``) also writes: ``inputs`` as call arguments (``x, *_s[1]``) and what the
     prologue hands the epilogue."""
 
     inputs: str
@@ -402,56 +399,3 @@ def _tuple(names: list[str]) -> str:
 
 def _targets(names: list[str]) -> str:
     return ", ".join(names) + ("," if len(names) == 1 else "")
-
-
-def with_example(line, value_of: dict):
-    """A tensor check whose example for the C++ checks is this call's tensor (None when that
-    tensor is not of the compiling call's type and dispatch keys): for a prologue that serves
-    other tensors than those it was captured with (``rebind.py``, ``program_store.py``).
-    ``value_of``: the tensors the readable prologue returned for this call, by name."""
-    if line.symbol is not glue.CHECK_TENSOR:
-        return line
-    tensor = value_of.get(line.args[0].name)
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    compiled_for = line.fields.real()
-    if compiled_for is None:  # gone: only a plain tensor is known to check alike
-        e = line.fields.expected
-        if e.dtype.is_complex:
-            return None
-        compiled_for = torch.empty(0, dtype=e.dtype, device=e.device,
-                                   requires_grad=e.requires_grad and e.dtype.is_floating_point)
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-    elif type(tensor) is not type(compiled_for):
-        return None
-    if dispatch_keys(tensor) != dispatch_keys(compiled_for):
-        return None
-    return line.replace(fields=replace(line.fields, real=weakref.ref(tensor)))
-
-
-def expecting_values_of(line, module: torch.nn.Module):
-    """A check that a module attribute has a value (``eps == 1e-05``), expecting ``module``'s own
-    object where it has that value: the fast prologue checks such attributes by identity with
-    the object compiled for, and two identical modules hold equal values in objects of their
-    own (``normalized_shape``, a tuple each). Where the value differs, the check stays, and
-    fails: the program is not for ``module``."""
-    guard = getattr(line.fields, "guard", None)
-    if line.symbol is not glue.CHECK or guard is None or guard.kind is not VALUE \
-            or not guard.from_module or guard.path is None:
-        return line
-    try:
-        value = _value_at(guard.path, module)
-    except Exception:  # noqa: BLE001 - not there: the check fails as it is
-        return line
-    if value is guard.expected or not same_value(value, guard.expected):
-        return line
-    return line.replace(fields=replace(line.fields, guard=replace(guard, expected=value)))
-
-
-def _value_at(path, module):
-    if path.is_root:
-        if path.key != "module":
-            raise KeyError(path.key)
-        return module
-    return eval(path.expression("parent"), {"parent": _value_at(path.parent, module)})

@@ -1,6 +1,6 @@
 """The native hit path: a jitted function's or module's hit in one C call (``hit_path.cpp``), for
 the entries whose prologue it can express whole; every other entry keeps the Python hit path
-(``jit.py``).
+(``runtime/call.py``).
 
 What it serves: an entry whose fast prologue is made of these lines only
 
@@ -19,7 +19,7 @@ What it serves: an entry whose fast prologue is made of these lines only
     return (x, *_s[1], s0), ()        # arguments, the module's static tensors, size symbols
 
 with no alias check and an epilogue that hands back the computation's one output as it is
-(``jit.py`` decides those). Anything else in the prologue (other module or Python values,
+(``runtime/call.py`` decides those). Anything else in the prologue (other module or Python values,
 aliasing, data-dependent sizes, dataclass or container arguments) leaves the entry on the Python
 hit path: ``why_not(entry)`` says which line.
 
@@ -47,7 +47,7 @@ The build: ``hit_path.cpp`` is compiled once per source, torch and Python versio
 first ``keraunos.jit`` in the background (about 10 s of one core); until it loads, and forever
 where it cannot be built (no compiler, a failed build: one debug log line), calls take the
 Python path (a failed compile is not tried again for a day: ``recent_failure``). ``KERAUNOS_NATIVE=0`` turns it off; ``scripts/setup.sh`` builds it ahead
-(``python -m keraunos.native``).
+(``python -m keraunos.runtime.native``).
 """
 from __future__ import annotations
 
@@ -69,12 +69,12 @@ from typing import Callable
 
 import torch
 
-from .. import background
-from .. import debug
-from ..capture.ambient import AMBIENT_STATE, AmbientDifference
-from ..core import glue
-from ..passes.fast_prologue import AttributeCheck, ReturnInputs, TensorChecks
-from ..torch_internals import dispatch, dynamo
+from ... import background
+from ... import debug
+from ...capture.ambient import AMBIENT_STATE, AmbientDifference
+from ...core import glue
+from ..fast_prologue import AttributeCheck, ReturnInputs, TensorChecks
+from ...torch_internals import dispatch, dynamo
 
 SOURCE = pathlib.Path(__file__).with_name("hit_path.cpp")
 MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
@@ -99,7 +99,7 @@ def enabled() -> bool:
 
 def cache_directory() -> pathlib.Path:
     """``$KERAUNOS_NATIVE_DIR``, else ``$XDG_CACHE_HOME/keraunos-native``, else
-    ``~/.cache/keraunos-native``: apart from the program store (``store.py``), whose directory
+    ``~/.cache/keraunos-native``: apart from the program store (``persist/store.py``), whose directory
     tests point at a fresh one per run, so that the extension is built once per machine."""
     if os.environ.get("KERAUNOS_NATIVE_DIR"):
         return pathlib.Path(os.environ["KERAUNOS_NATIVE_DIR"]).expanduser()
