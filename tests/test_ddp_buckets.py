@@ -2,7 +2,7 @@
 gives eager's gradients in the ways a backward can be asked for.
 
 Under DistributedDataParallel (tests/test_distributed.py, 2 gloo ranks) the pipeline reads the
-bucket sizes of the DDP module whose forward is running; here ``pipeline.active_ddp_bucket_caps``
+bucket sizes of the DDP module whose forward is running; here ``active_ddp_bucket_caps``
 is replaced by buckets of one byte, so that every gradient closes a bucket and the backward is
 as many nodes as it can be.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import keraunos
-from keraunos.runtime import pipeline
+from keraunos.runtime import keeping, pipeline
 from keraunos.autograd.buckets import BucketCaps
 from keraunos.autograd.function import _FirstNode, _MiddleNode, _OutputNode
 
@@ -19,7 +19,9 @@ from helpers import assert_grads_match
 
 @pytest.fixture
 def tiny_buckets(monkeypatch):
-    monkeypatch.setattr(pipeline, "active_ddp_bucket_caps", lambda: BucketCaps(1, 1))
+    # What capture reads, and what the program store's key reads (such a program is not kept).
+    for module in (pipeline, keeping):
+        monkeypatch.setattr(module, "active_ddp_bucket_caps", lambda: BucketCaps(1, 1))
 
 
 class TwoHeads(torch.nn.Module):

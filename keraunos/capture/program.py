@@ -35,7 +35,8 @@ from .context import CaptureContext
 from .guards import AMBIENT
 from .interceptors import intercepting_torch
 from .recorder import Recorder
-from .state import _active, requested_dynamic
+from .symbolic import DynamicRequest
+from .state import _active
 from ..core.symbolic import (SymbolicUnsupported, expr_key, has_symbols, layout_key,
                              refuse_raw_symbols)
 
@@ -171,12 +172,15 @@ def _refuse_torchscript_modules(module: torch.nn.Module) -> None:
 
 
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
-                    check_values: bool = True, specialize_data: bool = False) -> Program:
+                    check_values: bool = True, specialize_data: bool = False,
+                    dynamic: DynamicRequest | None = None) -> Program:
+    """The program ``fn`` runs on these arguments, as traces. ``dynamic``: which sizes and ints
+    of the call may be symbolic (``symbolic.DynamicRequest``; None: all exact)."""
     t0 = time.perf_counter()
     if module is not None:
         _refuse_torchscript_modules(module)
     names = NameGenerator()
-    ctx = CaptureContext(names, module, fn, requested_dynamic())
+    ctx = CaptureContext(names, module, fn, dynamic)
     ctx.specialize_data = specialize_data
     # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
     # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).

@@ -16,12 +16,6 @@ def active_context():
     return getattr(_active, "ctx", None)
 
 
-def requested_dynamic():
-    """What the next capture in this thread makes symbolic (a ``DynamicRequest``, set by ``jit``
-    around its compilation), or None: exact sizes."""
-    return getattr(_active, "dynamic", None)
-
-
 def global_state() -> tuple:
     """Grad mode, then (enabled, dtype) of autocast for each device type."""
     state = [torch.is_grad_enabled()]

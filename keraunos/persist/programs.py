@@ -16,7 +16,7 @@ A load is used like a capture: its readable prologue runs on the call first, and
 accepts the call (every check that capture would have written: tensor metadata, module
 structure, module attributes, Python values, global state) and the call's inputs share memory
 as the capturing call's did (the row holds that: ``cache.sharing_of``, checked in
-``pipeline._finish``) does the entry go into the cache; anything else captures as usual. The
+``pipeline.compile_entry``) does the entry go into the cache; anything else captures as usual. The
 key (``key_of``) covers what the prologue cannot check, chiefly the Python code that ran;
 docs/limitations.md says exactly what it covers and what it cannot see.
 ``KERAUNOS_PROGRAM_STORE=0`` turns it off; ``keraunos cache clear`` empties it.
@@ -39,8 +39,8 @@ import threading
 import time
 import types
 import weakref
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -61,7 +61,26 @@ from ..capture.retarget import expecting_values_of, with_example
 from ..version import __version__
 
 NAMESPACE = "program"  # the store's namespace for these rows
-FORMAT = 2             # bump when what a row holds, or how it is loaded, changes
+FORMAT = 3             # bump when what a row holds, or how it is loaded, changes
+
+
+@dataclass
+class StoredProgram:
+    """What the store keeps of one compilation: the traces as the stages before the fast
+    prologue left them, and the facts of its capture that a load needs."""
+
+    prologue: Trace                  # the readable prologue (on a load: made from this call)
+    computation: Trace
+    epilogue: Trace
+    backward: Trace | None
+    split: Any                       # the autograd split (``autograd/split.py``), or None
+    check_descriptions: list         # what each of the prologue's checks is (miss reasons)
+    facts: tuple                     # (number of inputs, the inputs it writes): ``codegen``
+    seen_sizes: dict                 # what capture told automatic dynamic of each input's sizes
+    # How the inputs of the call that captured it shared memory (``cache.sharing_of``): a call
+    # it serves must repeat it.
+    sharing: tuple | None = None
+    format: int = FORMAT
 
 
 def enabled() -> bool:
@@ -78,7 +97,7 @@ def key_of(root, forward, options_text: str, args: tuple, kwargs: dict,
     call's input metadata and the global state. ``sizes``: the ``DynamicRequest`` that decides
     which sizes and ints of the call are symbols (a scratch copy, asked here as capture will ask
     it), whose symbolic sizes are keyed as symbols, not by value. ``sharing``: how the call's
-    tensors, parameters and buffers share memory (``pipeline._call_sharing``), so that programs
+    tensors, parameters and buffers share memory (``keeping.call_sharing``), so that programs
     of calls that share it otherwise are rows of their own. Raises ``Unstorable``."""
     if isinstance(root, torch.nn.Module):
         tree, code = _module_tree(root), code_fingerprint(root, forward)
@@ -494,15 +513,11 @@ def put(key: str, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------- keep and load
-_KEYS = ("prologue", "computation", "epilogue", "backward", "split", "check_descriptions",
-         "facts", "seen_sizes", "sharing")
-
-
 _keeping: list = []  # background.Job of the programs being pickled
 _keeping_lock = threading.Lock()
 
 
-def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None],
+def keep_in_background(key: str, stored: StoredProgram, root, done: Callable[[str], None],
                        owner: object = None) -> None:
     """``keep`` in the background (``background.py``); ``done(note)`` when it is through. Where
     the objects the program refers to are (the module tree, or the jitted function's globals
@@ -510,7 +525,7 @@ def keep_in_background(key: str, stored: dict, root, done: Callable[[str], None]
     module changed after this call is not seen, and the job walks no live object of the user's.
     ``owner`` (the jitted callable's state): deleting it drops the job if it has not started."""
     paths = places.paths_of(root)
-    paths = {**paths, **places.guarded_objects(stored["prologue"], root, paths)}
+    paths = {**paths, **places.guarded_objects(stored.prologue, root, paths)}
     # The traces hold live objects of the user's (the module, in the prologue's namespace):
     # held here only while ``owner`` lives, so that deleting the jitted callable frees them.
     box = {"stored": stored}
@@ -539,8 +554,8 @@ def wait_for_keeps(timeout: float | None = None) -> bool:
     return True
 
 
-def keep(key: str, stored: dict, paths: dict) -> str:
-    """Keep ``stored`` (the traces and facts ``pipeline.program_to_keep`` collects) under
+def keep(key: str, stored: StoredProgram, paths: dict) -> str:
+    """Keep ``stored`` (what ``keeping.program_to_keep`` collects) under
     ``key``, pickled against ``paths`` (``places.paths_of`` and ``places.guarded_objects``);
     says what happened (``compile_stats().program_store``)."""
     try:
@@ -553,7 +568,7 @@ def keep(key: str, stored: dict, paths: dict) -> str:
     return "kept"
 
 
-def load(key: str, root, args: tuple, kwargs: dict) -> tuple[dict | None, str | None]:
+def load(key: str, root, args: tuple, kwargs: dict) -> tuple[StoredProgram | None, str | None]:
     """What ``keep`` kept under ``key`` for ``root`` (the module, or the jitted function), with
     its readable prologue's tensor checks made from this call's tensors, when that prologue
     accepts the call, and None; else None and why a row that was there could not be used (None
@@ -564,9 +579,9 @@ def load(key: str, root, args: tuple, kwargs: dict) -> tuple[dict | None, str | 
         return None, None
     try:
         stored = loads(data, root)
-        if type(stored) is not dict or set(stored) != set(_KEYS):
+        if type(stored) is not StoredProgram or stored.format != FORMAT:
             return None, "the row is not a stored program of this version"
-        prologue = stored["prologue"]
+        prologue = stored.prologue
         if isinstance(root, torch.nn.Module):
             # Module attributes are checked by identity with the objects compiled for: here
             # those of this process's module, where they have the stored values.
@@ -584,7 +599,6 @@ def load(key: str, root, args: tuple, kwargs: dict) -> tuple[dict | None, str | 
              for b in prologue.bound_symbols]
     if any(b is None for b in lines):
         return None, "a tensor of the call is not like the one it was kept with"
-    stored["prologue"] = Trace(prologue.name, list(prologue.params), lines,
-                               prologue.header + ["Loaded from keraunos's program store"],
-                               prologue.namespace)
-    return stored, None
+    return replace(stored, prologue=Trace(
+        prologue.name, list(prologue.params), lines,
+        prologue.header + ["Loaded from keraunos's program store"], prologue.namespace)), None

@@ -50,12 +50,13 @@ from .. import executors as executors_module
 from . import native
 from .cache import NOT_ASKED, CacheEntry, CacheMode, tensor_positions
 from ..capture.leaks import capture_values_in, capture_values_in_user_state
-from ..capture.state import _active, active_context
+from ..capture.state import active_context
 from ..capture.symbolic import DynamicRequest
 from ..errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
     user_source)
 from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_storage_aliases,
     hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
+from .compilation import CompileRequest
 from .pipeline import compile_entry
 from .rebind import rebind_entry
 from .tiers import FuseMode, default_mode
@@ -572,17 +573,14 @@ def _compile_exact_or_symbolic(state: _JitState, args: tuple, kwargs: dict) -> C
         return compile_entry(state, args, kwargs)
     request = DynamicRequest(cache is CacheMode.SYMBOLIC_VALUES or dynamic is True,
                              state.seen_sizes)
-    _active.dynamic = request
     try:
-        entry = compile_entry(state, args, kwargs)
+        entry = compile_entry(state, args, kwargs, CompileRequest(dynamic=request))
     except Exception as e:  # noqa: BLE001 - exact sizes are the safe way for anything
         if not request.any_dynamic:
             raise
         # The last few only: a program that always falls back must not grow this list.
         state.symbolic_fallbacks = state.symbolic_fallbacks[-15:] + [f"{type(e).__name__}: {e}"]
         entry = None
-    finally:
-        _active.dynamic = None
     state.seen_sizes = {**state.seen_sizes, **request.updated}
     if entry is None:
         return compile_entry(state, args, kwargs)

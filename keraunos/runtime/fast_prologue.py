@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from ..core.provenance import root
 from ..core import glue

@@ -12,7 +12,6 @@ from dataclasses import replace
 import torch
 
 from .cache import CacheEntry, sharing_of
-from ..core import glue
 from ..core.proxies import Proxy
 from ..core.trace import Trace
 from ..capture.retarget import expecting_values_of, with_example
