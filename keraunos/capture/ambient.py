@@ -23,6 +23,8 @@ setting fails under the other, whatever grad mode says (``torch.enable_grad()`` 
 """
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
@@ -49,6 +51,18 @@ class Ambient:
     # Where ``expression`` raises in some states (``read`` then gives a tuple instead), the
     # expression an entry compiled in such a state checks (its names are in ``names`` too).
     expression_when_tuple: str | None = None
+    # How the native hit path reads it itself, if it does (``runtime/native``); for autocast's
+    # dtype, on which device type.
+    native: NativeRead | None = None
+    device: str | None = None
+
+
+class NativeRead(enum.Enum):
+    """The settings the native hit path reads with C++ getters of its own (``hit_path.cpp``)."""
+
+    AUTOCAST_DTYPE = "at::autocast::get_autocast_dtype"
+    FLOAT32_MATMUL_PRECISION = "at::globalContext().float32MatmulPrecision()"
+    INFERENCE_MODE = "c10::InferenceMode::is_enabled()"
 
 
 def _autocast_device_types() -> tuple[str, ...]:
@@ -70,7 +84,8 @@ def _autocast_entries(device: str) -> tuple[Ambient, ...]:
         # program takes this dtype), which GlobalStateGuard does not do: so in Python.
         Ambient(f"autocast dtype on {device}", f"_get_autocast_dtype({device!r})",
                 lambda: torch.get_autocast_dtype(device), False,
-                {"_get_autocast_dtype": torch.get_autocast_dtype}),
+                {"_get_autocast_dtype": torch.get_autocast_dtype},
+                native=NativeRead.AUTOCAST_DTYPE, device=device),
     )
 
 
@@ -95,7 +110,7 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
     # (inference tensors), so inference mode is a setting of its own.
     Ambient("inference mode", "_is_inference_mode_enabled()", torch.is_inference_mode_enabled,
             False, {"_is_inference_mode_enabled": torch.is_inference_mode_enabled},
-            implied_by_tensor_checks=True),
+            implied_by_tensor_checks=True, native=NativeRead.INFERENCE_MODE),
     Ambient("default dtype", "torch.get_default_dtype()", torch.get_default_dtype, True),
     *(entry for device in _autocast_device_types() for entry in _autocast_entries(device)),
     Ambient("autocast's cast cache", "torch.is_autocast_cache_enabled()",
@@ -109,7 +124,8 @@ AMBIENT_STATE: tuple[Ambient, ...] = (
             _float32_matmul_precision, False,
             {"_get_float32_matmul_precision": dispatch.float32_matmul_precision,
              "_float32_matmul_precision": _float32_matmul_precision},
-            expression_when_tuple="_float32_matmul_precision()"),
+            expression_when_tuple="_float32_matmul_precision()",
+            native=NativeRead.FLOAT32_MATMUL_PRECISION),
     Ambient("TF32 matmuls (cuBLAS)", "torch.backends.cuda.matmul.allow_tf32",
             lambda: torch.backends.cuda.matmul.allow_tf32, True),
     Ambient("float16 reduced-precision reductions (cuBLAS)",

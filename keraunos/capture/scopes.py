@@ -22,6 +22,21 @@ from .guards import is_plain
 from .scope_containers import ScopeContainers
 
 
+
+class GlobalsOf(str):
+    """The root a helper's globals are reached from, when they are not the jitted function's
+    own: a name of the prologue's namespace (``<globals of NAME 0xADDR>``) that also says whose
+    globals they are (``persist/places.py`` finds them again by it)."""
+
+    def __new__(cls, module_name: str, address: int):
+        self = super().__new__(cls, f"<globals of {module_name} {address:#x}>")
+        self.module_name, self.address = module_name, address
+        return self
+
+    def __getnewargs__(self):
+        return self.module_name, self.address
+
+
 class ScopeGuards:
     """The scopes of one capture. ``fn`` is the Python function whose globals and closure the
     program reads; helpers' globals dicts and closure cells are put in ``root_objects`` (the
@@ -154,7 +169,7 @@ class ScopeGuards:
         fn_globals = getattr(self.fn, "__globals__", None)
         globals_path = root("globals")
         if frame.f_globals is not fn_globals:
-            key = f"<globals of {frame.f_globals.get('__name__', '?')} {id(frame.f_globals):#x}>"
+            key = GlobalsOf(frame.f_globals.get('__name__', '?'), id(frame.f_globals))
             self.root_objects[key] = frame.f_globals
             globals_path = root(key)
         names = _loaded_globals(code)

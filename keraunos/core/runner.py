@@ -48,7 +48,8 @@ def trace_pass(label: str):
 
 
 def trace_step(fn: Callable) -> Callable:
-    """Time ``fn``, which returns new traces (alone, in a tuple, or as fields of a dataclass)
+    """Time ``fn``, which returns new traces (alone, in a tuple, or as fields of a dataclass,
+    or of one it holds)
     made by ``Trace.derive(lines, label)``: each one it made gets the time of the call."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -71,10 +72,8 @@ def _traces_in(result) -> Iterator[Trace]:
             if isinstance(r, Trace):
                 yield r
     elif dataclasses.is_dataclass(result) and not isinstance(result, type):
-        for f in dataclasses.fields(result):
-            value = getattr(result, f.name)
-            if isinstance(value, Trace):
-                yield value
+        for f in dataclasses.fields(result):  # and those of a dataclass it holds
+            yield from _traces_in(getattr(result, f.name))
 
 
 @contextlib.contextmanager

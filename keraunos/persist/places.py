@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from ..capture.scopes import GlobalsOf
 from . import fingerprint as program_fingerprint
 from .fingerprint import _SIMPLE, Unstorable
 
@@ -248,10 +249,10 @@ def guarded_objects(prologue, root, taken: dict) -> dict[int, tuple]:
                            if isinstance(m, types.ModuleType)
                            and _follow_or_none(vars(m), steps) is guard.expected), None)
             name = getattr(module, "__name__", None)
-        elif isinstance(label, str) and label.startswith("<globals of "):
-            name, address = label[len("<globals of "):-1].rsplit(" ", 1)
+        elif isinstance(label, GlobalsOf):
+            name = label.module_name
             module = sys.modules.get(name)
-            if module is not None and hex(id(vars(module))) != address:
+            if module is not None and id(vars(module)) != label.address:
                 module = None
         else:
             continue

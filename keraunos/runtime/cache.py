@@ -35,6 +35,9 @@ class CacheEntry:
     Built with keywords; the fields a hit path changes later say so."""
 
     prologue_fn: Callable
+    # What the fast prologue made (``fast_prologue.FastPrologue``): the record the hit paths and
+    # rebinding read; None where the prologue is not the fast prologue's.
+    fast_prologue: object = None
     computation_fn: Callable  # replaced once, by the switch to the fused tier (runtime/tiers.py)
     epilogue_fn: Callable
     prologue_traces: list[Trace] = field(default_factory=list)

@@ -29,7 +29,8 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
                        alias_positions=positions if len(positions) > 1 else None,
                        written_positions=written,
                        fusion_regions=c.fusion_regions, fusion_note=c.fusion_note,
-                       tiering=tiering, program_store=c.program_store)
+                       tiering=tiering, program_store=c.program_store,
+                       fast_prologue=c.fast_prologue)
     return entry
 
 

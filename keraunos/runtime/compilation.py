@@ -59,6 +59,7 @@ class Compilation:
     # Where the fusion executors compile regions (``compiler.CompileSite``; None: here, now).
     site: Any = None
     request: CompileRequest = field(default_factory=CompileRequest)
+    fast_prologue: Any = None  # the fast prologue's record (``fast_prologue.FastPrologue``)
 
     @property
     def computation(self) -> Trace:

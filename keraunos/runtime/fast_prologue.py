@@ -76,14 +76,64 @@ def _sort_lines(trace: Trace) -> _Parts:
     return parts
 
 
+@dataclass(frozen=True, eq=False)
+class Spliced:
+    """Among the inputs a fast prologue returns: the module's static tensors, as the kept walk
+    holds them (``*_s[1]``), in their order."""
+
+    expression: str  # what holds them, as the prologue reads it
+
+    def __str__(self) -> str:
+        return f"*{self.expression}"
+
+
+STATICS = Spliced("_s[1]")
+
+
+def inputs_code(items) -> str:
+    """Inputs as call arguments: ``x, *_s[1], s0``."""
+    return ", ".join(map(str, items))
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleWalk:
+    """A fast prologue's walk of the module tree: ``trace`` (``refresh_module_structure``), run
+    again only when the module-structure token changes, its last result kept in ``cache``, and
+    the hooks the program was compiled with (what it checks of them)."""
+
+    trace: Trace
+    cache: list
+    hooks: tuple
+
+
+@dataclass(frozen=True, eq=False)
+class FastPrologue:
+    """What the fast prologue pass made of a readable prologue, as data: the prologue a hit runs
+    (``trace``), the walk it keeps (None for a function's), and what its last line returns, in
+    order: ``inputs``, each a name the prologue binds or ``STATICS``, and ``pro_to_epi``.
+    The hit paths (``hit_path.py``, ``native/``) and rebinding read this record, never the
+    printed code."""
+
+    readable: Trace
+    trace: Trace
+    walk: ModuleWalk | None
+    inputs: tuple
+    pro_to_epi: tuple
+
+    @property
+    def traces(self) -> list[Trace]:
+        """The traces it adds to an entry's prologue traces, in order."""
+        return ([self.walk.trace] if self.walk is not None else []) + [self.trace]
+
+
 @trace_step
-def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
-    """The fast prologue, and the trace of its module-structure walk (``None`` for functions)."""
+def fast_prologue(trace: Trace) -> FastPrologue:
+    """The fast prologue of the readable prologue ``trace``."""
     ret = trace.bound_symbols[-1]
     parts = _sort_lines(trace)
     walk, rest, checks, late = parts.walk, parts.rest, parts.checks, parts.late
     if not walk:
-        return _finish(trace, rest + late, checks, ret, None, [], []), None
+        return _finish(trace, rest + late, checks, ret, None, [], None)
 
     # Which structural values the rest of the prologue needs.
     structural_vars = parts.structural_vars
@@ -99,24 +149,27 @@ def fast_prologue(trace: Trace) -> tuple[Trace, Trace | None]:
     module_part, entries, object_dicts = _module_attributes(
         [b for b in rest if _from_module(b)], dict_vars, keep)
     cache = [(None,)]  # the walk's last result
-    walk_trace = _walk_trace(trace, walk, cache, (static_names, dict_vars, object_dicts,
-                                                  module_vars))
+    hooks = hook_state(trace.namespace["module"])
+    walk_trace = _walk_trace(trace, walk, cache, hooks, (static_names, dict_vars, object_dicts,
+                                                         module_vars))
     refresh = walk_trace.python_callable()
     module_part = _attribute_lines(module_part, entries, keep)
     bound_statics = bool(static_names) and _needs_locals(static_names, rest + late, checks, ret)
     walked = {b.outputs.name: b.outputs for b in walk if isinstance(b.outputs, Proxy)}
     binds = (statics if bound_statics else []) + [walked[n] for n in module_vars if n in walked]
-    load = _load_line(cache, refresh, static_names if bound_statics else [], dict_vars,
-                      module_vars, tuple(binds))
+    load = _glue("load module structure", LoadStructure(
+        cache, refresh, tuple(static_names if bound_statics else ()), bool(dict_vars),
+        tuple(module_vars)), binds=tuple(binds))
     lines = [b for b in rest if not _from_module(b)] + [load]
     lines += module_part + late
-    return _finish(trace, lines, checks, ret, "_s[1]", static_names, walk), walk_trace
+    return _finish(trace, lines, checks, ret, STATICS, static_names,
+                   ModuleWalk(walk_trace, cache, hooks))
 
 
 _TOKEN = "_tree_token"  # the name the walk and the load read the module-structure token by
 
 
-def _walk_trace(trace: Trace, walk, cache, kept) -> Trace:
+def _walk_trace(trace: Trace, walk, cache, hooks, kept) -> Trace:
     """``refresh_module_structure``: the module tree walk, whose result the prologue keeps in
     ``cache`` until the tree changes: ``(token, static tensors, attribute dicts, module vars)``.
     ``kept``: the names of those tensors, the modules whose dicts are read, the ``__dict__``s of
@@ -135,7 +188,6 @@ def _walk_trace(trace: Trace, walk, cache, kept) -> Trace:
                 f"result = (token, {_tuple(static_names)}, {dicts}, {_tuple(module_vars)})",
                 "_structure[0] = result",
                 "return result"]
-    hooks = hook_state(trace.namespace["module"])
 
     def check_hooks(w):
         w.namespace["hook_state"] = hook_state
@@ -149,24 +201,34 @@ def _walk_trace(trace: Trace, walk, cache, kept) -> Trace:
         namespace={**trace.namespace, _TOKEN: _tree_token})
 
 
-def _load_line(cache, refresh, static_names, dict_vars, module_vars, binds) -> BoundSymbol:
-    """The line that takes the kept walk, walking again first when the tree changed;
-    ``static_names``: the static tensors bound as locals (none when they are spliced in)."""
-    def load(w):
-        w.namespace.update({"_structure": cache, _TOKEN: _tree_token,
-                            "refresh_module_structure": refresh})
+@dataclass(frozen=True, eq=False)
+class LoadStructure:
+    """The line that takes the kept walk (``cache``), walking again first (``refresh``) when the
+    module-structure token changed; ``static_names``: the static tensors bound as locals (none
+    when they are spliced in); whether module attributes are read from the kept ``__dict__``s;
+    the walked values the rest of the prologue reads."""
+
+    cache: list
+    refresh: Any
+    static_names: tuple
+    dicts: bool
+    module_vars: tuple
+    tree_token: list = field(default_factory=lambda: _tree_token)  # what the walk is compared with
+
+    def __call__(self, w) -> list[str]:
+        w.namespace.update({"_structure": self.cache, _TOKEN: self.tree_token,
+                            "refresh_module_structure": self.refresh})
         lines = ["_s = _structure[0]",
                  f"if _s[0] is not {_TOKEN}[0]:  # the module tree changed",
                  "  _s = refresh_module_structure()",
                  "  if type(_s) is not tuple: return _s"]
-        if static_names:
-            lines.append(f"{_targets(static_names)} = _s[1]")
-        if dict_vars:
+        if self.static_names:
+            lines.append(f"{_targets(self.static_names)} = _s[1]")
+        if self.dicts:
             lines.append("_attribute_dicts = _s[2]")
-        if module_vars:
-            lines.append(f"{_targets(module_vars)} = _s[3]")
+        if self.module_vars:
+            lines.append(f"{_targets(self.module_vars)} = _s[3]")
         return lines
-    return _glue("load module structure", load, binds=binds)
 
 
 def _from_module(b: BoundSymbol) -> bool:
@@ -179,19 +241,21 @@ def _is_dict_unpack(b: BoundSymbol, attribute_parents) -> bool:
             and b.args[0].name in attribute_parents)
 
 
-def _finish(trace, lines, checks, ret, statics_expr, static_names, walk) -> Trace:
+def _finish(trace, lines, checks, ret, statics: Spliced | None, static_names,
+            walk: ModuleWalk | None) -> FastPrologue:
     check_names = [b.args[0].name for b in checks]
     if checks:
         implied = [b for b in lines if _implied_by_tensor_checks(b)]
         lines = [b for b in lines if not _implied_by_tensor_checks(b)]
         fused = TensorChecks(tensor_guards(checks), check_names, checks, implied,
-                             _splice(check_names, static_names, statics_expr))
+                             inputs_code(_splice(check_names, static_names, statics)))
         lines = lines + [_glue("check tensors", fused)]
     inputs, pro_to_epi = ret.args
-    spliced = _splice([p.name for p in inputs], static_names, statics_expr)
+    spliced = _splice([p.name for p in inputs], static_names, statics)
     returned = ReturnInputs(spliced, tuple(pro_to_epi))
     lines = lines + [_glue("return", returned)]
-    return trace.derive(lines, "Fast Prologue (python executor)")
+    return FastPrologue(trace, trace.derive(lines, "Fast Prologue (python executor)"), walk,
+                        spliced, tuple(pro_to_epi))
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,15 +294,15 @@ class TensorChecks:
 
 @dataclass(frozen=True)
 class ReturnInputs:
-    """The fast prologue's last line, ``return (inputs,), pro_to_epi``, in two parts that the hit
-    path (``runtime/call.py``) also writes: ``inputs`` as call arguments (``x, *_s[1]``) and what the
-    prologue hands the epilogue."""
+    """The fast prologue's last line, ``return (inputs,), pro_to_epi``: ``inputs``, each a name
+    or ``STATICS`` (written ``x, *_s[1]``), and what the prologue hands the epilogue."""
 
-    inputs: str
+    inputs: tuple
     pro_to_epi: tuple
 
     def __call__(self, w) -> list[str]:
-        return [f"return ({self.inputs + ',' if self.inputs else ''}), {w.value(self.pro_to_epi)}"]
+        inputs = inputs_code(self.inputs)
+        return [f"return ({inputs + ',' if inputs else ''}), {w.value(self.pro_to_epi)}"]
 
 
 def _implied_by_tensor_checks(b: BoundSymbol) -> bool:
@@ -269,12 +333,13 @@ def _run_at(names: list[str], static_names: list[str]) -> int | None:
     return None
 
 
-def _splice(names: list[str], static_names: list[str], statics_expr: str | None) -> str:
-    """``a, *_s[1], b`` when the static tensors appear in ``names`` as one run, in order."""
-    at = _run_at(names, static_names) if statics_expr and static_names else None
+def _splice(names: list[str], static_names: list[str], statics: Spliced | None) -> tuple:
+    """``names``, with ``statics`` in place of the static tensors where they appear in ``names``
+    as one run, in order (``a, *_s[1], b``)."""
+    at = _run_at(names, static_names) if statics is not None and static_names else None
     if at is None:
-        return ", ".join(names)
-    return ", ".join(names[:at] + [f"*{statics_expr}"] + names[at + len(static_names):])
+        return tuple(names)
+    return (*names[:at], statics, *names[at + len(static_names):])
 
 
 def _needs_locals(static_names, rest, checks, ret) -> bool:

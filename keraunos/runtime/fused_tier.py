@@ -65,7 +65,8 @@ def fork(c: Compilation) -> Compilation:
     # prologue's namespace keeps its walk of the user's module tree.
     return replace(c, state=_Detached(c.state.options), program=None, prologues=[],
                    computations=list(c.computations), epilogues=[],
-                   backwards=list(c.backwards), stages={}, fusion_regions=[])
+                   backwards=list(c.backwards), stages={}, fusion_regions=[],
+                   fast_prologue=None)
 
 
 def _fused_tier(c: Compilation) -> Compilation:

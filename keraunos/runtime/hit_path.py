@@ -11,7 +11,7 @@ import torch
 from .cache import CacheEntry, storage_alias_pattern
 from ..core import glue
 from ..core.trace import Trace
-from .fast_prologue import ReturnInputs
+from .fast_prologue import FastPrologue, inputs_code
 from ..torch_internals import dispatch
 
 
@@ -117,12 +117,10 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
     raises), so that the caller tells the program's errors from a check that could not run. A
     prologue that is not the fast prologue's (the dynamo fallback's, say) gets a hit path that
     calls it."""
-    prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
-    ret = prologue.bound_symbols[-1] if prologue is not None else None
-    returned = getattr(ret.fields, "lines", None) if ret is not None else None
-    if not isinstance(returned, ReturnInputs):
+    made = entry.fast_prologue
+    if not isinstance(made, FastPrologue):
         return _calling_hit_path(entry), None
-    inputs, pro_to_epi = returned.inputs, returned.pro_to_epi
+    prologue, inputs, pro_to_epi = made.trace, inputs_code(made.inputs), made.pro_to_epi
     alias_check = entry.alias_check
 
     def run(w):

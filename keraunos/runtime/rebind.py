@@ -15,7 +15,7 @@ from .cache import CacheEntry, sharing_of
 from ..core.proxies import Proxy
 from ..core.trace import Trace
 from ..capture.retarget import expecting_values_of, with_example
-from .fast_prologue import fast_prologue
+from .fast_prologue import FastPrologue, fast_prologue
 from .structure import _GLOBAL_HOOK_TABLES, _HOOK_TABLES, hook_state
 
 
@@ -37,12 +37,10 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
     (``Tiering.followers``). The fast prologue's C++ tensor checks are built from example tensors:
     here ``to``'s, once the readable checks passed and they are of the same type and dispatch
     keys as the compiling call's (plain tensors, where those are gone)."""
-    traces = entry.prologue_traces
-    fast_from = len(traces) - (2 if len(traces) > 2
-                               and traces[-2].name == "refresh_module_structure" else 1)
-    if fast_from < 1 or not any("Fast Prologue" in h for h in traces[-1].header):
+    made = entry.fast_prologue
+    if not isinstance(made, FastPrologue) or made.walk is None:
         return None
-    readable = traces[fast_from - 1]
+    readable = made.readable
     if readable.namespace.get("module") is not module:
         return None
     owned = {id(module)} | {id(x) for x in (*module.modules(), *module.parameters(),
@@ -53,7 +51,7 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         named += list(trace.namespace.values())
     if any(id(v) in owned for v in named):
         return None
-    if not _same_hooks(_compiled_hooks(traces), hook_state(to), own_hooks_in_program):
+    if not _same_hooks(made.walk.hooks, hook_state(to), own_hooks_in_program):
         return None
     t0 = time.perf_counter()
     note = (f"Rebound to another {type(to).__qualname__} (an identical module: one compiled "
@@ -71,15 +69,15 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         return None
     rebound = Trace(readable.name, list(readable.params), lines, readable.header + [note],
                     namespace)
-    prologue, walk = fast_prologue(rebound)
-    prologue_fn = prologue.python_callable()
+    remade = fast_prologue(rebound)
+    prologue_fn = remade.trace.python_callable()
     r = prologue_fn(*args, **kwargs)
     # The inputs must share memory as those of the call it was compiled on did: no prologue
     # line checks that (cache.sharing_of).
     if type(r) is not tuple or sharing_of(entry, r[0]) != entry.alias_pattern:
         return None
-    prologues = [rebound] + ([walk] if walk is not None else []) + [prologue]
-    shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=prologues,
+    shared = replace(entry, prologue_fn=prologue_fn, prologue_traces=[rebound, *remade.traces],
+                     fast_prologue=remade,
                      stages={"rebind to an identical module": time.perf_counter() - t0},
                      alias_pattern=None, hits=0, alias_check=CacheEntry.alias_check,
                      hit_fn=CacheEntry.hit_fn, hit_trace=None, check_seconds=0.0,
@@ -88,15 +86,6 @@ def rebind_entry(entry: CacheEntry, module: torch.nn.Module, to: torch.nn.Module
         entry.tiering.followers.append(weakref.ref(shared))
         shared.computation_fn = entry.computation_fn  # the switch may have come meanwhile
     return shared
-
-
-def _compiled_hooks(prologues: list) -> tuple | None:
-    """The hooks the entry was compiled with (what its module-structure walk checks)."""
-    walk = prologues[-2] if len(prologues) > 1 else None
-    if walk is None or walk.name != "refresh_module_structure":
-        return None
-    namespace = walk.source()[1]
-    return next((v for k, v in namespace.items() if k.startswith("_compiled_hooks")), None)
 
 
 def _same_hooks(compiled: tuple | None, now: tuple, own_hooks: bool) -> bool:

@@ -32,7 +32,7 @@ a later call with the very same values is accepted without them. The rest is rea
 call: the settings from the C++ getters behind the prologue's calls
 (``at::autocast::get_autocast_dtype``, ``at::globalContext().float32MatmulPrecision()``,
 ``c10::InferenceMode::is_enabled()``; any ``Ambient`` it does not know keeps the entry in Python,
-``SUPPORTED_AMBIENT``, and a test fails when ``AMBIENT_STATE`` grows), the walk's token and
+``Ambient.native``, and a test fails when ``AMBIENT_STATE`` grows), the walk's token and
 attributes from the prologue's own ``_structure`` and ``_tree_token`` lists (a changed tree: the
 Python path walks it again). A call whose values differ is decided by the checks themselves: for
 a function's static entry the prologue's own ``GlobalStateGuard`` and ``TensorGuards`` objects,
@@ -71,17 +71,18 @@ import torch
 
 from ... import background
 from ... import debug
-from ...capture.ambient import AMBIENT_STATE, AmbientDifference
+from ...capture.ambient import AMBIENT_STATE, AmbientDifference, NativeRead
+from ...capture.guards import KEYS, LENGTH
 from ...core import glue
-from ..fast_prologue import AttributeCheck, ReturnInputs, TensorChecks
+from ..fast_prologue import STATICS, AttributeCheck, FastPrologue, LoadStructure, TensorChecks
 from ...torch_internals import dispatch, dynamo
 
 SOURCE = pathlib.Path(__file__).with_name("hit_path.cpp")
 MODULE_NAME = "_keraunos_hit_path"  # the name its PyInit_ function carries
 
-# The ambient settings a prologue may compare in Python that the native hit reads itself; those
-# in dynamo's GlobalStateGuard and those the tensor checks imply need nothing of their own.
-SUPPORTED_AMBIENT = ("autocast dtype on ", "float32 matmul precision", "inference mode")
+# The ambient settings a prologue may compare in Python that the native hit reads itself are
+# those with a ``NativeRead`` (``capture/ambient.py``); those in dynamo's GlobalStateGuard and
+# those the tensor checks imply need nothing of their own.
 _MATMUL_PRECISIONS = {"highest": 0, "high": 1, "medium": 2}  # at::Float32MatmulPrecision
 # What dynamo's GlobalStateGuard may compare (its serialized fields, in every supported torch
 # release: ``torch_internals.dynamo``): the native hit records the values these depend on to skip
@@ -330,34 +331,32 @@ def unavailable() -> str:
 
 # Where each of the computation's inputs comes from (``Source`` in hit_path.cpp).
 _ARG, _STATICS, _SIZE, _STRIDE = range(4)
-_STATICS_EXPR = "*_s[1]"  # the fast prologue's spliced static tensors (``_splice``)
 
 
 def _plan(entry):
     """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
     TensorGuards = dynamo.TensorGuards
-    prologue = entry.prologue_traces[-1] if entry.prologue_traces else None
-    if prologue is None or entry.hit_trace is None:
+    made = entry.fast_prologue
+    if not isinstance(made, FastPrologue) or entry.hit_trace is None:
         return "its prologue is not the fast prologue's"
-    *lines, ret = prologue.bound_symbols
-    returned = getattr(ret.fields, "lines", None)
-    if not isinstance(returned, ReturnInputs) or returned.pro_to_epi:
+    if made.pro_to_epi:
         return "the prologue hands the epilogue values of its own"
+    *lines, _ = made.trace.bound_symbols
     nargs, no_kwargs, global_guard, tensors = None, False, None, None
     autocast, matmul = [], -1
     unpacked: dict[int, str] = {}
     checked: list[str] = []      # the tensors the prologue's C++ calls check
-    symbols, walked = None, False
+    symbols, walked = None, None
     inference_mode, attributes = -1, []
     for b in lines:
         symbol, fields = b.symbol, b.fields
         guard = getattr(fields, "guard", None)
         description = getattr(fields, "description", None)
         if symbol is glue.CHECK and guard is not None and guard.path.is_root:
-            if guard.kind.name == "length" and guard.path.key == "args":
+            if guard.kind is LENGTH and guard.path.key == "args":
                 nargs = guard.expected[1]
                 continue
-            if guard.kind.name == "keys" and guard.path.key == "kwargs" and not guard.expected[1]:
+            if guard.kind is KEYS and guard.path.key == "kwargs" and not guard.expected[1]:
                 no_kwargs = True
                 continue
         if symbol is glue.CHECK and guard is None and isinstance(description, AmbientDifference):
@@ -366,13 +365,14 @@ def _plan(entry):
                 global_guard = description.snapshot.cxx_guard
                 continue
             value = description.snapshot.values[AMBIENT_STATE.index(ambient)]
-            if ambient.label.startswith("autocast dtype on ") and isinstance(value, torch.dtype):
-                autocast.append((ambient.label.removeprefix("autocast dtype on "), value))
+            if ambient.native is NativeRead.AUTOCAST_DTYPE and isinstance(value, torch.dtype):
+                autocast.append((ambient.device, value))
                 continue
-            if ambient.label == "float32 matmul precision" and value in _MATMUL_PRECISIONS:
+            if ambient.native is NativeRead.FLOAT32_MATMUL_PRECISION \
+                    and value in _MATMUL_PRECISIONS:
                 matmul = _MATMUL_PRECISIONS[value]
                 continue
-            if ambient.label == "inference mode" and type(value) is bool:
+            if ambient.native is NativeRead.INFERENCE_MODE and type(value) is bool:
                 inference_mode = int(value)
                 continue
             return f"the prologue compares {ambient.label} in Python"
@@ -393,8 +393,8 @@ def _plan(entry):
         if symbol is glue.CHECK_SIZES:
             symbols = fields.symbols
             continue
-        if symbol is glue.PYTHON and fields.label == "load module structure":
-            walked = True
+        if symbol is glue.PYTHON and isinstance(fields.lines, LoadStructure):
+            walked = fields.lines
             continue
         if symbol is glue.PYTHON and isinstance(fields.lines, AttributeCheck) \
                 and type(fields.lines.key) is str:
@@ -415,19 +415,15 @@ def _plan(entry):
         return "not every argument is unpacked once"
     if not set(names) <= set(checked):
         return "not every argument is a tensor checked by the prologue's C++ calls"
-    sources = _sources(returned.inputs, names, symbols, walked)
+    sources = _sources(made.inputs, names, symbols, walked is not None)
     if isinstance(sources, str):
         return sources
     plan = dict(entry=entry, nargs=nargs, global_guard=None, tensor_guards=None,
                 autocast_dtypes=tuple(autocast), matmul_precision=matmul,
                 prologue=entry.prologue_fn, sources=sources, inference_mode=inference_mode,
                 attributes=tuple(attributes))
-    if walked:
-        namespace = getattr(entry.prologue_fn, "__globals__", {})
-        plan["structure"], plan["tree_token"] = namespace.get("_structure"), namespace.get(
-            "_tree_token")
-        if type(plan["structure"]) is not list or type(plan["tree_token"]) is not list:
-            return "the prologue's kept module walk is not where the fast prologue keeps it"
+    if walked is not None:
+        plan["structure"], plan["tree_token"] = walked.cache, walked.tree_token
     elif attributes:
         return "module attributes are checked without the module walk"
     elif symbols is None and sources is None and tensors is not None \
@@ -439,10 +435,10 @@ def _plan(entry):
     return plan
 
 
-def _sources(inputs: str, names: list[str], symbols, walked: bool):
-    """Where each of the computation's inputs (the prologue's ``return (x, *_s[1], s0)``) comes
-    from, for ``Hit``: None when they are the arguments as they came."""
-    if inputs == ", ".join(names):
+def _sources(inputs: tuple, names: list[str], symbols, walked: bool):
+    """Where each of the computation's inputs (the fast prologue's ``inputs``: names, and
+    ``STATICS``) comes from, for ``Hit``: None when they are the arguments as they came."""
+    if list(inputs) == names:
         return None
     arg_of = {name: i for i, name in enumerate(names)}
     sizes = {}
@@ -455,13 +451,13 @@ def _sources(inputs: str, names: list[str], symbols, walked: bool):
             kind = _SIZE if binding.prop == "size" else _STRIDE
             sizes[binding.proxy.name] = (kind, arg_of[tensor.name], binding.dim)
     sources = []
-    for item in inputs.split(", "):
-        if item in arg_of:
+    for item in inputs:
+        if item is STATICS and walked:
+            sources.append((_STATICS, 0, 0))
+        elif item in arg_of:
             sources.append((_ARG, arg_of[item], 0))
         elif item in sizes:
             sources.append(sizes[item])
-        elif item == _STATICS_EXPR and walked:
-            sources.append((_STATICS, 0, 0))
         else:
             return f"the computation takes {item}"
     return tuple(sources)
