@@ -117,10 +117,19 @@ class TorchScriptModuleError(CaptureError):
     takes the ``fallback`` route, where the TorchScript module runs as it is."""
 
 
+class BackwardInProgramError(CaptureError):
+    """The program runs autograd's backward itself (``loss.backward()``,
+    ``torch.autograd.backward``, ``torch.autograd.grad``): a training step written as one
+    function. Capture records the forward only; the gradients it would accumulate into ``.grad``
+    and what reads them after (clipping, an optimizer's step) are not a program of one trace
+    yet. Like a ``DataDependentError`` it takes the ``fallback`` route, where Dynamo breaks the
+    graph at the backward and keraunos compiles the graphs around it."""
+
+
 # What keraunos.jit(..., fallback="dynamo") hands to torch.compile(backend="keraunos").
 FALLBACK_ERRORS = (DataDependentError, FunctionTransformError, ScopeMutationError,
                    UnguardableStateError, LazyStateError, FakeKernelError,
-                   CustomFunctionError, TorchScriptModuleError)
+                   CustomFunctionError, TorchScriptModuleError, BackwardInProgramError)
 
 
 class UnsupportedInputError(KeraunosError, TypeError):

@@ -10,8 +10,8 @@ from ..core import tree
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
-from ..errors import (CaptureError, DataDependentError, FakeKernelError, FunctionTransformError,
-                      user_source)
+from ..errors import (BackwardInProgramError, CaptureError, DataDependentError, FakeKernelError,
+                      FunctionTransformError, user_source)
 from .distributed import capture_collective, is_distributed_function
 from .dtensor import has_capture_dtensor, record_dtensor_call
 from .interceptors import paused_watch
@@ -90,6 +90,15 @@ class Recorder(TorchFunctionMode):
                 f"hook on a tensor inside the program; the compiled backward would not call it.\n"
                 f"  What to do: register the hook on the jitted function's output, or on a "
                 f"parameter, outside the jitted function.")
+        if id(func) in _BACKWARD:
+            raise BackwardInProgramError(
+                f"keraunos cannot capture {user_source()}\n  `{symbol.name}` runs autograd's "
+                f"backward inside the program (a training step in one function); keraunos "
+                f"captures a program's forward, and its gradients come from the backward trace "
+                f"when the caller runs backward.\n  What to do: keep the default "
+                f"fallback=\"dynamo\", which runs the step with the graphs around the backward "
+                f"compiled; or jit the model and run backward, clipping and the optimizer "
+                f"outside it.")
         if func in _FORMATTING:
             raise _formatting_error()
         if id(func) in _TO_PYTHON and not self.ctx.specialize_data:
@@ -277,6 +286,8 @@ _TO_PYTHON = frozenset(map(id, (torch.Tensor.item, torch.Tensor.tolist, torch.Te
 
 
 _FORMATTING = (torch.Tensor.__repr__, torch.Tensor.__format__)
+_BACKWARD = frozenset(map(id, (torch.Tensor.backward, torch.autograd.backward,
+                               torch.autograd.grad)))
 
 
 def _formatting_error() -> DataDependentError:

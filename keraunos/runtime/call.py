@@ -52,8 +52,8 @@ from .cache import NOT_ASKED, CacheEntry, CacheMode, tensor_positions
 from ..capture.leaks import capture_values_in, capture_values_in_user_state
 from ..capture.state import active_context
 from ..capture.symbolic import DynamicRequest
-from ..errors import (FALLBACK_ERRORS, CaptureError, LazyStateError, UnsupportedInputError,
-    user_source)
+from ..errors import (FALLBACK_ERRORS, CaptureError, DataDependentError, LazyStateError,
+                      UnsupportedInputError, user_source)
 from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_storage_aliases,
     hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
 from .compilation import CompileRequest
@@ -648,14 +648,18 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     state.dynamo_compiled = compiled  # keraunos.dynamo.last_traces(jitted) finds it here
     lines = str(error).splitlines()
     where = lines[0].removeprefix("keraunos cannot capture ")
+    advice = next((line.strip().rstrip(".") for line in lines[2:]
+                   if line.strip().startswith("What to do")),
+                  None) if not isinstance(error, DataDependentError) else None
+    if advice is None:
+        advice = ("To keep the whole program in one trace: keep such decisions in tensors "
+                  "(torch.where, masks), pass the value in as a Python argument, or let "
+                  "keraunos.jit(..., specialize_data=True) compute it in the prologue")
     message = (f"keraunos.jit: {state.name} falls back to torch.compile(backend=\"keraunos\") "
                f"because of {where}\n  {lines[1].strip()}\n  The cost: dynamo's bytecode analysis "
                f"and guards on every call, and the program runs as several compiled subgraphs "
-               f"split at graph breaks, with Python in between.\n  To keep the whole program in "
-               f"one trace: keep such decisions in tensors (torch.where, masks), pass the value "
-               f"in as a Python argument, or let keraunos.jit(..., specialize_data=True) compute "
-               f"it in the prologue; keraunos.jit(..., fallback=\"error\") raises instead of "
-               f"falling back.")
+               f"split at graph breaks, with Python in between.\n  {advice}; "
+               f"keraunos.jit(..., fallback=\"error\") raises instead of falling back.")
     _warn_at_user_line(message, stacklevel=5)
     entry = CacheEntry(prologue_fn=lambda *a, **k: ((a, k), None),
                        computation_fn=lambda args, kwargs: compiled(*args, **kwargs),
