@@ -233,6 +233,14 @@ class _Pickler(pickle.Pickler):
             return ValueRanges, (obj.lower, obj.upper)
         if isinstance(obj, sympy.Basic):  # sympy's expressions pickle by value
             return NotImplemented
+        reduced = self._live_reference(obj, t)
+        if reduced is not None:
+            return reduced
+        return self._by_kind(obj, t)
+
+    def _live_reference(self, obj, t: type):
+        """Functions, descriptors, cells, weak references, loggers and global-state guards:
+        how each is found again in a loading process (None: not one of them)."""
         if t is types.FunctionType:
             if places.findable(obj):
                 return NotImplemented  # by name; pickle checks that it leads back to obj
@@ -276,6 +284,11 @@ class _Pickler(pickle.Pickler):
             return obj.__reduce__()
         if t is GlobalStateGuard:
             return _global_state_guard, (obj.__getstate__(),)
+        return None
+
+    def _by_kind(self, obj, t: type):
+        """Everything else: torch's values and C++ objects by name, plain values and keraunos's
+        own records by value; anything else raises ``Unstorable``."""
         if isinstance(obj, torch.Tensor):
             raise Unstorable(f"a tensor that is not the module's ({type(obj).__qualname__})")
         if t in (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format) \

@@ -65,6 +65,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -333,105 +334,129 @@ def unavailable() -> str:
 _ARG, _STATICS, _SIZE, _STRIDE = range(4)
 
 
-def _plan(entry):
-    """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
-    TensorGuards = dynamo.TensorGuards
-    made = entry.fast_prologue
-    if not isinstance(made, FastPrologue) or entry.hit_trace is None:
-        return "its prologue is not the fast prologue's"
-    if made.pro_to_epi:
-        return "the prologue hands the epilogue values of its own"
-    *lines, _ = made.trace.bound_symbols
-    nargs, no_kwargs, global_guard, tensors = None, False, None, None
-    autocast, matmul = [], -1
-    unpacked: dict[int, str] = {}
-    checked: list[str] = []      # the tensors the prologue's C++ calls check
-    symbols, walked = None, None
-    inference_mode, attributes = -1, []
+@dataclass
+class _Read:
+    """What ``_read`` found in a fast prologue's lines, for ``Hit``."""
+
+    nargs: int | None = None
+    no_kwargs: bool = False
+    global_guard: object = None
+    tensors: TensorChecks | None = None
+    autocast: list = field(default_factory=list)
+    matmul: int = -1
+    inference_mode: int = -1
+    unpacked: dict = field(default_factory=dict)   # argument index -> name
+    checked: list = field(default_factory=list)    # the tensors the prologue's C++ calls check
+    symbols: object = None
+    walked: LoadStructure | None = None
+    attributes: list = field(default_factory=list)
+
+
+def _read_ambient(read: _Read, description: AmbientDifference) -> str | None:
+    """An ambient check, read into ``read``; or why the native path cannot make it."""
+    ambient = description.ambient
+    if ambient is None:
+        read.global_guard = description.snapshot.cxx_guard
+        return None
+    value = description.snapshot.values[AMBIENT_STATE.index(ambient)]
+    if ambient.native is NativeRead.AUTOCAST_DTYPE and isinstance(value, torch.dtype):
+        read.autocast.append((ambient.device, value))
+    elif ambient.native is NativeRead.FLOAT32_MATMUL_PRECISION and value in _MATMUL_PRECISIONS:
+        read.matmul = _MATMUL_PRECISIONS[value]
+    elif ambient.native is NativeRead.INFERENCE_MODE and type(value) is bool:
+        read.inference_mode = int(value)
+    else:
+        return f"the prologue compares {ambient.label} in Python"
+    return None
+
+
+def _read(lines) -> _Read | str:
+    """Each of the fast prologue's lines (all but its return) read for ``Hit``; or, in words,
+    the first one the native path cannot make."""
+    read = _Read()
     for b in lines:
         symbol, fields = b.symbol, b.fields
         guard = getattr(fields, "guard", None)
         description = getattr(fields, "description", None)
         if symbol is glue.CHECK and guard is not None and guard.path.is_root:
             if guard.kind is LENGTH and guard.path.key == "args":
-                nargs = guard.expected[1]
+                read.nargs = guard.expected[1]
                 continue
             if guard.kind is KEYS and guard.path.key == "kwargs" and not guard.expected[1]:
-                no_kwargs = True
+                read.no_kwargs = True
                 continue
         if symbol is glue.CHECK and guard is None and isinstance(description, AmbientDifference):
-            ambient = description.ambient
-            if ambient is None:
-                global_guard = description.snapshot.cxx_guard
-                continue
-            value = description.snapshot.values[AMBIENT_STATE.index(ambient)]
-            if ambient.native is NativeRead.AUTOCAST_DTYPE and isinstance(value, torch.dtype):
-                autocast.append((ambient.device, value))
-                continue
-            if ambient.native is NativeRead.FLOAT32_MATMUL_PRECISION \
-                    and value in _MATMUL_PRECISIONS:
-                matmul = _MATMUL_PRECISIONS[value]
-                continue
-            if ambient.native is NativeRead.INFERENCE_MODE and type(value) is bool:
-                inference_mode = int(value)
-                continue
-            return f"the prologue compares {ambient.label} in Python"
-        if symbol is glue.UNPACK and fields.path.is_item and fields.path.parent is not None \
-                and fields.path.parent.is_root and fields.path.parent.key == "args" \
-                and type(fields.path.key) is int and fields.path.key not in unpacked:
-            unpacked[fields.path.key] = b.outputs.name
+            why = _read_ambient(read, description)
+            if why is not None:
+                return why
+            continue
+        path = getattr(fields, "path", None)
+        if symbol is glue.UNPACK and path.is_item and path.parent is not None \
+                and path.parent.is_root and path.parent.key == "args" \
+                and type(path.key) is int and path.key not in read.unpacked:
+            read.unpacked[path.key] = b.outputs.name
             continue
         # Symbolic sizes: each tensor's rank and static metadata in one TensorGuards call, its
         # sizes read into symbols, their guards; all of them functions of what ``Armed`` records.
         if symbol is glue.CHECK and getattr(fields, "tensor_guards", None) is not None:
-            checked += [a.name for a in b.args]
+            read.checked += [a.name for a in b.args]
             continue
         if symbol in (glue.CHECK_SYMBOLIC_TENSOR, glue.BIND_SYMBOL):
             continue
-        if symbol is glue.CHECK_SIZES and not b.args and not list(fields.symbols.checks()):
-            continue
         if symbol is glue.CHECK_SIZES:
-            symbols = fields.symbols
+            if b.args or list(fields.symbols.checks()):
+                read.symbols = fields.symbols
             continue
-        if symbol is glue.PYTHON and isinstance(fields.lines, LoadStructure):
-            walked = fields.lines
-            continue
-        if symbol is glue.PYTHON and isinstance(fields.lines, AttributeCheck) \
-                and type(fields.lines.key) is str:
-            attributes.append((fields.lines.index, fields.lines.key, fields.lines.expected))
-            continue
-        if symbol is glue.PYTHON and isinstance(fields.lines, TensorChecks):
-            tensors = fields.lines
-            checked += tensors.checked
-            continue
-        return f"the prologue line {str(b).strip().splitlines()[0][:80]!r}"
-    names = [unpacked.get(i) for i in range(nargs or 0)]
-    if nargs is None or not no_kwargs or global_guard is None:
+        made = fields.lines if symbol is glue.PYTHON else None
+        if isinstance(made, LoadStructure):
+            read.walked = made
+        elif isinstance(made, AttributeCheck) and type(made.key) is str:
+            read.attributes.append((made.index, made.key, made.expected))
+        elif isinstance(made, TensorChecks):
+            read.tensors = made
+            read.checked += made.checked
+        else:
+            return f"the prologue line {str(b).strip().splitlines()[0][:80]!r}"
+    return read
+
+
+def _plan(entry):
+    """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
+    made = entry.fast_prologue
+    if not isinstance(made, FastPrologue) or entry.hit_trace is None:
+        return "its prologue is not the fast prologue's"
+    if made.pro_to_epi:
+        return "the prologue hands the epilogue values of its own"
+    read = _read(made.trace.bound_symbols[:-1])
+    if isinstance(read, str):
+        return read
+    nargs, tensors, walked = read.nargs, read.tensors, read.walked
+    names = [read.unpacked.get(i) for i in range(nargs or 0)]
+    if nargs is None or not read.no_kwargs or read.global_guard is None:
         return "the prologue does not check the argument count, keywords and global state"
-    fields = json.loads(global_guard.__getstate__())
+    fields = json.loads(read.global_guard.__getstate__())
     if not set(fields) <= GLOBAL_STATE_FIELDS or set(fields["autocast_state"]) != AUTOCAST_FIELDS:
         return f"this torch's GlobalStateGuard compares {sorted(fields)}"
-    if not nargs or None in names or len(unpacked) != nargs:
+    if not nargs or None in names or len(read.unpacked) != nargs:
         return "not every argument is unpacked once"
-    if not set(names) <= set(checked):
+    if not set(names) <= set(read.checked):
         return "not every argument is a tensor checked by the prologue's C++ calls"
-    sources = _sources(made.inputs, names, symbols, walked is not None)
+    sources = _sources(made.inputs, names, read.symbols, walked is not None)
     if isinstance(sources, str):
         return sources
     plan = dict(entry=entry, nargs=nargs, global_guard=None, tensor_guards=None,
-                autocast_dtypes=tuple(autocast), matmul_precision=matmul,
-                prologue=entry.prologue_fn, sources=sources, inference_mode=inference_mode,
-                attributes=tuple(attributes))
+                autocast_dtypes=tuple(read.autocast), matmul_precision=read.matmul,
+                prologue=entry.prologue_fn, sources=sources,
+                inference_mode=read.inference_mode, attributes=tuple(read.attributes))
     if walked is not None:
         plan["structure"], plan["tree_token"] = walked.cache, walked.tree_token
-    elif attributes:
+    elif read.attributes:
         return "module attributes are checked without the module walk"
-    elif symbols is None and sources is None and tensors is not None \
-            and type(tensors.guards) is TensorGuards \
-            and tensors.checked == names:
+    elif read.symbols is None and sources is None and tensors is not None \
+            and type(tensors.guards) is dynamo.TensorGuards and tensors.checked == names:
         # A function's static entry: its two guards, called in C, decide what the record does
         # not (no Python at all).
-        plan.update(global_guard=global_guard, tensor_guards=tensors.guards)
+        plan.update(global_guard=read.global_guard, tensor_guards=tensors.guards)
     return plan
 
 
