@@ -34,21 +34,29 @@ from ..transforms import Transform
 class JittedFunction:
     """A function compiled by ``keraunos.jit``; call it as you would the original.
 
-    Once the native hit path is loaded (``keraunos/runtime/native``), the instance's class becomes a
-    subclass of its own whose ``__call__`` is a ``native.Front``: a C callable that serves the
-    front entry's hits (when its prologue is one the native path can check) and calls the
-    ``__call__`` below for everything else (``_go_native``)."""
+    Each instance has a class of its own for life, a subclass with the same names made at
+    construction: once the native hit path is loaded (``keraunos/runtime/native``; at once on a
+    set-up machine), that class's ``__call__`` is a ``native.Front``, a C callable that serves
+    the front entry's hits (when its prologue is one it can check) and calls the ``__call__``
+    below for everything else (``_go_native``)."""
+
+    def __new__(cls, fn: Callable, options: JitOptions):
+        if cls is not JittedFunction:
+            return object.__new__(cls)
+        if options.profile:
+            return object.__new__(_ProfiledJittedFunction)
+        base = _CheckedJittedFunction if CHECK_RESULTS else JittedFunction
+        own = type(base.__name__, (base,), {"__slots__": (), "__module__": base.__module__,
+                                            "__qualname__": base.__qualname__,
+                                            "__doc__": base.__doc__})
+        return object.__new__(own)
 
     def __init__(self, fn: Callable, options: JitOptions):
         self._keraunos = _JitState(fn, None, options)
         self._call = call_profiled if options.profile else call
         functools.update_wrapper(self, fn)
-        if options.profile:
-            self.__class__ = _ProfiledJittedFunction
-            return
-        if CHECK_RESULTS:
-            self.__class__ = _CheckedJittedFunction
-        native.LOADER.when_loaded(self, _go_native)
+        if not options.profile:
+            native.LOADER.when_loaded(self, _go_native)
 
     def __call__(self, *args, **kwargs):
         # jit.call's first lines, made here: a frame less on every call (jit.call says why).
@@ -86,26 +94,23 @@ class _CheckedJittedFunction(JittedFunction):
 
 
 def _go_native(jitted: JittedFunction) -> None:
-    """Serve ``jitted``'s calls through the native hit path from now on: its class becomes one
-    of its own whose ``__call__`` is a ``native.Front`` falling back to ``JittedFunction``'s
-    (under ``KERAUNOS_CHECK_RESULTS``, a Python ``__call__`` that calls the ``Front`` and checks
-    the result). Runs where the module loaded: at ``jit()``, or on the build's thread."""
-    base = type(jitted)
-    if base is not JittedFunction and base is not _CheckedJittedFunction:
+    """Serve ``jitted``'s calls through the native hit path from now on: its own class's
+    ``__call__`` becomes a ``native.Front`` falling back to ``JittedFunction``'s (under
+    ``KERAUNOS_CHECK_RESULTS``, a Python ``__call__`` that calls the ``Front`` and checks the
+    result). Runs where the module loaded: at ``jit()``, or on the build's thread."""
+    own = type(jitted)
+    if "__call__" in own.__dict__ or own.__bases__ not in ((JittedFunction,),
+                                                          (_CheckedJittedFunction,)):
         return  # profiled, or already native
     state = jitted._keraunos
     front = native.module().Front(JittedFunction.__call__, state.hit_count)
-    namespace = {"__slots__": (), "__module__": base.__module__,
-                 "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-    if base is JittedFunction:
-        namespace["__call__"] = front
+    if own.__bases__ == (JittedFunction,):
+        served = front
     else:
-        def __call__(self, *args, **kwargs):
+        def served(self, *args, **kwargs):
             return checked_result(self._keraunos, front(self, *args, **kwargs))
-        namespace["__call__"] = __call__
-    cls = type(base.__name__, (base,), namespace)
     with state.lock:
-        jitted.__class__ = cls
+        own.__call__ = served
         state.native_front = front
     _sync_native(state)
 
