@@ -490,3 +490,43 @@ def test_a_garbage_collector_callback_during_capture_is_not_the_programs():
         gc.callbacks.remove(_count_collections)  # the very function: the wrapper is gone
     assert torch.equal(out, m(x)) and torch.equal(again, m(x))
     assert keraunos.cache_misses(jm) == 1
+
+
+def test_a_class_a_helper_reads_from_its_own_modules_registry_is_checked_not_refused():
+    """A helper of another module reads a class out of a registry in its module's globals
+    (transformers' ``_CAN_RECORD_REGISTRY[...].target_class``): the class is found by name,
+    so the prologue checks it by identity, as for the jitted function's own globals."""
+    import sys
+    import textwrap
+    import types
+
+    module = types.ModuleType("keraunos_test_registry_helper")
+    exec(textwrap.dedent("""
+        import torch
+
+        class Spec:
+            def __init__(self, cls):
+                self.target_class = cls
+
+        REGISTRY = {"linear": Spec(torch.nn.Linear)}
+
+        def scale_if_registered(layer, x):
+            if isinstance(layer, REGISTRY["linear"].target_class):
+                return x * 2
+            return x
+    """), module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        layer = torch.nn.Linear(3, 3)
+
+        def program(x):
+            return module.scale_if_registered(layer, x) + 1
+
+        jitted = keraunos.jit(program, fallback="error")
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), program(x))
+        module.REGISTRY["linear"] = module.Spec(torch.nn.Conv1d)  # the class read changes
+        torch.testing.assert_close(jitted(x), program(x))
+        assert keraunos.cache_misses(jitted) == 2
+    finally:
+        del sys.modules[module.__name__]

@@ -19,7 +19,7 @@ import torch
 from ..torch_internals.dispatch import DisableTorchFunction
 from ..torch_internals.fake import FakeTensor
 from ..core.provenance import (ATTR, BUFFER, ITEM, KEYS_OF, PARAMETER, SUBMODULE, VALUES_OF,
-                               Path, root)
+                               FoundByName, Path, root)
 from ..core.proxies import TensorProxy
 from ..core.symbolic import SymbolicUnsupported
 from ..core.tags import STATIC_MEMORY_LOCATION
@@ -295,8 +295,7 @@ def _found_by_name(path: Path) -> bool:
     """Whether ``path`` starts at something the program finds by name: the jitted function's
     globals or closure, a helper's (``scopes.py``), or a jitted bound method's object."""
     key = path.origin.key
-    return key in ("globals", "closure") or (type(key) is str and key.startswith(
-        ("<self of ", "<globals of ", "<closure cell ")))
+    return key in ("globals", "closure") or isinstance(key, FoundByName)
 
 
 def _is_namedtuple(value) -> bool:

@@ -16,20 +16,20 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.provenance import ATTR, ITEM, Path, root
+from ..core.provenance import ATTR, ITEM, FoundByName, Path, root
 from . import guards
 from .guards import is_plain
 from .scope_containers import ScopeContainers
 
 
 
-class GlobalsOf(str):
+class GlobalsOf(FoundByName):
     """The root a helper's globals are reached from, when they are not the jitted function's
     own: a name of the prologue's namespace (``<globals of NAME 0xADDR>``) that also says whose
     globals they are (``persist/places.py`` finds them again by it)."""
 
     def __new__(cls, module_name: str, address: int):
-        self = super().__new__(cls, f"<globals of {module_name} {address:#x}>")
+        self = str.__new__(cls, f"<globals of {module_name} {address:#x}>")
         self.module_name, self.address = module_name, address
         return self
 
@@ -155,7 +155,7 @@ class ScopeGuards:
         obj = getattr(method, "__self__", None)
         if obj is None or isinstance(obj, (torch.nn.Module, type)) or not hasattr(method, "__func__"):
             return
-        key = f"<self of {getattr(method, '__qualname__', 'the method')}>"
+        key = FoundByName(f"<self of {getattr(method, '__qualname__', 'the method')}>")
         self.root_objects[key] = obj
         self.watch_object(obj, root(key))
 
@@ -184,7 +184,7 @@ class ScopeGuards:
         if code.co_freevars and any(_plain_or_tensor(frame.f_locals.get(v))
                                     for v in code.co_freevars):
             for cell in _closure_cells(code, frame):
-                key = f"<closure cell {id(cell):#x}>"
+                key = FoundByName(f"<closure cell {id(cell):#x}>")
                 self.root_objects[key] = cell
                 path = Path(root(key), ATTR, "cell_contents")
                 self.helper_cells.append((path, cell))

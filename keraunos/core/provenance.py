@@ -158,5 +158,13 @@ VALUES_OF = PathKind("values_of", lambda base, key: f"list({base}.values())",
                      lambda path: f"{path.parent.name_hint()}_values")
 
 
+class FoundByName(str):
+    """The name of a root the program finds by name besides the jitted function's own globals
+    and closure (a helper's globals, a closure cell, a jitted bound method's object): a name of
+    the prologue's namespace whose type says so, for those that ask (``capture/inputs.py``)."""
+
+    __slots__ = ()
+
+
 def root(name: str) -> Path:
     return Path(None, ROOT, name)
