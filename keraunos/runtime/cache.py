@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..core import glue
 from ..core.trace import Trace
 from ..torch_internals import dispatch
 
@@ -71,6 +72,25 @@ class CacheEntry:
     fusion_note: str | None = None   # why the program was not fused, when it could have been
     tiering: object = None           # tiers.Tiering: the fused tier compiling in the background
     program_store: str | None = None  # loaded from / kept in the program store, or why not
+
+
+def sharing_cannot_matter(inputs) -> bool:
+    """The alias check of an entry whose inputs' sharing cannot change what it computes (no
+    input is written, none shared memory when it was compiled): the hit path leaves it out."""
+    return True
+
+
+
+def returns_the_only_output(epilogue: Trace) -> bool:
+    """The epilogue is ``t, = outputs; return t``: the computation's outputs are ``(result,)``."""
+    *unpacks, ret = epilogue.bound_symbols
+    if ret.symbol is not glue.RETURN_VALUE or any(b.symbol is not glue.UNPACK_OUTPUTS
+                                                  for b in unpacks):
+        return False
+    outputs = [b.outputs for b in unpacks if b.fields.origin == "outputs"]
+    from_prologue = [b.outputs for b in unpacks if b.fields.origin == "pro_to_epi"]
+    return (len(outputs) == 1 and len(outputs[0]) == 1 and not any(from_prologue)
+            and len(ret.args) == 1 and ret.args[0] is outputs[0][0])
 
 
 # ------------------------------------------------------------- how an entry's inputs share memory

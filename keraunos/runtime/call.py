@@ -55,7 +55,7 @@ from ..capture.symbolic import DynamicRequest
 from ..errors import (FALLBACK_ERRORS, CaptureError, DataDependentError, LazyStateError,
                       UnsupportedInputError, user_source)
 from .hit_path import (ProgramRaised, alias_check_for, alias_pattern_of, check_storage_aliases,
-    hit_path, reraise, returns_the_only_output, sharing_cannot_matter)
+                       hit_path, reraise)
 from .compilation import CompileRequest
 from .pipeline import compile_entry
 from .rebind import rebind_entry
@@ -406,16 +406,12 @@ def _sync_native(state: _JitState) -> None:
 
 def _native_hit(entry: CacheEntry):
     """``entry``'s native ``Hit``, made once (None where the native hit path cannot serve it):
-    it checks what the prologue checks; the alias check and the epilogue must have nothing to
-    do (``keraunos/runtime/native`` says which prologues it takes)."""
+    it checks what the prologue checks; ``native.hit_for`` decides which entries it takes."""
     if entry.native_hit is NOT_ASKED:
-        hit = "its inputs may share memory, or its epilogue has work of its own"
-        if (entry.alias_check is sharing_cannot_matter and entry.epilogue_traces
-                and returns_the_only_output(entry.epilogue_traces[-1])):
-            try:
-                hit = native.hit_for(entry)
-            except Exception as e:  # noqa: BLE001 - an unexpected guard object: Python
-                hit = f"{type(e).__name__}: {e}"
+        try:
+            hit = native.hit_for(entry)
+        except Exception as e:  # noqa: BLE001 - an unexpected guard object: Python
+            hit = f"{type(e).__name__}: {e}"
         if isinstance(hit, str):
             debug.logger.debug("keraunos: no native hit path for an entry: %s", hit)
             entry.native_note, hit = hit, None

@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .cache import CacheEntry, storage_alias_pattern
+from .cache import (CacheEntry, returns_the_only_output, sharing_cannot_matter,
+                    storage_alias_pattern)
 from ..core import glue
 from ..core.trace import Trace
 from .fast_prologue import FastPrologue, inputs_code
@@ -66,12 +67,6 @@ def alias_check_for(entry: CacheEntry) -> Callable:
             return True  # only inputs the program reads are passed twice
         return check
     return lambda inputs: alias_pattern_of(entry, inputs) == entry.alias_pattern
-
-
-def sharing_cannot_matter(inputs) -> bool:
-    """The alias check of an entry whose inputs' sharing cannot change what it computes (no
-    input is written, none shared memory when it was compiled): the hit path leaves it out."""
-    return True
 
 
 def _items_at(positions: tuple) -> Callable:
@@ -160,15 +155,3 @@ def _calling_hit_path(entry: CacheEntry) -> Callable:
         except Exception as error:  # noqa: BLE001 - the program's own: see hit_path
             return ProgramRaised(error)
     return hit
-
-
-def returns_the_only_output(epilogue: Trace) -> bool:
-    """The epilogue is ``t, = outputs; return t``: the computation's outputs are ``(result,)``."""
-    *unpacks, ret = epilogue.bound_symbols
-    if ret.symbol is not glue.RETURN_VALUE or any(b.symbol is not glue.UNPACK_OUTPUTS
-                                                  for b in unpacks):
-        return False
-    outputs = [b.outputs for b in unpacks if b.fields.origin == "outputs"]
-    from_prologue = [b.outputs for b in unpacks if b.fields.origin == "pro_to_epi"]
-    return (len(outputs) == 1 and len(outputs[0]) == 1 and not any(from_prologue)
-            and len(ret.args) == 1 and ret.args[0] is outputs[0][0])

@@ -19,7 +19,7 @@ What it serves: an entry whose fast prologue is made of these lines only
     return (x, *_s[1], s0), ()        # arguments, the module's static tensors, size symbols
 
 with no alias check and an epilogue that hands back the computation's one output as it is
-(``runtime/call.py`` decides those). Anything else in the prologue (other module or Python values,
+(``_plan`` decides all of it, from the entry and its fast prologue's record). Anything else in the prologue (other module or Python values,
 aliasing, data-dependent sizes, dataclass or container arguments) leaves the entry on the Python
 hit path: ``why_not(entry)`` says which line.
 
@@ -75,6 +75,7 @@ from ... import debug
 from ...capture.ambient import AMBIENT_STATE, AmbientDifference, NativeRead
 from ...capture.guards import KEYS, LENGTH
 from ...core import glue
+from ..cache import returns_the_only_output, sharing_cannot_matter
 from ..fast_prologue import STATICS, AttributeCheck, FastPrologue, LoadStructure, TensorChecks
 from ...torch_internals import dispatch, dynamo
 
@@ -311,7 +312,8 @@ def why_not(entry) -> str | None:
 
 def hit_for(entry):
     """``entry``'s ``Hit`` (what its prologue checks, in C), or, in words, why the native hit
-    path cannot serve it. The caller has checked the alias check and epilogue."""
+    path cannot serve it: the one place that decides (``_plan``: its alias check, its epilogue,
+    its fast prologue's record)."""
     loaded = LOADER.module
     if loaded is None:
         return unavailable()
@@ -422,6 +424,9 @@ def _read(lines) -> _Read | str:
 
 def _plan(entry):
     """The keyword arguments of the entry's ``Hit``; or, in words, why there is none."""
+    if entry.alias_check is not sharing_cannot_matter or not entry.epilogue_traces \
+            or not returns_the_only_output(entry.epilogue_traces[-1]):
+        return "its inputs may share memory, or its epilogue has work of its own"
     made = entry.fast_prologue
     if not isinstance(made, FastPrologue) or entry.hit_trace is None:
         return "its prologue is not the fast prologue's"
