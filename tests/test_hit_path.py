@@ -60,6 +60,31 @@ def test_error_of_the_program_on_a_hit_propagates_without_recompiling():
     assert keraunos.cache_misses(jitted) == 1
 
 
+def test_entries_behind_the_front_one_are_served_by_their_own_hit_paths():
+    # One way to accept a call in Python: the general path calls each entry's hit path too.
+    def f(x, index):
+        return x.index_select(0, index) * 2
+
+    jitted = keraunos.jit(f, dynamic=False)
+    small, large, index = torch.randn(4), torch.randn(6), torch.tensor([1, 2])
+    jitted(small, index)
+    jitted(large, index)  # a second entry, now in front
+    behind = state_of(jitted).entries[1]
+    calls, hit = [], behind.hit_fn
+    behind.hit_fn = lambda args, kwargs: calls.append(args) or hit(args, kwargs)
+    assert_close(jitted(small, index), f(small, index))
+    assert len(calls) == 1 and state_of(jitted).entries[0] is behind  # it moved to the front
+    assert state_of(jitted).last_entry is behind
+    assert (keraunos.cache_misses(jitted), keraunos.cache_hits(jitted)) == (2, 1)
+    # Its program's own error, found by its hit path, is raised once and not compiled again.
+    jitted(large, index)  # declined by it (a call of its hit path), the other in front again
+    with pytest.raises((IndexError, RuntimeError)) as expected:
+        f(small, torch.tensor([1, 7]))
+    with pytest.raises(type(expected.value)):
+        jitted(small, torch.tensor([1, 7]))
+    assert len(calls) == 3 and keraunos.cache_misses(jitted) == 2
+
+
 def test_written_input_passed_twice_misses_as_eager_needs():
     def f(a, b):
         a.add_(b)

@@ -600,6 +600,26 @@ def test_a_hook_on_the_jitted_module_runs_after_it_went_native():
     assert seen == [eager(x).shape]  # nn.Module.__call__ runs it around the compiled program
 
 
+@pytest.mark.parametrize("kind", ["function", "module"])
+def test_a_jitted_object_keeps_its_class_for_life(kind):
+    # Going native and registering hooks change the ``__call__`` of the object's own class,
+    # never the object's class: a reference to its class (a library's isinstance cache, a
+    # subclass made from it) stays right.
+    jitted, args, eager = _program(kind)
+    cls = type(jitted)
+    assert _hit(jitted) is not None and "__call__" in cls.__dict__
+    if kind == "module":
+        assert type(keraunos.jit(torch.nn.Linear(2, 2))) is not cls  # each object its own
+        seen = []
+        jitted.register_forward_pre_hook(lambda module, a: seen.append(1))
+        assert cls.__call__ is torch.nn.Module.__call__ and state_of(jitted).native_front is None
+        assert_close(jitted(*args), eager(*args))
+        assert seen == [1]
+    else:
+        assert_close(jitted(*args), eager(*args))
+    assert type(jitted) is cls
+
+
 def test_symbolic_module_entry_is_served_natively_for_each_size():
     eager = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh())
     jitted = keraunos.jit(eager, dynamic=True)

@@ -37,7 +37,8 @@ class CacheEntry:
 
     prologue_fn: Callable
     # What the fast prologue made (``fast_prologue.FastPrologue``): the record the hit paths and
-    # rebinding read; None where the prologue is not the fast prologue's.
+    # rebinding read; None for the torch.compile fallback's entry, whose prologue checks nothing
+    # (dynamo's guards do).
     fast_prologue: object = None
     computation_fn: Callable  # replaced once, by the switch to the fused tier (runtime/tiers.py)
     epilogue_fn: Callable
@@ -59,7 +60,7 @@ class CacheEntry:
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True
     # The hit path (hit_path.hit_path): checks, computation and epilogue in one generated function,
-    # made once the alias check is chosen; its trace (None where it calls the prologue), and
+    # made once the alias check is chosen; its trace (None for the fallback's entry), and
     # what the prologue's checks took on the compiling call (``compile_stats`` on such a hit).
     hit_fn: Callable = lambda args, kwargs: "no hit path yet"
     hit_trace: Trace | None = None

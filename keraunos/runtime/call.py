@@ -2,27 +2,31 @@
 
 (What ``keraunos.jit`` returns, the wrappers that call this path, is in ``runtime/jitted.py``.)
 
-Every call runs the three steps below, each a module-level function so that profilers see them
-by name:
+A call is the design's three steps:
 
     entry, inputs, pro_to_epi = get_computation_and_inputs(jitted, args, kwargs)
     result = entry.computation_fn(*inputs)
     return maybe_call_epilogue(entry, result, pro_to_epi)
 
-``get_computation_and_inputs`` tries the cache entries, most recently used first: an entry is
-valid for a call when its prologue's checks pass and ``check_storage_aliases`` finds the inputs
-share memory exactly as they did when it was compiled. On a miss it compiles a new entry.
+An entry is valid for a call when its prologue's checks pass and ``check_storage_aliases``
+finds the inputs share memory exactly as they did when it was compiled; the entries are tried
+most recently used first, and a miss compiles a new one.
 
-The most recently used entry is tried first by its *hit path* (``runtime/hit_path.py``), one generated
-function that runs those three steps for it in a row: the prologue's checks as they are, the
-alias check where sharing matters, then the computation and the epilogue (read off the entry on
-every call: a tier switch replaces the computation). It returns ``(result,)``, or what the
-failed check returns (the index of its description, or a reason), and ``call`` goes the general
-way with the other entries; or, when the program itself raised after the checks passed, a
-``ProgramRaised``, whose error ``call`` raises without trying the call again. Print one with
-``print(keraunos.state_of(jitted).last_entry.hit_trace)``. For a jitted function whose front
-entry it can check whole, the native hit path (``keraunos/runtime/native``) does all this in one C call
-before any of it runs (``_sync_native`` keeps it on the front entry).
+Each entry runs the three steps in a row through its *hit path* (``runtime/hit_path.py``, made
+from the fast prologue's record): ``hit(args, kwargs)``. Its outcome is one of three:
+
+- ``(result,)``: its checks passed and the program ran;
+- a ``ProgramRaised``: its checks passed and the program raised; ``call`` raises the error and
+  never tries the call again;
+- anything else: it does not take the call (what the failed check returned: the index of its
+  description, or a reason; ``explain`` puts it in words).
+
+``call`` tries the front entry's hit path, ``call_past_hit_path`` the others' and then the
+miss. Print one with ``print(keraunos.state_of(jitted).last_entry.hit_trace)``. The native hit
+path (``keraunos/runtime/native``), made from the same record, does the front entry's in one C
+call where it can check it whole (``_sync_native`` keeps it on the front entry); the three
+steps apart (``get_computation_and_inputs``) are what ``profile=True`` and
+``keraunos.report``'s timing run, so that each step is seen by name.
 
 There is no separate step that connects the result to autograd (the design's
 ``maybe_connect_to_autograd``): for an entry with a backward trace, ``computation_fn`` runs the
@@ -253,21 +257,21 @@ class _JitState:
 
 # --------------------------------------------------------------------------------- call path
 def get_computation_and_inputs(state: _JitState, args: tuple, kwargs: dict,
-                               start: float | None = None, first: int = 0):
+                               start: float | None = None):
     """The entry that fits this call, with its inputs and what the epilogue takes; compiles on
-    a miss. ``first``: the entries before it were already tried for this call (``call``)."""
+    a miss. The three steps apart (``profile=True``'s ranges, ``keraunos.report``'s timing):
+    each entry's prologue, then its alias check, as its hit path runs them."""
     if start is None:
         start = _clock()
     entries = state.entries
-    for i in range(first, len(entries)):
+    for i in range(len(entries)):
         entry = entries[i]
         try:
             r = entry.prologue_fn(*args, **kwargs)
         except Exception:  # noqa: BLE001
             # A prologue that cannot even unpack this call (an object of the right class that
             # lacks an attribute the entry reads) means "not this entry", as a failed check
-            # does: the next entries still get their turn, and the one that fits moves to the
-            # front, so later such calls stay on this path. When none fits, the miss path
+            # does: the next entries still get their turn. When none fits, the miss path
             # captures the program again, which raises the user's own error if there is one.
             continue
         if type(r) is tuple and entry.alias_check(r[0]):
@@ -310,12 +314,28 @@ def call(state: _JitState, args: tuple, kwargs: dict):
 
 def call_past_hit_path(state: _JitState, args: tuple, kwargs: dict):
     """The call after the most recent entry's hit path said "not this entry" (or with no
-    entry yet): the other entries, most recently used first, then the miss."""
-    if state.entries:
-        # Timed from here: the general path's lookup (the hit path's checks are not timed).
-        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs, None, 1)
-    else:
-        entry, inputs, pro_to_epi = get_computation_and_inputs(state, args, kwargs)
+    entry yet): the other entries' hit paths, most recently used first, then the miss. The one
+    that serves the call moves to the front."""
+    start = _clock()  # timed from here: the hit path's own checks are not timed
+    entries = state.entries
+    for i in range(1, len(entries)):
+        entry = entries[i]
+        trying = _clock()
+        try:
+            r = entry.hit_fn(args, kwargs)
+        except Exception:  # noqa: BLE001 - the checks could not run on this call: next entry
+            continue
+        if type(r) is tuple or type(r) is ProgramRaised:  # its checks passed
+            _promote(state, entry)
+            next(state.hit_count)
+            state.last_entry = entry
+            # What finding it cost: the entries tried before, and its own checks as they ran
+            # on the call that compiled it (the hit ran them together with the program).
+            state.last_lookup = trying - start + entry.check_seconds
+            if type(r) is tuple:
+                return r[0]
+            reraise(r)
+    entry, inputs, pro_to_epi = _miss(state, args, kwargs, start)
     return entry.epilogue_fn(entry.computation_fn(*inputs), pro_to_epi)
 
 
@@ -660,7 +680,13 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     entry = CacheEntry(prologue_fn=lambda *a, **k: ((a, k), None),
                        computation_fn=lambda args, kwargs: compiled(*args, **kwargs),
                        epilogue_fn=lambda result, _: result)
-    entry.hit_fn, entry.hit_trace = hit_path(entry)
+
+    def hit(args, kwargs):  # dynamo's guards check every call: it takes them all
+        try:
+            return (compiled(*args, **kwargs),)
+        except Exception as error:  # noqa: BLE001 - the program's own (hit_path's outcomes)
+            return ProgramRaised(error)
+    entry.hit_fn = hit
     return entry
 
 

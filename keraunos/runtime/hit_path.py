@@ -109,12 +109,9 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
     computation and epilogue, returning ``(result,)``. When the epilogue only hands back the one
     output, the computation's own ``(result,)`` is returned as it is. What the computation or the
     epilogue raise comes back as a ``ProgramRaised`` (a ``try`` costs nothing until something
-    raises), so that the caller tells the program's errors from a check that could not run. A
-    prologue that is not the fast prologue's (the dynamo fallback's, say) gets a hit path that
-    calls it."""
-    made = entry.fast_prologue
-    if not isinstance(made, FastPrologue):
-        return _calling_hit_path(entry), None
+    raises), so that the caller tells the program's errors from a check that could not run.
+    ``runtime/call.py`` lists the outcomes."""
+    made: FastPrologue = entry.fast_prologue
     prologue, inputs, pro_to_epi = made.trace, inputs_code(made.inputs), made.pro_to_epi
     alias_check = entry.alias_check
 
@@ -139,19 +136,3 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
                                      "then the computation and the epilogue"],
                   {**prologue.namespace, "_entry": entry, "ProgramRaised": ProgramRaised})
     return trace.python_callable(), trace
-
-
-def _calling_hit_path(entry: CacheEntry) -> Callable:
-    """The hit path of an entry whose prologue was not written by the fast prologue: it calls
-    the three functions in a row."""
-    prologue, alias_check = entry.prologue_fn, entry.alias_check
-
-    def hit(args, kwargs):
-        r = prologue(*args, **kwargs)
-        if type(r) is not tuple or not alias_check(r[0]):
-            return r if type(r) is not tuple else "the inputs share memory differently"
-        try:
-            return (entry.epilogue_fn(entry.computation_fn(*r[0]), r[1]),)
-        except Exception as error:  # noqa: BLE001 - the program's own: see hit_path
-            return ProgramRaised(error)
-    return hit

@@ -135,18 +135,24 @@ class JittedModule(torch.nn.Module):
     - As a submodule of another module, its state dict has the original's keys (no
       ``_orig_mod.``), and loads from them.
 
-    Once the native hit path is loaded (``keraunos/runtime/native``), and while no call hooks or
-    distributed wrapper take part, the instance's class becomes a subclass of its own, with the
-    same names, whose ``__call__`` is a ``native.Front`` (``_go_native_module``).
+    Each instance has a class of its own for life, a subclass of that per-original class with
+    the same names, whose ``__call__`` alone changes: to a ``native.Front`` once the native hit
+    path is loaded (``keraunos/runtime/native``) while no call hooks or distributed wrapper take
+    part (``_go_native_module``), to ``nn.Module.__call__`` when call hooks are registered on
+    the wrapper (``_run_call_hooks``).
     """
 
     def __new__(cls, module: torch.nn.Module, options: JitOptions):
-        if cls is JittedModule:
-            cls = _jitted_class(module)
-        return super().__new__(cls)
+        if cls is not JittedModule:
+            return super().__new__(cls)
+        base = _jitted_class(module)
+        return super().__new__(type(base.__name__, (base,), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__}))
 
     def __init__(self, module: torch.nn.Module, options: JitOptions):
         super().__init__()
+        object.__setattr__(self, "_own_class", type(self))  # a library may subclass it later
         self._orig_mod = module
         state = _JitState(module.forward, module, options)
         object.__setattr__(self, "_keraunos", state)
@@ -312,53 +318,38 @@ def _jitted_class(module: torch.nn.Module) -> type:
     return jitted_cls
 
 
-_hooked_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
-
-
 def _run_call_hooks(jitted: JittedModule) -> None:
-    """Switches ``jitted`` to its class's variant whose ``__call__`` runs ``nn.Module``'s call
-    hooks (once; a class that already does, e.g. ``FSDP<...>`` built on it, stays). Under the
-    state's lock: the native build's thread may be switching the class too
+    """From now on ``jitted``'s calls run ``nn.Module``'s call hooks: its own class's
+    ``__call__`` becomes ``nn.Module.__call__`` (hooks, then ``forward``, the compiled program).
+    Under the state's lock: the native build's thread may be setting it too
     (``_go_native_module``), and the hooks must win."""
-    with jitted._keraunos.lock:
-        cls = type(jitted)
-        if cls.__call__ is torch.nn.Module.__call__:
-            return
-        hooked = _hooked_classes.get(cls)
-        if hooked is None:
-            hooked = type(cls.__name__, (cls,), {
-                "__call__": torch.nn.Module.__call__, "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-            _hooked_classes[cls] = hooked
-        object.__setattr__(jitted, "__class__", hooked)
+    state = jitted._keraunos
+    with state.lock:
+        jitted._own_class.__call__ = torch.nn.Module.__call__
+        state.native_front = None
 
 
 def _go_native_module(jitted: JittedModule) -> None:
-    """``_go_native`` for a module: its class (``_jitted_class``'s, with no call hooks, no
-    distributed wrapper's) becomes one of its own, with the same names, whose ``__call__`` is a
-    ``native.Front`` falling back to the class's ``__call__``. A class switched since (call
-    hooks, ``fully_shard``), or a wrapper whose calls go another way (``_jit_ddp``'s, through
-    DDP's forward: its ``_call`` is not ``jit.call``), keeps the Python call."""
+    """``_go_native`` for a module: its own class's ``__call__`` becomes a ``native.Front``
+    falling back to the Python call. A module whose calls run hooks (``_run_call_hooks``), whose
+    class a library switched (``fully_shard``), or a wrapper whose calls go another way
+    (``_jit_ddp``'s, through DDP's forward: its ``_call`` is not ``jit.call``) keeps the Python
+    call."""
     state = jitted._keraunos
+    own = jitted._own_class
     with state.lock:
-        base = type(jitted)
-        if base.__bases__ != (JittedModule,) or base.__dict__.get("__call__") is None \
-                or base.__dict__["__call__"] is not base.__dict__.get("forward") \
+        if "__call__" in own.__dict__ or type(jitted) is not own \
                 or jitted.__dict__.get("_call") is not call or _composable_state_on(jitted):
-            return  # hooks run, a distributed wrapper (DDP's calls through its forward), or
-            # already native
-        fallback = base.__dict__["__call__"]
+            return
+        fallback = own.__call__  # the per-original class's: its signature is the forward's
         front = native.module().Front(fallback, state.hit_count)
-        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                     "__doc__": base.__doc__}
         if CHECK_RESULTS:
-            @functools.wraps(fallback)  # its signature: the original forward's
-            def __call__(self, *args, **kwargs):
+            @functools.wraps(fallback)
+            def served(self, *args, **kwargs):
                 return checked_result(self._keraunos, front(self, *args, **kwargs))
-            namespace["__call__"] = __call__
+            own.__call__ = served
         else:
-            namespace["__call__"] = front
-        object.__setattr__(jitted, "__class__", type(base.__name__, (base,), namespace))
+            own.__call__ = front
         state.native_front = front
     _sync_native(state)
 
