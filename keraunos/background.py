@@ -65,8 +65,12 @@ class Queue:
     def submit(self, run: Callable[[], None], priority: int = FUSED_TIER,
                owner: object = None) -> Job:
         """Queue ``run()``; ``owner`` (held weakly) lets ``cancel`` drop it."""
-        ref = weakref.ref(owner) if owner is not None else None
-        job = Job(priority, next(self._numbers), run, ref)
+        job = Job(priority, next(self._numbers), run)
+        if owner is not None:
+            # The owner's going cancels the job, on the thread that dropped it: this thread
+            # never takes a reference to the owner, not even a passing one (dropping the last
+            # would free the user's objects here, running their finalizers off the user's thread).
+            job.owner = weakref.ref(owner, lambda _, job=job: job.cancel())
         with self._changed:
             if self._stopping and priority < KEEP:
                 job.cancelled = True
@@ -109,8 +113,7 @@ class Queue:
                 job = heapq.heappop(self._heap)
                 self.running = job
             try:
-                # An owner already gone (the jitted callable deleted) wants nothing done.
-                if not job.cancelled and (job.owner is None or job.owner() is not None):
+                if not job.cancelled:  # nor is it, when its owner is gone (``submit``)
                     job.run()
             except BaseException:  # noqa: BLE001 - a job reports its own failures
                 pass

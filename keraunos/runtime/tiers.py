@@ -110,6 +110,9 @@ class Tiering:
     # (pipeline.rebind_entry): the switch to the fused tier switches them too.
     followers: list = field(default_factory=list)
     finish: Callable[[], None] | None = None  # the switch, to be made on the user's thread
+    # After the switch (made or not): the entry's calls stop looking for it (tier 0 for good
+    # where it was not made).
+    give_up: Callable[[], None] | None = None
     job: object = None                   # background.Job
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -129,6 +132,8 @@ class Tiering:
                 _warn(f"keraunos: the fused program could not be loaded "
                       f"({type(e).__name__}: {e}); the torch executor keeps running it.")
             finally:
+                if self.give_up is not None:  # switched or not, the look for it goes
+                    self.give_up()
                 self.seconds = time.perf_counter() - self.started_at
                 self.done.set()
 
@@ -142,12 +147,14 @@ def schedule(tiering: Tiering, compile_fused: Callable[[], object],
              switch: Callable[[object], Callable], entry, owner) -> None:
     """Run ``compile_fused()`` in the background; once it returns, the entry's next call (or
     ``wait_for_fusion``) calls ``switch(result)`` on the user's thread, which makes the fused
-    tier the entry's program and returns its computation. A failure leaves tier 0 in place
-    (``tiering.error``; warned once per cause, on the user's thread). ``entry`` and ``owner``
-    (the jitted callable's state) are held weakly: deleting the callable cancels the job."""
+    tier the entry's program. A failure leaves tier 0 in place (``tiering.error``; warned once
+    per cause, on the user's thread). The job holds neither the entry (whose prologue holds the
+    user's module: the last reference to it must never be dropped on the background thread)
+    nor ``owner``, the jitted callable's state, which it holds weakly: deleting the callable
+    cancels the job. It sets ``tiering.finish``, which the entry's calls look for
+    (``_switch_at_next_call``), and nothing else."""
     grad_mode = torch.is_grad_enabled()  # thread-local: the job compiles in the caller's
-    entry_ref = weakref.ref(entry)
-    del entry
+    _switch_at_next_call(entry, tiering)
 
     def job():
         from ..executors.fusion.compiler import kept_warnings
@@ -159,9 +166,6 @@ def schedule(tiering: Tiering, compile_fused: Callable[[], object],
                 made, failure = None, e
             else:
                 failure = None
-        kept = entry_ref()
-        if kept is None:
-            return
 
         def finish():
             for message in messages:  # what the compile had to say, said on the user's thread
@@ -171,26 +175,30 @@ def schedule(tiering: Tiering, compile_fused: Callable[[], object],
             switch(made)
         tiering.finish = finish
         tiering.compiled.set()
-        _switch_at_next_call(kept, tiering)
     tiering.job = background.submit(job, background.FUSED_TIER, owner)
 
 
 def _switch_at_next_call(entry, tiering: Tiering) -> None:
-    """Make the entry's next call switch to the fused tier before its computation runs: the
-    entry's ``computation_fn`` (read once per call, by the Python and the native hit path)
-    becomes a function that makes the switch, on the calling thread, and runs the new tier."""
+    """The entry's ``computation_fn`` (read once per call, by the Python and the native hit
+    path) becomes tier 0's behind a look at ``tiering.finish``: the first call after the
+    background set it makes the switch, on the calling thread, before its computation runs,
+    and runs the new tier. Until then a call costs one Python frame more than tier 0's."""
     running = entry.computation_fn
     entry_ref = weakref.ref(entry)
 
-    def switching(*inputs):
+    def back_to_tier_zero() -> None:  # not switched: tier 0 for good, without this frame
+        kept = entry_ref()
+        if kept is not None and kept.computation_fn is tier_zero:
+            kept.computation_fn = running
+
+    def tier_zero(*inputs):
+        if tiering.finish is None:
+            return running(*inputs)
         tiering.switch_now()
         kept = entry_ref()
-        if kept is None:
-            return running(*inputs)
-        if kept.computation_fn is switching:  # the switch failed: tier 0 for good
-            kept.computation_fn = running
-        return kept.computation_fn(*inputs)
-    entry.computation_fn = switching
+        return (running if kept is None else kept.computation_fn)(*inputs)
+    tiering.give_up = back_to_tier_zero
+    entry.computation_fn = tier_zero
 
 
 def pending(entries) -> list[Tiering]:
