@@ -431,6 +431,36 @@ def test_batchnorm_training_statistics_and_gradients_match_eager():
     assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
 
 
+def test_batchnorm_gradients_of_a_deep_fused_stack_are_as_close_to_float64_as_eagers():
+    """Six conv-BN-ReLU blocks in training: the fused program's gradients are within three
+    times eager float32's own distance from a float64 run (the model sweep's rule). BatchNorm's
+    backward sums run on eager's kernel, outside regions; fused, the later blocks' BatchNorm
+    gradients were 4-5x eager's distance."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                            nn.ReLU()) for _ in range(6)]
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), *blocks, nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def gradients(m, x):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x), y).backward()
+        return {name: p.grad.double() for name, p in m.named_parameters()}
+    exact = gradients(copy.deepcopy(model).double(), x.double())
+    eager = gradients(copy.deepcopy(model), x)
+    jitted = keraunos.jit(copy.deepcopy(model), fuse="wait")
+    gradients(jitted, x)
+    fused = gradients(jitted, x)
+    assert keraunos.compile_stats(jitted).tier == "fused"
+    assert fusion_lines(keraunos.last_backward_traces(jitted)[-1])
+
+    def distance(a, b):
+        return (a - b).square().mean().sqrt().item()
+    for name in exact:
+        assert distance(fused[name], exact[name]) <= 3 * distance(eager[name], exact[name]), name
+
+
 def test_regions_are_called_past_inductors_wrappers():
     """After its first call a region calls Inductor's graph directly (the wrappers cost as much
     as a small kernel), BatchNorm's too, whose graph writes the running statistics (it was
@@ -1715,8 +1745,8 @@ def _fused_training_step(model, x):
 
 
 @pytest.mark.parametrize("size, threads, forward, backward", [
-    (2, 1, ["conv2d"] * 3, ["convolution_backward.default"] * 2),
-    (4, 1, ["conv2d"], ["convolution_backward.default"] * 2),
+    (2, 1, ["conv2d"] * 3, ["convolution_backward.default"]),
+    (4, 1, ["conv2d"], ["convolution_backward.default"]),
     (8, 1, ["conv2d"], []),
     (2, 2, ["conv2d"], []),
 ])
@@ -1724,7 +1754,9 @@ def test_small_pointwise_convolutions_run_on_channels_last_copies(size, threads,
                                                                   backward):
     """On ATen's ``_slow_conv2d`` path (one thread) a 1x1 convolution runs channels-last at
     2x2 pixels, its backward up to 4x4; the grouped convolution's forward always does, its
-    backward never. With two threads ATen runs 1x1 convolutions on mkldnn: not relaid."""
+    backward never. With two threads ATen runs 1x1 convolutions on mkldnn: not relaid. (The
+    last convolution's backward reads only BatchNorm's backward, which runs outside regions:
+    it runs as eager runs it, on torch.)"""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
