@@ -267,8 +267,8 @@ class JittedModule(torch.nn.Module):
 
     # Call hooks registered on the wrapper itself (FSDP2's all-gather and reshard, a
     # composable checkpoint's, the user's) run around the compiled program: the first one
-    # registered switches the wrapper to a class whose ``__call__`` is ``nn.Module.__call__``
-    # (hooks, then ``forward``, the compiled program). Without any, ``__call__`` stays the
+    # registered makes its own class's ``__call__`` ``nn.Module.__call__`` (hooks, then
+    # ``forward``, the compiled program). Without any, ``__call__`` stays the
     # direct call of the program. Hooks of the original module are part of the program.
     def register_forward_pre_hook(self, *args, **kwargs):
         _run_call_hooks(self)
