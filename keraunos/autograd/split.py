@@ -297,7 +297,13 @@ def _forward_lines(computation: Trace, joint, named: _Named, lowered: set[int],
     lines: list[BoundSymbol] = []
     for index, bsym in enumerate(computation.bound_symbols[:-1]):
         if bsym.symbol is glue.SET_GLOBAL_STATE:
-            continue  # Function.forward runs with grad mode off; the backward is ours
+            # Function.forward runs with grad mode off (the backward is ours); autocast's
+            # switches stay, for the lines that cast inside (UNDER_AUTOCAST).
+            switches = tuple((i, v) for i, v in bsym.args[0] if i != 0)
+            if switches:
+                lines.append(BoundSymbol(glue.SET_GLOBAL_STATE, (switches,), tags=set(bsym.tags),
+                                         source=bsym.source))
+            continue
         if index not in lowered:
             lines.append(bsym)
             continue

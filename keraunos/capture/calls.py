@@ -19,7 +19,7 @@ from ..core.glue import SET_GLOBAL_STATE
 from ..core.symbolic import SYMBOLIC_TYPES, SymbolicUnsupported, has_symbols, is_backed
 from ..core.symbolic import hint as size_hint
 from ..core.symbols import BoundSymbol, TorchSymbol
-from ..core.tags import MUTATION, OPAQUE, RANDOM
+from ..core.tags import MUTATION, OPAQUE, RANDOM, UNDER_AUTOCAST
 from ..errors import CaptureError, user_source
 from .module_calls import ModuleCalls
 from .state import global_state
@@ -66,22 +66,28 @@ class CallsMixin:
                 out = batched(*args, **kwargs)
         finally:
             self.in_vmap = False
+        self.record_aten_calls(recorder.calls, out, "inside torch.vmap",
+                               "pass it to the vmapped function instead")
+        return out
+
+    def record_aten_calls(self, calls, out, where: str, remedy: str) -> None:
+        """The ATen calls an ``AtenRecorder`` saw, as lines of the computation; ``out`` (what
+        the call that made them returned) must be values they define."""
         source = user_source()
 
         def arg(x):
             if isinstance(x, torch.Tensor):
                 proxy = self.proxy_of.get(id(x))
                 if proxy is None:
-                    raise CaptureError(f"keraunos: a tensor of unknown origin inside torch.vmap "
-                                       f"at {source}; pass it to the vmapped function instead.")
+                    raise CaptureError(f"keraunos: a tensor of unknown origin {where} at "
+                                       f"{source}; {remedy}.")
                 return proxy
             if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 if self.backed(x):
                     return self.symbols.code(x)
-                raise CaptureError(f"keraunos: a size that depends on data inside torch.vmap at "
-                                   f"{source}")
+                raise CaptureError(f"keraunos: a size that depends on data {where} at {source}")
             return x
-        for call in recorder.calls:
+        for call in calls:
             outputs = pytree.tree_map(
                 lambda t: self.output_proxy(t) if isinstance(t, torch.Tensor) else t, call.out)
             if is_lifted_constant(call):
@@ -102,7 +108,6 @@ class CallsMixin:
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 arg(t)  # every result must be a value the trace defines
-        return out
 
     def record_rng(self, name: str, original, args, kwargs):
         symbol = TorchSymbol(original, f"torch.{name}", "function")
@@ -147,7 +152,7 @@ class CallsMixin:
                 out)
 
     def record(self, symbol: TorchSymbol, args, kwargs, out, mutated: list[torch.Tensor],
-               opaque: bool = False):
+               opaque: bool = False, under_autocast: bool = False):
         def to_proxy(x):
             if isinstance(x, SYMBOLIC_TYPES):
                 return self.symbols.code(x)
@@ -171,6 +176,8 @@ class CallsMixin:
         if draws_random(symbol, args, kwargs):
             tags.add(RANDOM)
         comment = None
+        if under_autocast:
+            tags.add(UNDER_AUTOCAST)
         if opaque:
             tags |= {OPAQUE, MUTATION}  # unknown effects: never removed or merged
             comment = "opaque: no fake kernel; output metadata from a run on zeros"

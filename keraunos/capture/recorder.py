@@ -7,6 +7,7 @@ from ..torch_internals.fake import (DataDependentOutputException, DynamicOutputS
                                    FakeTensor, UnsupportedOperatorException)
 from ..torch_internals.functorch import is_functorch_wrapped_tensor
 from ..core import tree
+from ..core.aten import AtenRecorder
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
@@ -61,8 +62,13 @@ class Recorder(TorchFunctionMode):
         tensors = [x for x in tree.leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         versions = [_version(t) for t in tensors]
         ctx.record_global_state()
+        casts = _autocast_watch(func, tensors)
         try:
-            out = func(*args, **kwargs)
+            if casts is None:
+                out = func(*args, **kwargs)
+            else:
+                with _cast_cache_off(), casts:
+                    out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise _data_dependent_error(symbol, e) from None
         except CaptureError:
@@ -76,9 +82,25 @@ class Recorder(TorchFunctionMode):
         if _returns_its_argument(symbol, out, tensors, versions, mutated, args, kwargs):
             return out
         produces_tensor = any(isinstance(x, torch.Tensor) for x in tree.leaves(out))
+        under_autocast = False
+        if casts is not None and any(c.func in _CASTS for c in casts.calls):
+            cast = None
+            if not mutated and not is_inplace_by_name(symbol) and \
+                    not draws_random(symbol, args, kwargs):
+                cast = _casts_of_inputs(func, casts.calls, tensors, args, kwargs, out)
+            if cast is None:  # autocast cast inside the op, not (only) its inputs
+                under_autocast = True
+            else:
+                # Autocast cast the op's inputs: the casts are lines, then the op on the cast
+                # values, which computes the same wherever it runs, autocast on or off.
+                for call in cast.values():
+                    ctx.record(TorchSymbol(call.func, f"torch.ops.{call.func}", "function"),
+                               call.args, call.kwargs, call.out, [])
+                args, kwargs = tree.map_leaves(
+                    lambda x: cast[id(x)].out if id(x) in cast else x, (args, kwargs))
         if produces_tensor or mutated or is_inplace_by_name(symbol) or \
                 draws_random(symbol, args, kwargs):
-            ctx.record(symbol, args, kwargs, out, mutated)
+            ctx.record(symbol, args, kwargs, out, mutated, under_autocast=under_autocast)
         return out
 
     def _refuse_before_the_call(self, symbol, func, args, kwargs) -> None:
@@ -166,6 +188,86 @@ class Recorder(TorchFunctionMode):
 
 
 _is_functorch_tensor = is_functorch_wrapped_tensor
+
+
+# ----------------------------------------------------------------------------------- autocast
+# Under ``torch.autocast``, an op on its lists casts its inputs inside the call (``linear`` to
+# bfloat16, ``mse_loss`` to float32): the line alone computes eager's values only where autocast
+# is on, which a fused region is not. So a call made while autocast is on for its tensors'
+# device is watched at the ATen level. When autocast cast the call's inputs, each cast is a line
+# (``_to_copy``, where eager makes it) and the call reads the cast values: the same op then casts
+# nothing, so the lines compute eager's values with autocast on or off, in a region too. The op
+# stays one line, not its ATen calls: its kernel is eager's (SDPA's fused CPU kernel, which its
+# decomposition on fake tensors is not). Autocast's cast cache is off while a call is watched, so
+# that every cast is seen (it saves work; it changes no value). A call autocast changed some
+# other way (a cast of a value made inside it), or that writes or draws, stays as it was,
+# tagged ``UNDER_AUTOCAST``: it runs where autocast is on, outside regions.
+_CASTS = (torch.ops.aten._to_copy.default,)
+# Conversions the user asked for: autocast does not change them, and they read better as written.
+_CONVERSIONS = frozenset(id(f) for f in (
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+    torch.Tensor.double, torch.Tensor.type, torch.Tensor.type_as))
+
+
+def _autocast_watch(func, tensors):
+    """An ``AtenRecorder`` for the call when autocast is on for its tensors' device (None
+    otherwise)."""
+    if not tensors or id(func) in _CONVERSIONS:
+        return None
+    devices = {t.device.type for t in tensors}
+    if not any(torch.is_autocast_enabled(d) for d in devices if d in ("cpu", "cuda")):
+        return None
+    return AtenRecorder()
+
+
+class _cast_cache_off:
+    def __enter__(self):
+        self.was = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+
+    def __exit__(self, *exc):
+        torch.set_autocast_cache_enabled(self.was)
+
+
+def _casts_of_inputs(func, calls, tensors, args, kwargs, out) -> dict | None:
+    """``{id(input): its cast}`` when every cast autocast made in the call was of one of the
+    call's inputs, and the op on the cast values with autocast off makes what the call made
+    (an op that casts an input for its own reasons, ``rms_norm`` computing in float32 and
+    casting back, would not); None otherwise."""
+    # Autocast's wrapper casts the inputs first, then runs the op on the casts alone; what the
+    # op casts inside (SDPA's math in float32) is its own, and runs again below.
+    inputs = {id(t) for t in tensors}
+    cast, leading = {}, 0
+    for call in calls:
+        source = call.args[0] if call.args else None
+        if call.func not in _CASTS or id(source) not in inputs:
+            break
+        first = cast.setdefault(id(source), call)  # (an input passed twice is cast twice)
+        if first.kwargs.get("dtype") != call.kwargs.get("dtype"):
+            return None
+        leading += 1
+    if not cast or any(id(x) in cast for c in calls[leading:]
+                       for x in tree.leaves((c.args, c.kwargs)) if isinstance(x, torch.Tensor)):
+        return None
+    args, kwargs = tree.map_leaves(lambda x: cast[id(x)].out if id(x) in cast else x,
+                                   (args, kwargs))
+    devices = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    try:
+        for d in devices:
+            torch.set_autocast_enabled(d, False)
+        again = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not the same op on the cast values
+        return None
+    finally:
+        for d in devices:
+            torch.set_autocast_enabled(d, True)
+    made, expected = tree.leaves(again), tree.leaves(out)
+    if len(made) != len(expected) or any(
+            isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor) or (
+                isinstance(a, torch.Tensor) and (a.dtype, a.shape, a.stride()) !=
+                (b.dtype, b.shape, b.stride())) for a, b in zip(made, expected)):
+        return None
+    return cast
 
 
 def _metadata_change_error(symbol) -> CaptureError:

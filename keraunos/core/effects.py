@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..torch_internals.dispatch import OpOverload
 from .symbols import TorchSymbol
-from .tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM, Tag
+from .tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM, UNDER_AUTOCAST, Tag
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ EFFECTS: dict[Tag, Effect] = {
     # The copy capture makes of an input the program writes (the epilogue copies it back): a
     # plain value to DCE and CSE, but it stays where it is and outside regions.
     COPY_OF_WRITTEN_INPUT: Effect(drop=True, merge=True),
+    # Autocast's casts made inside the op (not lines of the trace): it must run where autocast
+    # is on, which a compiled region is not.
+    UNDER_AUTOCAST: Effect(drop=True, merge=True),
 }
 
 

@@ -41,6 +41,9 @@ MUTATION = Tag.register("MUTATION")
 MODULE_CHECK = Tag.register("MODULE_CHECK")
 # A bound symbol for an op no fake kernel describes: run as is, its effects unknown to passes.
 OPAQUE = Tag.register("OPAQUE")
+# A line recorded under autocast whose casts are not explicit lines of the trace: what it
+# computes depends on autocast being on where it runs (``capture/recorder.py``).
+UNDER_AUTOCAST = Tag.register("UNDER_AUTOCAST")
 # The copy capture makes of an input the program writes to (the computation stays pure; the
 # epilogue copies the result back). Reinplace turns it into an alias where autograd cannot see.
 COPY_OF_WRITTEN_INPUT = Tag.register("COPY_OF_WRITTEN_INPUT")

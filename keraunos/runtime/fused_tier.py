@@ -21,8 +21,9 @@ from .tiers import FuseMode
 def choose(c: Compilation) -> FuseMode | None:
     """How this entry's fused program is compiled (None: no fusion executor was asked for).
     ``"background"`` fuses only programs worth it (``tiers.worth_fusing``), and waits instead
-    while deterministic algorithms are on; under autocast no region is formed at all (its
-    regions would run outside autocast), which the worker thread could not see (thread-local)."""
+    while deterministic algorithms are on. Under autocast too: capture wrote autocast's casts
+    as lines of the trace (``capture/recorder.py``), so the background thread, where autocast
+    is off, forms the same regions."""
     if not fusing(c.executors):
         return None
     mode = c.state.options.fuse
@@ -30,9 +31,6 @@ def choose(c: Compilation) -> FuseMode | None:
         return mode
     if torch.are_deterministic_algorithms_enabled():
         return FuseMode.WAIT
-    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
-                                            and torch.is_autocast_enabled("cuda")):
-        return FuseMode.OFF
     fusers = executors_module.fusion_executors(c.executors)
     if not all(getattr(e, "compiles_elsewhere", False) for e in fusers):
         # A fusion executor that compiles only in this process: on the calling thread, never

@@ -155,12 +155,14 @@ def fuse(trace: Trace, executors: list[Executor], *, observable: set[str],
     environment = site.environment if regions else ()
     done: dict[int, str] = {}  # kernel number -> the first region of this trace using it
     fused: dict[int, tuple[BoundSymbol, Region]] = {}
-    prepared = [_prepare(r, environment, always_checked) for r in regions]
-    _prefetch(regions, prepared, site, skip_first=not site.elsewhere if regions else True)
-    for r, p in zip(regions, prepared):
-        made = _fuse_region(r, p, trace.name, counter, always_checked, done, site) if p else None
-        if made is not None:
-            fused[r.start] = (made, r)
+    with _autocast_off():  # a region's graph is its lines as written (their casts included)
+        prepared = [_prepare(r, environment, always_checked) for r in regions]
+        _prefetch(regions, prepared, site, skip_first=not site.elsewhere if regions else True)
+        for r, p in zip(regions, prepared):
+            made = _fuse_region(r, p, trace.name, counter, always_checked, done, site) \
+                if p else None
+            if made is not None:
+                fused[r.start] = (made, r)
     result = _assemble(lines, fused, executors, executor)
     kept = [b.symbol.region for b in result if isinstance(b.symbol, FusionSymbol)]
     names = ", ".join(dict.fromkeys(b.executor for b in result))
@@ -207,8 +209,22 @@ def prefetch(trace: Trace, *, observable: set[str], always_checked: set[str] = f
     lines, regions_ = formed[0], formed[1]
     always_checked = _varying_with(always_checked, lines, regions_)
     site = site or compiler.CompileSite.here()
-    _prefetch(regions_, [_prepare(r, site.environment, always_checked) for r in regions_],
-              site, skip_first=False)
+    with _autocast_off():
+        _prefetch(regions_, [_prepare(r, site.environment, always_checked) for r in regions_],
+                  site, skip_first=False)
+
+
+class _autocast_off:
+    """Autocast off on this thread (the user's, under ``fuse="wait"``), then as it was."""
+
+    def __enter__(self):
+        self.was = [(d, torch.is_autocast_enabled(d)) for d in glue.AUTOCAST_DEVICES]
+        for device, _ in self.was:
+            torch.set_autocast_enabled(device, False)
+
+    def __exit__(self, *exc):
+        for device, enabled in self.was:
+            torch.set_autocast_enabled(device, enabled)
 
 
 def _varying_with(always_checked, lines, regions) -> set[str]:
@@ -248,11 +264,11 @@ def _given_back(bsym, executors, executor):
 
 
 def _why_not(lines, claimed) -> str | None:
-    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
-                                            and torch.is_autocast_enabled("cuda")):
-        return "autocast is on"  # the trace's ops would run under autocast; a region not
-    if any(i != 0 for b in lines if b.symbol is glue.SET_GLOBAL_STATE for i, _ in b.args[0]):
-        return "the program switches autocast"  # (grad mode alone cuts regions, see fuse)
+    # Under autocast, and where the program switches it: capture wrote autocast's casts as
+    # lines (a line whose casts it could not write is tagged UNDER_AUTOCAST and stays outside
+    # regions, ``regions.fusible``), so a region computes the same whatever autocast is where it
+    # runs. Its kernels call no op that autocast changes: Inductor's extern calls are ``out=``
+    # variants and lowered ATen ops (``convolution``, ``_cdist_forward``), not autocast's.
     devices = {(b.output_proxies() or b.input_proxies())[0].device.type
                for b, c in zip(lines, claimed) if c}  # (a claimed write may bind no output)
     for device in sorted(devices):
