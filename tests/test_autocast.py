@@ -1,5 +1,6 @@
-"""Programs run under ``torch.autocast``: capture writes autocast's casts as lines of the trace
-(``capture/recorder.py``), so the fused program computes what eager computes under autocast.
+"""Reduced precision: programs run under ``torch.autocast`` (capture writes autocast's casts as
+lines of the trace, ``capture/recorder.py``, so the fused program computes what eager computes
+under autocast), and models whose weights are bfloat16 or float16.
 
 Values are judged as the fuzzer judges reduced precision: against a float64 run of the same
 program, keraunos's distance at most a small multiple of eager autocast's own (a fused region
@@ -232,3 +233,24 @@ def test_transformers_model_under_autocast_matches_eager():
     assert got.dtype == eager.dtype
     assert_as_close_to_float64(got, eager, exact, "logits")
     assert keraunos.compile_stats(jitted).tier == "fused"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_reduced_precision_model_trains_fused_as_close_to_float64_as_eager(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Flatten(), nn.Linear(8 * 32, 4))
+    exact_model = copy.deepcopy(model).double()
+    model, reference = model.to(dtype), copy.deepcopy(model).to(dtype)
+    jitted = keraunos.jit(model, fuse="wait")
+    x, y = torch.randn(4, 8, 32), torch.randint(0, 4, (4,))
+    for m, run, inputs in ((model, jitted, x.to(dtype)), (model, jitted, x.to(dtype)),
+                           (reference, reference, x.to(dtype)),
+                           (exact_model, exact_model, x.double())):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(run(inputs).double(), y).backward()
+    assert keraunos.compile_stats(jitted).tier == "fused"
+    assert _fused_lines(keraunos.last_backward_traces(jitted)[-1])
+    for (name, p), q, e in zip(model.named_parameters(), reference.parameters(),
+                               exact_model.parameters()):
+        assert p.grad.dtype == dtype
+        assert_as_close_to_float64(p.grad, q.grad, e.grad, name)
