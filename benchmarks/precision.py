@@ -3,7 +3,7 @@ model; eval forward and training step, eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/precision.py [--layers L] [--width W] [--batch B] [--seq T]
                                     [--rounds N] [--cases autocast-eval,autocast-train,...]
-                                    [--numerics]
+                                    [--json PATH] [--quick]
 
 Cases: ``autocast-eval`` (float32 weights, ``torch.autocast("cpu", torch.bfloat16)``, under
 ``no_grad``), ``autocast-train`` (the same model in train mode: forward, loss in float32,
@@ -11,9 +11,10 @@ backward, AdamW step, the forward and loss under autocast as PyTorch's recipe ha
 ``bf16-eval`` and ``bf16-train`` (the model cast to bfloat16, AdamW on its bfloat16 weights).
 Systems: eager, ``keraunos.jit(model, fuse="wait")`` (its fused program, compiled before timing)
 and ``torch.compile(model)``. Every system takes one call per round, in turns, one intra-op
-thread; the table gives each one's median and its ratio to eager and to torch.compile. The
-same figures are written as JSON with ``--json``. ``--numerics`` gives, instead of times, each
-system's distance from a float64 run of the model (the logits; every gradient of one step).
+thread; the table gives each one's median and its ratio to eager and to torch.compile, and how
+far each system is from a float64 run of the model (root mean square of the logits, or of every
+gradient of one training step) against eager's distance. ``--json`` writes the table for
+``benchmarks/report.py``; ``--quick`` runs every path on a tiny model.
 """
 from __future__ import annotations
 
@@ -118,41 +119,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--json", default=None)
-    parser.add_argument("--numerics", action="store_true",
-                        help="distances from float64 instead of times")
+    parser.add_argument("--quick", action="store_true", help="every path, nothing measured")
     args = parser.parse_args()
+    if args.quick:
+        args.layers, args.width, args.rounds = 1, 64, 1
     torch.set_num_threads(1)
     base = make_model(args.layers, args.width)
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 512, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, 512, (args.batch, args.seq), generator=g)
-    rows = []
-    if args.numerics:
-        print(f"litgpt GPT, {args.layers} layers, {args.width} wide, batch ({args.batch}, "
-              f"{args.seq}), torch {torch.__version__}: distance from float64 (rms)")
-        print("| case | what | eager | keraunos | torch.compile | keraunos / eager |")
-        print("|---|---|---|---|---|---|")
-        for case in args.cases.split(","):
-            d = numerics(case, base, idx, targets)
-            what = "every gradient" if case.endswith("train") else "logits"
-            print(f"| {case} | {what} | {d['eager']:.3g} | {d['keraunos']:.3g} | "
-                  f"{d['torch.compile']:.3g} | {d['keraunos'] / d['eager']:.2f}x |", flush=True)
-        return
     print(f"litgpt GPT, {args.layers} layers, {args.width} wide, batch ({args.batch}, "
           f"{args.seq}), torch {torch.__version__}, one intra-op thread, {args.rounds} rounds "
-          f"in turns")
-    print(f"| case | eager (ms) | keraunos (ms) | torch.compile (ms) | keraunos / eager | "
-          f"keraunos / torch.compile | torch.compile / eager |")
-    print("|---|---|---|---|---|---|---|")
+          f"in turns; distance from float64: root mean square of the logits (eval) or of every "
+          f"gradient of one step (train)")
+    columns = ["case", "eager", "keraunos", "torch.compile", "keraunos / torch.compile",
+               "keraunos / eager", "from float64, keraunos / eager"]
+    rows = []
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for case in args.cases.split(","):
+        distance = numerics(case, base, idx, targets)
         medians = medians_in_turns(system_calls(case, base, idx, targets), args.rounds)
         e, k, c = (medians[n] * 1e3 for n in ("eager", "keraunos", "torch.compile"))
-        rows.append({"case": case, "eager_ms": e, "keraunos_ms": k, "torch_compile_ms": c})
-        print(f"| {case} | {e:.1f} | {k:.1f} | {c:.1f} | {k / e:.2f}x | {k / c:.2f}x | "
-              f"{c / e:.2f}x |", flush=True)
+        rows.append([case, f"{e:.1f} ms", f"{k:.1f} ms", f"{c:.1f} ms", f"{k / c:.2f}x",
+                     f"{k / e:.2f}x", f"{distance['keraunos'] / distance['eager']:.2f}x "
+                     f"(torch.compile {distance['torch.compile'] / distance['eager']:.2f}x)"])
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"tables": [{"columns": columns, "rows": rows}]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,13 @@ Steps timed in turns, medians; ratios to `torch.compile`. With `--compile-optimi
 compiles the AdamW step too (`keraunos.jit(optimizer.step)`, `torch.compile(optimizer.step)`).""",
            [["benchmarks/train.py", "--iters", "20"],
             ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"]]),
+    Family("precision", "Reduced precision", """\
+`benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
+model under `torch.autocast("cpu", dtype=torch.bfloat16)` and as a bfloat16 model; an eval forward
+(`no_grad`) and a training step (float32 loss, backward, AdamW). `keraunos` is its fused program
+(`fuse="wait"`); systems in turns, medians. The last column: distance from a float64 run of the
+model (logits, or every gradient of one step), against eager's.""",
+           [["benchmarks/precision.py"]]),
     Family("generate", "Text generation and symbolic sizes", """\
 `benchmarks/generate.py`: greedy generation with tiny random-weight configs (Hugging Face
 models through their own `generate`, litgpt through its `generate()`), per token = one decode
