@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks, for the day a GPU machine is at hand (within 8 minutes on one GPU): set up,
 # the CUDA tests (tests/test_cuda.py: fused Triton regions, the tier switch, dropout on CUDA's
-# generator, a litgpt training step, resnet18), the tier tests and, with two GPUs, DDP's
+# generator, a litgpt training step, resnet18, a training step under CUDA autocast), the tier tests and, with two GPUs, DDP's
 # bucket-split backward on NCCL (tests/test_distributed_cuda.py), then the tiers benchmark on the
 # GPU (first result, all fused, restart, per call against regional and async torch.compile).
 # Prints everything; the exit code is the tests'. On a CUDA machine, install the CUDA build of

@@ -119,3 +119,27 @@ def test_resnet18_on_cuda_matches_eager():
     x = torch.randn(4, 3, 64, 64, device="cuda")
     with torch.no_grad():
         assert_close(jitted(x), model(x), **TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_training_step_under_cuda_autocast_is_fused_as_close_to_float64_as_eager(dtype):
+    # Capture writes CUDA autocast's casts (its lists differ from the CPU's: layer_norm and
+    # softmax in float32) as lines; the fused program and its backward are Triton's.
+    torch.manual_seed(0)
+    model = Net().cuda()
+    reference, exact_model = copy.deepcopy(model), copy.deepcopy(model).double()
+    jitted = keraunos.jit(model, fuse="wait")
+    x = torch.randn(8, 64, device="cuda")
+    for m, run in ((model, jitted), (model, jitted), (reference, reference)):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            out = run(x)
+        out.float().square().mean().backward()
+    exact_model(x.double()).square().mean().backward()
+    assert keraunos.compile_stats(jitted).tier == "fused"
+
+    def distance(a, b):
+        return (a.double() - b.double()).square().mean().sqrt().item()
+    for (name, p), q, e in zip(model.named_parameters(), reference.parameters(),
+                               exact_model.parameters()):
+        assert distance(p.grad, e.grad) <= 3 * distance(q.grad, e.grad) + 1e-6, name
