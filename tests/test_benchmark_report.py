@@ -30,7 +30,7 @@ def test_the_page_is_rendered_from_the_stored_results(report, tmp_path):
 
 
 def test_the_page_stays_short(report):
-    assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 400
+    assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 420
 
 
 def test_readme_headline_table_is_the_rendered_one(report):

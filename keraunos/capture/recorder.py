@@ -255,19 +255,17 @@ def _casts_of_inputs(func, calls, tensors, args, kwargs, out) -> dict | None:
     try:
         for d in devices:
             torch.set_autocast_enabled(d, False)
-        again = func(*args, **kwargs)
+        made, expected = tree.leaves(func(*args, **kwargs)), tree.leaves(out)
+        same = len(made) == len(expected) and all(
+            isinstance(a, torch.Tensor) == isinstance(b, torch.Tensor) and (
+                not isinstance(a, torch.Tensor) or (a.dtype, a.shape, a.stride()) ==
+                (b.dtype, b.shape, b.stride())) for a, b in zip(made, expected))
     except Exception:  # noqa: BLE001 - not the same op on the cast values
         return None
     finally:
         for d in devices:
             torch.set_autocast_enabled(d, True)
-    made, expected = tree.leaves(again), tree.leaves(out)
-    if len(made) != len(expected) or any(
-            isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor) or (
-                isinstance(a, torch.Tensor) and (a.dtype, a.shape, a.stride()) !=
-                (b.dtype, b.shape, b.stride())) for a, b in zip(made, expected)):
-        return None
-    return cast
+    return cast if same else None
 
 
 def _metadata_change_error(symbol) -> CaptureError:
