@@ -66,28 +66,22 @@ class CallsMixin:
                 out = batched(*args, **kwargs)
         finally:
             self.in_vmap = False
-        self.record_aten_calls(recorder.calls, out, "inside torch.vmap",
-                               "pass it to the vmapped function instead")
-        return out
-
-    def record_aten_calls(self, calls, out, where: str, remedy: str) -> None:
-        """The ATen calls an ``AtenRecorder`` saw, as lines of the computation; ``out`` (what
-        the call that made them returned) must be values they define."""
         source = user_source()
 
         def arg(x):
             if isinstance(x, torch.Tensor):
                 proxy = self.proxy_of.get(id(x))
                 if proxy is None:
-                    raise CaptureError(f"keraunos: a tensor of unknown origin {where} at "
-                                       f"{source}; {remedy}.")
+                    raise CaptureError(f"keraunos: a tensor of unknown origin inside torch.vmap "
+                                       f"at {source}; pass it to the vmapped function instead.")
                 return proxy
             if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 if self.backed(x):
                     return self.symbols.code(x)
-                raise CaptureError(f"keraunos: a size that depends on data {where} at {source}")
+                raise CaptureError(f"keraunos: a size that depends on data inside torch.vmap at "
+                                   f"{source}")
             return x
-        for call in calls:
+        for call in recorder.calls:
             outputs = pytree.tree_map(
                 lambda t: self.output_proxy(t) if isinstance(t, torch.Tensor) else t, call.out)
             if is_lifted_constant(call):
@@ -108,6 +102,7 @@ class CallsMixin:
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 arg(t)  # every result must be a value the trace defines
+        return out
 
     def record_rng(self, name: str, original, args, kwargs):
         symbol = TorchSymbol(original, f"torch.{name}", "function")
@@ -177,7 +172,7 @@ class CallsMixin:
             tags.add(RANDOM)
         comment = None
         if under_autocast:
-            tags.add(UNDER_AUTOCAST)
+            tags.add(UNDER_AUTOCAST)  # autocast cast inside it (capture/recorder.py)
         if opaque:
             tags |= {OPAQUE, MUTATION}  # unknown effects: never removed or merged
             comment = "opaque: no fake kernel; output metadata from a run on zeros"

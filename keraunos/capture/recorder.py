@@ -221,6 +221,8 @@ def _autocast_watch(func, tensors):
 
 
 class _cast_cache_off:
+    """Autocast's cast cache off on this thread (capture's, the user's), then as it was."""
+
     def __enter__(self):
         self.was = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
