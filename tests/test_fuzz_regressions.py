@@ -599,3 +599,35 @@ def test_write_through_a_transposed_input_view_next_to_a_region_reaches_the_call
         leaf_a.grad = leaf_b.grad = None
         (a_eager.sum() + b_eager.sum()).backward()
         torch.testing.assert_close(grads, (leaf_a.grad, leaf_b.grad))
+
+
+class _WritesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, a):
+        a.abs_()
+        a[1:] = a.sum() * self.w
+        a.index_put_((torch.tensor([1, 1]),), torch.full((4,), -3.0), accumulate=True)
+        return a
+
+
+def test_a_written_input_that_is_a_view_misses_an_entry_compiled_for_a_tensor_of_its_own():
+    # Fuzz 82:860: under grad mode eager raises for a view of another tensor (autograd's
+    # in-place rules) and not for a tensor of its own; the entry compiled for the latter served
+    # the view without raising.
+    torch.manual_seed(0)
+    model = _WritesItsInput()
+    jitted = keraunos.jit(model)
+    out, want = jitted(torch.ones(3, 4)), model(torch.ones(3, 4))
+    assert torch.equal(out, want)
+    for run in (model, jitted):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            run(torch.ones(5, 4)[1:-1])
+    reasons = keraunos.state_of(jitted).last_miss_reasons
+    assert any("was a tensor of its own when compiled and is a view" in r for r in reasons), reasons
+    # Under no_grad the two are alike: one entry serves both, as before.
+    with torch.no_grad():
+        for make in (lambda: torch.ones(3, 4), lambda: torch.ones(5, 4)[1:-1]):
+            assert torch.equal(jitted(make()), model(make()))

@@ -57,6 +57,12 @@ class CacheEntry:
     # an op of unknown effect or a write without a copy).
     alias_positions: tuple | None = None
     written_positions: tuple | None = None
+    # For an entry compiled with grad mode on: ``(position, is a view)`` of each tensor input it
+    # writes, on the compiling call. Autograd's in-place rules tell a view from a tensor of its
+    # own (writing a value that requires grad into a view of a base, then writing it again in
+    # place, raises where the same writes to a plain tensor do not), so the alias check
+    # compares them too.
+    written_views: tuple = ()
     # check_storage_aliases' strategy for this entry, chosen once when it is compiled.
     alias_check: Callable = lambda inputs: True
     # The hit path (hit_path.hit_path): checks, computation and epilogue in one generated function,

@@ -457,6 +457,11 @@ def _verdict(entry: CacheEntry, args: tuple, kwargs: dict) -> tuple[str | None, 
         return f"check failed: {live() if live is not None else description}", None
     if type(r) is str:
         return f"check failed: {r}", None
+    for i, view in entry.written_views:
+        if r[0][i]._is_view() is not view:
+            was, now = ("a view of another tensor", "a tensor of its own")[::1 if view else -1]
+            return (f"input {i}, which the program writes, was {was} when compiled and is "
+                    f"{now} now (autograd's in-place rules tell them apart)"), None
     if not check_storage_aliases(entry, r[0]):
         return (f"inputs share memory differently: compiled for alias pattern "
                 f"{entry.alias_pattern}, called with {alias_pattern_of(entry, r[0])}"), None
@@ -520,6 +525,9 @@ def _miss(state: _JitState, args: tuple, kwargs: dict, start: float):
         entry.alias_positions = tensor_positions(entry, r[0])
         if entry.alias_positions is not None:
             entry.alias_pattern = alias_pattern_of(entry, r[0])
+        if entry.written_positions and torch.is_grad_enabled():
+            entry.written_views = tuple((i, r[0][i]._is_view()) for i in entry.written_positions
+                                        if isinstance(r[0][i], torch.Tensor))
         entry.alias_check = alias_check_for(entry)
         entry.hit_fn, entry.hit_trace = hit_path(entry)
         if state.options.cache is not CacheMode.NO_CACHING:

@@ -41,7 +41,21 @@ def _alone(t: torch.Tensor) -> bool:
 
 
 def alias_check_for(entry: CacheEntry) -> Callable:
-    """The cheapest check that is exact for this entry, decided once instead of on every call."""
+    """The cheapest check that is exact for this entry, decided once instead of on every call:
+    of the inputs' sharing, and of which written inputs are views (``written_views``)."""
+    sharing, views = _sharing_check_for(entry), entry.written_views
+    if not views:
+        return sharing
+
+    def check(inputs):
+        for i, view in views:
+            if inputs[i]._is_view() is not view:
+                return False
+        return sharing(inputs)
+    return check
+
+
+def _sharing_check_for(entry: CacheEntry) -> Callable:
     positions, written = entry.alias_positions, entry.written_positions
     if positions is None or (entry.alias_pattern is None and written == ()):
         return sharing_cannot_matter
