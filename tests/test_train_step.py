@@ -1,8 +1,9 @@
 """A program that runs autograd's backward itself (a training step written as one function:
-``loss.backward()``, clipping, the optimizer, a scheduler; or ``torch.autograd.grad``) against
-eager PyTorch. Capture refuses the backward by name (``BackwardInProgramError``); by default
-the step takes the fallback route with one warning naming the line, and leaves what eager
-leaves: the loss, parameters, ``.grad``, optimizer state and the scheduler's learning rate."""
+``zero_grad``, the forward, the loss, ``loss.backward()``, clipping, the optimizer; or
+``torch.autograd.grad``) against eager PyTorch. Capture records the backward as one line and
+expands it into the step's forward and backward (``autograd/in_program.py``): one program, no
+fallback. After every call the step leaves what eager leaves: the loss, parameters, ``.grad``
+(or ``None``), optimizer state, RNG."""
 import copy
 import warnings
 
@@ -14,86 +15,267 @@ from torch.testing import assert_close
 import keraunos
 from keraunos.errors import BackwardInProgramError
 
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+}
 
-def _training(seed: int = 0):
+
+def _model(seed: int = 0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                               torch.nn.Dropout(0.1), torch.nn.Linear(16, 4))
+
+
+def _training(kind: str = "adamw", *, set_to_none: bool = True, clip: str | None = "norm"):
+    model = _model()
+    optimizer = OPTIMIZERS[kind](model.parameters())
 
     def train_step(x, y):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
         optimizer.step()
-        scheduler.step()
         return loss
-    return model, optimizer, scheduler, train_step
+    return model, optimizer, train_step
 
 
-def test_a_whole_training_step_falls_back_once_naming_the_backward_and_trains_like_eager():
-    model, optimizer, scheduler, step = _training()
-    eager_model, eager_optimizer, eager_scheduler, eager_step = _training()
-    jitted = keraunos.jit(step)
+def _batches(n: int):
     torch.manual_seed(1)
-    batches = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(4)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for x, y in batches:
-            assert_close(jitted(x, y), eager_step(x, y))
-    fallbacks = [str(w.message) for w in caught if "falls back to torch.compile" in str(w.message)]
-    assert len(fallbacks) == 1, fallbacks
-    assert "loss.backward()" in fallbacks[0] and "What to do" in fallbacks[0]
+    return [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(n)]
+
+
+def _assert_same_training(model, optimizer, eager_model, eager_optimizer):
     for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
         assert_close(p, q, msg=name)
-        assert_close(p.grad, q.grad, msg=name)
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            assert_close(p.grad, q.grad, msg=name)
         state, eager_state = optimizer.state[p], eager_optimizer.state[q]
-        assert_close(state["step"], eager_state["step"])
-        assert_close(state["exp_avg"], eager_state["exp_avg"])
-        assert_close(state["exp_avg_sq"], eager_state["exp_avg_sq"])
-    assert scheduler.get_last_lr() == eager_scheduler.get_last_lr()
-    assert scheduler.last_epoch == eager_scheduler.last_epoch == 4
+        assert state.keys() == eager_state.keys(), name
+        for key in eager_state:
+            assert_close(state[key], eager_state[key], msg=f"{name} {key}")
 
 
-def test_fallback_error_names_the_backward_and_leaves_the_model_as_it_was():
-    model, optimizer, _, step = _training()
-    before = copy.deepcopy(model.state_dict())
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    with pytest.raises(BackwardInProgramError, match=r"loss\.backward\(\)(.|\n)*What to do"):
-        keraunos.jit(step, fallback="error")(x, y)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, before[name]), name
-    assert all(p.grad is None for p in model.parameters())
-    assert not optimizer.state
+def _run_both(jitted, step, batches):
+    for i, (x, y) in enumerate(batches):
+        torch.manual_seed(100 + i)  # dropout draws the same masks on both sides
+        got = jitted(x, y)
+        rng = torch.get_rng_state()
+        torch.manual_seed(100 + i)
+        want = step(x, y)
+        assert_close(got, want)
+        assert rng.equal(torch.get_rng_state())  # the step drew what eager draws
 
 
-def _weight():
-    torch.manual_seed(2)
-    return torch.randn(4, 4, requires_grad=True)
+def _no_fallback(caught) -> None:
+    falls_back = [str(w.message) for w in caught if "falls back" in str(w.message)
+                  or "no backward trace" in str(w.message)]
+    assert not falls_back, falls_back
 
 
-@pytest.mark.parametrize("how", ["backward", "autograd.grad", "autograd.backward"])
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_whole_training_step_is_one_program_and_trains_like_eager(kind, set_to_none):
+    model, optimizer, step = _training(kind, set_to_none=set_to_none)
+    eager_model, eager_optimizer, eager_step = _training(kind, set_to_none=set_to_none)
+    jitted = keraunos.jit(step, fuse="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_both(jitted, eager_step, _batches(5))
+        _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    _no_fallback(caught)
+    assert keraunos.cache_hits(jitted) >= 2
+    trace = str(keraunos.last_traces(jitted)[-1])
+    assert "Backward in the program" in trace and "backward_in_program" not in trace
+    assert "_backward_data" in trace  # the backward's ATen ops are lines of the program
+
+
+@pytest.mark.parametrize("clip", ["value", None])
+def test_clipping_by_value_or_none_trains_like_eager(clip):
+    model, optimizer, step = _training("sgd", clip=clip)
+    eager_model, eager_optimizer, eager_step = _training("sgd", clip=clip)
+    _run_both(keraunos.jit(step, fuse="off", fallback="error"), eager_step, _batches(4))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+
+
+def test_the_fused_step_trains_like_eager_and_runs_forward_backward_and_update_in_regions():
+    model, optimizer, step = _training("adamw")
+    eager_model, eager_optimizer, eager_step = _training("adamw")
+    jitted = keraunos.jit(step, fuse="wait", fallback="error")
+    _run_both(jitted, eager_step, _batches(4))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    assert "inductor_region" in str(keraunos.last_traces(jitted)[-1])
+
+
+def test_a_step_under_the_default_tiers_trains_like_eager():
+    model, optimizer, step = _training("adamw")
+    eager_model, eager_optimizer, eager_step = _training("adamw")
+    _run_both(keraunos.jit(step, fallback="error"), eager_step, _batches(6))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+
+
+def _accumulating(micro_batches: int):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_step(xs, ys):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys):
+            loss = F.cross_entropy(model(x), y) / micro_batches
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+    return model, optimizer, train_step
+
+
+def test_gradient_accumulation_over_micro_batches_in_one_step_trains_like_eager():
+    model, optimizer, step = _accumulating(3)
+    eager_model, eager_optimizer, eager_step = _accumulating(3)
+    jitted = keraunos.jit(step, fuse="off", fallback="error")
+    batches = _batches(9)
+    for i in range(3):
+        xs = [b[0] for b in batches[3 * i:3 * i + 3]]
+        ys = [b[1] for b in batches[3 * i:3 * i + 3]]
+        torch.manual_seed(i)
+        got = jitted(xs, ys)
+        torch.manual_seed(i)
+        assert_close(got, eager_step(xs, ys))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+
+
+def test_gradients_accumulate_over_calls_before_an_optimizer_step_outside():
+    def pair():
+        model = _model()
+
+        def micro_step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss.detach()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), micro_step
+    model, optimizer, step = pair()
+    eager_model, eager_optimizer, eager_step = pair()
+    jitted = keraunos.jit(step, fuse="off", fallback="error")
+    grad_before = None
+    for i, (x, y) in enumerate(_batches(6)):
+        torch.manual_seed(i)
+        got = jitted(x, y)
+        torch.manual_seed(i)
+        assert_close(got, eager_step(x, y))
+        if i % 3 == 1:  # accumulated into the .grad the user holds, in place, as eager does
+            assert model[0].weight.grad is grad_before
+        grad_before = model[0].weight.grad
+        if i % 3 == 2:
+            optimizer.step()
+            eager_optimizer.step()
+            optimizer.zero_grad()
+            eager_optimizer.zero_grad()
+            grad_before = None
+        _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad", "autograd.backward",
+                                 "backward(inputs=)"])
 def test_a_backward_inside_the_program_gives_eagers_result_and_gradients(how):
-    w, eager_w = _weight(), _weight()
+    def weight():
+        torch.manual_seed(2)
+        return torch.randn(4, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    (w, b), (eager_w, eager_b) = weight(), weight()
 
-    def program(x, w=w):
-        y = (x @ w).tanh().sum()
+    def program(x, w=w, b=b):
+        y = (x @ w + b).tanh().sum()
         if how == "autograd.grad":
-            return torch.autograd.grad(y, w)[0]
+            return torch.autograd.grad(y, w)[0] * 2
         if how == "backward":
             y.backward()
+        elif how == "backward(inputs=)":
+            y.backward(inputs=[b])
         else:
             torch.autograd.backward([y])
         return y.detach()
 
     x = torch.randn(2, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the one fallback warning, checked above
-        got = keraunos.jit(program)(x)
-    want = program(x, eager_w)
-    assert_close(got, want)
-    if how == "autograd.grad":
-        assert w.grad is None and eager_w.grad is None
-    else:
-        assert_close(w.grad, eager_w.grad)
+    jitted = keraunos.jit(program, fallback="error")
+    for _ in range(2):
+        got = jitted(x)
+        want = program(x, eager_w, eager_b)
+        assert_close(got, want)
+        for p, q in ((w, eager_w), (b, eager_b)):
+            if q.grad is None:
+                assert p.grad is None
+            else:
+                assert_close(p.grad, q.grad)
+
+
+def test_setting_grad_to_none_inside_the_program_is_written_back():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+
+    def clear():
+        optimizer.zero_grad(set_to_none=True)
+    keraunos.jit(clear, fallback="error")()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_backward_with_create_graph_is_refused_naming_the_line():
+    model = _model()
+
+    def penalized(x):
+        loss = model(x).square().mean()
+        (grad,) = torch.autograd.grad(loss, model[0].weight, create_graph=True)
+        return loss + grad.square().sum()
+    with pytest.raises(BackwardInProgramError,
+                       match=r"torch.autograd.grad\(loss(.|\n)*create_graph=True(.|\n)*What to do"):
+        keraunos.jit(penalized, fallback="error")(torch.randn(4, 8))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_backward_through_an_input_that_is_not_a_leaf_is_refused_and_leaves_state_alone():
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    source = torch.randn(4, 8, requires_grad=True)
+
+    def step(x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(BackwardInProgramError, match=r"not a leaf(.|\n)*What to do"):
+        keraunos.jit(step, fallback="error")(source * 2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in model.parameters()) and source.grad is None
+
+
+def test_a_scheduler_stepped_inside_falls_back_once_and_trains_like_eager():
+    def pair():
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+        def train_step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            return loss
+        return model, optimizer, scheduler, train_step
+    model, optimizer, scheduler, step = pair()
+    eager_model, eager_optimizer, eager_scheduler, eager_step = pair()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_both(keraunos.jit(step), eager_step, _batches(4))
+    fallbacks = [str(w.message) for w in caught if "falls back to torch.compile" in str(w.message)]
+    assert len(fallbacks) == 1 and "StepLR" in fallbacks[0], fallbacks
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    assert scheduler.get_last_lr() == eager_scheduler.get_last_lr()

@@ -28,6 +28,7 @@ from . import guards
 from .guards import is_plain
 from .dtensor import dtensor_input, is_capture_dtensor, is_device_mesh, is_dtensor
 from .leaks import is_tensor_subclass_with_dispatch
+from .reads import AttributeWrite
 from .recording import original_class
 from .symbolic import _from_call
 
@@ -62,6 +63,9 @@ class InputsMixin:
         # program without an attribute read we saw (ModuleList iteration, self.parameters()).
         self.module_paths: dict[int, Path] = {}
         self.tensor_paths: dict[int, Path] = {}
+        # id(fake) -> the ``.grad`` the program gave that input (a fake, or None): later reads see
+        # it, and the epilogue writes it (``write_grad``).
+        self._grads_written: dict[int, Any] = {}
         if module is not None:
             self._index_module_tree(module)
         self.tree_modules = set(self.module_paths)
@@ -133,7 +137,8 @@ class InputsMixin:
         optimizer skips a parameter without a gradient). ``grad_now`` is the stand-in's
         ``.grad``; a gradient the program made (a backward inside it) is the program's own."""
         entry = self._input_by_fake.get(id(fake))
-        if entry is None or grad_now is not entry.grad_at_entry:
+        if entry is None or id(fake) in self._grads_written or \
+                grad_now is not entry.grad_at_entry:
             return grad_now
         path = Path(entry.path, ATTR, "grad")
         grad = entry.real.grad
@@ -141,6 +146,28 @@ class InputsMixin:
             self.guard(guards.TENSOR_ATTRIBUTE, path, None)
             return None
         return self.tensor_input(grad, path)
+
+    def write_grad(self, fake: FakeTensor, value: Any) -> None:
+        """``x.grad = value`` by the program (``zero_grad(set_to_none=True)``, a backward's new
+        gradient): made on the stand-in, so that later reads see it, and written by the
+        epilogue when ``x`` is an input."""
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.real_tensor_reached_program(value)
+        with DisableTorchFunction():
+            fake.grad = value
+        entry = self._input_by_fake.get(id(fake))
+        if entry is not None:
+            self._grads_written[id(fake)] = value
+            self.attribute_writes.append(AttributeWrite(entry.path, "grad", value))
+
+    def current_grad(self, fake: FakeTensor) -> Any:
+        """``x.grad`` as the program reads it now (see ``input_grad``)."""
+        with DisableTorchFunction():
+            now = fake.grad
+        return self.input_grad(fake, now)
+
+    def input_entry(self, fake: torch.Tensor) -> TensorInput | None:
+        return self._input_by_fake.get(id(fake))
 
     def _register(self, fake: FakeTensor, proxy: TensorProxy) -> None:
         self.proxy_of[id(fake)] = proxy

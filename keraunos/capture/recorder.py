@@ -13,6 +13,7 @@ from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
 from ..errors import (BackwardInProgramError, CaptureError, DataDependentError, FakeKernelError,
                       FunctionTransformError, user_source)
+from .backward import record_backward
 from .distributed import capture_collective, is_distributed_function
 from .dtensor import has_capture_dtensor, record_dtensor_call
 from .interceptors import paused_watch
@@ -49,6 +50,11 @@ class Recorder(TorchFunctionMode):
         if getattr(func, "__self__", None) is torch.Tensor.grad and len(args) == 1 and \
                 not has_capture_dtensor(args):  # x.grad: an input of its own when x is one
             return ctx.input_grad(args[0], func(*args))
+        if getattr(func, "__self__", None) is torch.Tensor.grad and len(args) == 2 and \
+                not has_capture_dtensor(args):  # x.grad = value: the epilogue writes it
+            return ctx.write_grad(*args)
+        if id(func) in _BACKWARD and not has_capture_dtensor(args):
+            return record_backward(self, func, args, kwargs)  # a training step: backward.py
         if is_distributed_function(func):  # dist.all_reduce(t) and the like: see distributed.py
             return capture_collective(self, func, args, kwargs)
         symbol = torch_symbol(func)
@@ -112,12 +118,10 @@ class Recorder(TorchFunctionMode):
                 f"hook on a tensor inside the program; the compiled backward would not call it.\n"
                 f"  What to do: register the hook on the jitted function's output, or on a "
                 f"parameter, outside the jitted function.")
-        if id(func) in _BACKWARD:
+        if id(func) in _BACKWARD:  # of DTensors (backward.py takes the others)
             raise BackwardInProgramError(
                 f"keraunos cannot capture {user_source()}\n  `{symbol.name}` runs autograd's "
-                f"backward inside the program (a training step in one function); keraunos "
-                f"captures a program's forward, and its gradients come from the backward trace "
-                f"when the caller runs backward.\n  What to do: keep the default "
+                f"backward of DTensors inside the program.\n  What to do: keep the default "
                 f"fallback=\"dynamo\", which runs the step with the graphs around the backward "
                 f"compiled; or jit the model and run backward, clipping and the optimizer "
                 f"outside it.")

@@ -14,11 +14,13 @@ import torch
 
 from .. import executors as executors_module
 from ..autograd import split_forward_backward
+from ..autograd.in_program import expand_backwards, has_backward
 from ..autograd.buckets import display_trace, plan_segments
 from ..core.proxies import Proxy
 from ..core.runner import trace_pass, trace_step
 from ..core.symbolic import refuse_raw_symbols
 from ..core.trace import Trace
+from ..errors import BackwardInProgramError
 from ..passes import common_subexpression_elimination, dead_code_elimination, delete_last_used
 from ..passes.functionalize import functionalize_writes
 from ..passes.peephole import peephole_stage
@@ -50,6 +52,22 @@ def transforms_before_prologue(c: Compilation) -> None:
                  prologue=prologue.derive(prologue.bound_symbols, t.name, seconds),
                  computation=computation.derive(computation.bound_symbols, t.name, seconds),
                  epilogue=epilogue)
+
+
+def backwards_in_program(c: Compilation) -> None:
+    """A backward the program runs itself (a training step): expanded into its forward and
+    backward, in line (``autograd/in_program.py``); the program then runs without autograd."""
+    if not has_backward(c.computation):
+        return
+    try:
+        computation = expand_backwards(c.computation)
+    except Exception as e:  # noqa: BLE001 - any program the split cannot handle: the fallback
+        raise BackwardInProgramError(
+            f"keraunos cannot compile the backward inside {c.state.name} "
+            f"({type(e).__name__}: {e}).\n  What to do: keep the default fallback=\"dynamo\", "
+            f"which runs the step with the graphs around the backward compiled; or jit the "
+            f"model and run the backward outside it.") from e
+    c.record(expand_backwards.label, computation=computation)
 
 
 def optimize(c: Compilation) -> None:
@@ -107,7 +125,8 @@ def functionalize_for_fusion(c: Compilation) -> None:
 
 
 def executor_claims(c: Compilation) -> None:
-    c.records_autograd = c.backward is None and torch.is_grad_enabled()
+    c.records_autograd = c.backward is None and torch.is_grad_enabled() and \
+        not every_op_without_grad(c.computation)
     executors = c.executors
     c.record("executor claims", computation=executors_module.claim(c.computation, executors))
     if c.backward is not None:
@@ -220,7 +239,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 # What runs after capture, in order; each stage records its traces and time in the Compilation.
 # The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
 # What they leave is what the program store keeps; the fast prologue follows (``compile_entry``).
-STAGES = (transforms_before_prologue, optimize, autograd_split, peephole_stage, reinplace_inputs)
+STAGES = (backwards_in_program, transforms_before_prologue, optimize, autograd_split,
+          peephole_stage, reinplace_inputs)
 
 
 # Then, once per tier: from the claims on. The fused tier of ``fuse="background"`` runs the
