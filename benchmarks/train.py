@@ -1,13 +1,16 @@
 """A training step (forward, backward, AdamW step) on a litgpt GPT: eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/train.py [--iters N] [--layers L] [--width W] [--skip-compile]
-                                [--compile-optimizer] [--optimizer-only]
+                                [--compile-optimizer] [--optimizer-only] [--whole-step]
 
 --compile-optimizer compiles the AdamW step too, on both sides: ``keraunos.jit(optimizer.step)``
 against ``torch.compile(optimizer.step)`` (the recipe of torch's tutorial "Compiling the
 optimizer"); without it the optimizer runs eagerly on every side. --optimizer-only times the
 AdamW step alone (and ``AdamW(fused=True)``, torch's own fused CPU kernel, for reference). Regional compilation
-(``block.compile()`` for each layer) is a system of its own.
+(``block.compile()`` for each layer) is a system of its own. --whole-step adds
+``keraunos.jit(train_step)``: zero_grad, forward, loss, backward and the AdamW step captured as one
+program (``keraunos step``, and ``keraunos step fused``), beside torch's best recipes:
+``torch.compile(model)`` with ``torch.compile(optimizer.step)``, and with ``AdamW(fused=True)``.
 
 All figures from this one run, one intra-op thread:
 - compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
@@ -120,6 +123,9 @@ def main():
                         help="compile the optimizer step too (keraunos.jit / torch.compile)")
     parser.add_argument("--optimizer-only", action="store_true",
                         help="time the AdamW step alone (eager, keraunos, torch.compile, fused)")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="add keraunos.jit(train_step), the whole step as one program, and "
+                        "torch's best recipes (compiled AdamW, AdamW(fused=True))")
     parser.add_argument("--json", default="", help="also write the table to this JSON file "
                         "(what benchmarks/report.py renders)")
     parser.add_argument("--quick", action="store_true",
@@ -137,42 +143,57 @@ def main():
         optimizer_only(base, idx, targets, args.iters)
         return
     # The torch executor, and the fused program waited for (the default compiles it in the
-    # background: benchmarks/tiers.py measures that).
-    systems = {"eager": lambda m: m, "keraunos": lambda m: keraunos.jit(m, fuse="off"),
-               "keraunos fused": lambda m: keraunos.jit(m, fuse="wait")}
+    # background: benchmarks/tiers.py measures that). Each recipe: how the model is wrapped,
+    # the optimizer's options, how its step is wrapped, how the whole step function is.
+    same = lambda x: x  # noqa: E731
+    jit_off = lambda x: keraunos.jit(x, fuse="off")  # noqa: E731
+    jit_wait = lambda x: keraunos.jit(x, fuse="wait")  # noqa: E731
+    optimizer_wraps = {"keraunos": jit_off, "keraunos fused": jit_wait,
+                       "torch.compile": torch.compile, "regional": torch.compile}
+    recipes = {"eager": (same, {}, same, same),
+               "keraunos": (jit_off, {}, same, same),
+               "keraunos fused": (jit_wait, {}, same, same)}
     if not args.skip_compile:
-        systems["torch.compile"] = torch.compile
-        systems["regional"] = regional
-    # How each system's optimizer step runs: eagerly, or compiled by the same system.
-    step_wraps = {name: (lambda s: s) for name in systems}
+        recipes["torch.compile"] = (torch.compile, {}, same, same)
+        recipes["regional"] = (regional, {}, same, same)
     if args.compile_optimizer:
-        step_wraps.update({"keraunos": lambda s: keraunos.jit(s, fuse="off"),
-                           "keraunos fused": lambda s: keraunos.jit(s, fuse="wait"),
-                           "torch.compile": torch.compile, "regional": torch.compile})
+        recipes = {name: (model_wrap, options, optimizer_wraps.get(name, same), step_wrap)
+                   for name, (model_wrap, options, _, step_wrap) in recipes.items()}
+    if args.whole_step:
+        # keraunos.jit(train_step): zero_grad, forward, loss, backward and AdamW as one program;
+        # against the best torch recipes (the optimizer compiled too, or torch's fused kernel).
+        recipes["keraunos step"] = (same, {}, same, jit_off)
+        recipes["keraunos step fused"] = (same, {}, same, jit_wait)
+        if not args.skip_compile:
+            recipes["torch.compile, compiled AdamW"] = (torch.compile, {}, torch.compile, same)
+            recipes["torch.compile, AdamW(fused=True)"] = (torch.compile, {"fused": True},
+                                                           same, same)
     results = {}
     losses = {}
     steps = {}
-    for name, wrap in systems.items():
+    for name, (model_wrap, options, optimizer_wrap, step_wrap) in recipes.items():
         model = copy.deepcopy(base)
-        runner = wrap(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = step_fn(runner, optimizer, idx, targets, step_wraps[name](optimizer.step))
+        runner = model_wrap(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)
+        step = step_wrap(step_fn(runner, optimizer, idx, targets,
+                                 optimizer_wrap(optimizer.step)))
         compile_time, median, first = time_2n(step, args.iters)
         losses[name] = step().item()
         steps[name] = step
         results[name] = (compile_time, median, first)
-        if name not in ("torch.compile", "regional"):
+        if model_wrap is not torch.compile and model_wrap is not regional and \
+                step_wrap is same:
             results[name] += (saved_bytes(runner, idx),)
     print(f"torch {torch.__version__}, 1 thread; litgpt Llama-2 config, {args.layers} layers, "
           f"n_embd {args.width}, batch 1x64; AdamW "
           f"({'compiled' if args.compile_optimizer else 'eager'}); 2N method with N = {args.iters}")
     eager = results["eager"]
-    print(f"  {'system':<14} {'compile+warmup':>15} {'step (median)':>15} {'vs eager':>9} "
+    print(f"  {'system':<32} {'compile+warmup':>15} {'step (median)':>15} {'vs eager':>9} "
           f"{'saved for bw':>14} {'vs eager':>9}")
     for name, r in results.items():
         saved = f"{r[3] / 2**20:10.2f} MiB" if len(r) > 3 else f"{'n/a':>14}"
         saved_ratio = f"{r[3] / eager[3]:8.2f}x" if len(r) > 3 else f"{'':>9}"
-        print(f"  {name:<14} {r[0]:13.3f} s {r[1] * 1e3:12.2f} ms {r[1] / eager[1]:8.2f}x "
+        print(f"  {name:<32} {r[0]:13.3f} s {r[1] * 1e3:12.2f} ms {r[1] / eager[1]:8.2f}x "
               f"{saved} {saved_ratio}")
     interleaved = medians_in_turns(steps, args.iters)
     base_name = "torch.compile" if "torch.compile" in interleaved else "eager"

@@ -279,3 +279,83 @@ def test_a_scheduler_stepped_inside_falls_back_once_and_trains_like_eager():
     assert len(fallbacks) == 1 and "StepLR" in fallbacks[0], fallbacks
     _assert_same_training(model, optimizer, eager_model, eager_optimizer)
     assert scheduler.get_last_lr() == eager_scheduler.get_last_lr()
+
+
+def _whole_step_pair(build, loss_of, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                     autocast: bool = False):
+    """A model built twice alike, each with its optimizer and step function."""
+    def one():
+        model = build()
+        opt = optimizer(model.parameters())
+
+        def train_step(x, y):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_of(model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss.detach()
+        return model, opt, train_step
+    return one(), one()
+
+
+def _train_both(pair, batches, fuse="off", rtol=None, atol=None):
+    (model, optimizer, step), (eager_model, eager_optimizer, eager_step) = pair
+    jitted = keraunos.jit(step, fuse=fuse, fallback="error")
+    for x, y in batches:
+        assert_close(jitted(x, y), eager_step(x, y), rtol=rtol, atol=atol)
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+        assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+        assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+    return jitted
+
+
+def test_a_litgpt_training_step_is_one_program_and_trains_like_eager():
+    litgpt = pytest.importorskip("litgpt")
+    config = litgpt.Config.from_name("Llama-2-7b-hf", n_layer=2, n_embd=64, n_head=4,
+                                     n_query_groups=4, head_size=16, intermediate_size=176,
+                                     vocab_size=128, padded_vocab_size=128, block_size=64)
+
+    def build():
+        torch.manual_seed(0)
+        return litgpt.model.GPT(config)
+
+    def loss_of(model, x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 128, (2, 16), generator=g),
+                torch.randint(0, 128, (2, 16), generator=g)) for _ in range(4)]
+    jitted = _train_both(_whole_step_pair(build, loss_of), batches, atol=2e-5, rtol=1e-4)
+    assert "Backward in the program" in str(keraunos.last_traces(jitted)[-1])
+
+
+def test_a_transformers_training_step_is_one_program_and_trains_like_eager():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).train()
+
+    def loss_of(model, x, y):
+        return model(input_ids=x, labels=y).loss
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 128, (2, 12), generator=g),) * 2 for _ in range(4)]
+    _train_both(_whole_step_pair(build, loss_of), batches, atol=2e-5, rtol=1e-4)
+
+
+def test_a_training_step_with_autocast_inside_trains_like_eager():
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                   torch.nn.Linear(32, 4))
+
+    def loss_of(model, x, y):
+        return F.cross_entropy(model(x), y)  # linear in bfloat16, the loss in float32
+    batches = _batches(4)
+    jitted = _train_both(_whole_step_pair(build, loss_of, autocast=True), batches)
+    trace = str(keraunos.last_traces(jitted)[-1])
+    assert "torch.bfloat16" in trace  # autocast's casts, lines of the program

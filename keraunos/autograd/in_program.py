@@ -28,41 +28,8 @@ from ..core.runner import trace_pass
 from ..core.symbols import BoundSymbol
 from ..core.tags import MUTATION
 from ..core.trace import Trace
+from ..capture.backward import backward_in_program, dense_layout, fresh_grad
 from .split import split_forward_backward
-
-
-def backward_in_program(outputs, grad_outputs, inputs=()):
-    """The line capture records for a backward inside the program; expanded before it runs."""
-    raise RuntimeError("keraunos: a backward_in_program line was left in a trace that runs "
-                       "(it is expanded right after capture)")
-
-
-def fresh_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``like``'s new ``.grad`` made from ``grad`` as autograd's engine stores it when it cannot
-    keep ``grad`` itself: memory of its own, with ``like``'s strides when ``like`` is dense and
-    non-overlapping, else contiguous."""
-    if _dense(like):
-        out = torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device)
-    else:
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    return out.copy_(grad)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return _dense_layout(t.shape, t.stride())
-
-
-def _dense_layout(shape, strides) -> bool:
-    """Whether elements of these sizes and strides fill their memory without gaps or
-    overlap, in some order of the dimensions."""
-    expected = 1
-    for size, stride in sorted(zip(shape, strides), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def has_backward(trace: Trace) -> bool:
@@ -164,7 +131,7 @@ def _kept_gradients(lines: list[BoundSymbol]) -> list[BoundSymbol]:
 def _laid_out_as_grad(g: TensorProxy, like: TensorProxy) -> bool:
     if g.shape != like.shape or g.dtype != like.dtype:
         return False
-    if _dense_layout(like.shape, like.stride):
+    if dense_layout(like.shape, like.stride):
         return g.stride == like.stride
     return g.stride == _contiguous_strides(g.shape)
 

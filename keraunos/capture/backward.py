@@ -17,10 +17,40 @@ import inspect
 
 import torch
 
-from ..autograd.in_program import backward_in_program, fresh_grad
 from ..core.autograd_graph import leaves_reached
 from ..core.symbols import BoundSymbol, TorchSymbol
 from ..errors import BackwardInProgramError, user_source
+
+
+def backward_in_program(outputs, grad_outputs, inputs=()):
+    """The line capture records for a backward inside the program; expanded before it runs."""
+    raise RuntimeError("keraunos: a backward_in_program line was left in a trace that runs "
+                       "(it is expanded right after capture)")
+
+
+def fresh_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s new ``.grad`` made from ``grad`` as autograd's engine stores it when it cannot
+    keep ``grad`` itself: memory of its own, with ``like``'s strides when ``like`` is dense and
+    non-overlapping, else contiguous."""
+    if dense_layout(like.shape, like.stride()):
+        out = torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device)
+    else:
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    return out.copy_(grad)
+
+
+def dense_layout(shape, strides) -> bool:
+    """Whether elements of these sizes and strides fill their memory without gaps or
+    overlap, in some order of the dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(shape, strides), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
 
 _BACKWARD_SYMBOL = TorchSymbol(backward_in_program, "backward_in_program", "opaque")
 _FRESH_GRAD_SYMBOL = TorchSymbol(fresh_grad, "fresh_grad", "opaque")
