@@ -245,10 +245,13 @@ def test_the_fused_step_runs_each_parameters_update_in_a_region():
     assert_trained_alike(ours, theirs)
     fused = str(keraunos.last_traces(step)[-1])
     assert "Functionalize Writes" in fused
-    # No write of a parameter or state tensor is left outside the regions.
+    # No write of a parameter or moment estimate is left outside the regions; the step counts
+    # (0-dim, read by the bias corrections) are counted once each on the torch executor.
     outside = [line for line in fused.splitlines()
                if not line.lstrip().startswith("#") and ("_(" in line or ".copy_(" in line)]
-    assert not outside, outside
+    assert outside and all(line.strip().endswith("_step_updated.add_(1)") for line in outside), \
+        outside
+    assert "inductor_region" in fused
 
 
 def test_a_chain_of_writes_of_an_input_fuses_and_matches_eager():
