@@ -101,9 +101,14 @@ backward.""",
 (width 256, batch 1x64). `keraunos` is the torch executor, `keraunos fused` the fused program
 (`fuse="wait"`, the program the default switches to), `regional` is `block.compile()` per layer.
 Steps timed in turns, medians; ratios to `torch.compile`. With `--compile-optimizer` each side
-compiles the AdamW step too (`keraunos.jit(optimizer.step)`, `torch.compile(optimizer.step)`).""",
+compiles the AdamW step too (`keraunos.jit(optimizer.step)`, `torch.compile(optimizer.step)`).
+With `--whole-step`, `keraunos step` is `keraunos.jit(train_step)`: `zero_grad`, the forward, the
+loss, `loss.backward()` and the AdamW step captured as one program (`keraunos step fused`: its
+fused program), beside torch's best recipes for the optimizer: `torch.compile(optimizer.step)`,
+and `AdamW(fused=True)`, torch's own fused kernel.""",
            [["benchmarks/train.py", "--iters", "20"],
-            ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"]]),
+            ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"],
+            ["benchmarks/train.py", "--iters", "20", "--whole-step"]]),
     Family("precision", "Reduced precision", """\
 `benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
 model under `torch.autocast("cpu", dtype=torch.bfloat16)` and as a bfloat16 model; an eval forward
