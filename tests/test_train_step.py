@@ -359,3 +359,33 @@ def test_a_training_step_with_autocast_inside_trains_like_eager():
     jitted = _train_both(_whole_step_pair(build, loss_of, autocast=True), batches)
     trace = str(keraunos.last_traces(jitted)[-1])
     assert "torch.bfloat16" in trace  # autocast's casts, lines of the program
+
+
+def test_a_scheduler_outside_with_a_tensor_rate_trains_like_eager_without_recompiling():
+    def pair():
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
+
+        def train_step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+        return model, optimizer, scheduler, train_step
+    model, optimizer, scheduler, step = pair()
+    eager_model, eager_optimizer, eager_scheduler, eager_step = pair()
+    jitted = keraunos.jit(step, fuse="off", fallback="error")
+    for i, (x, y) in enumerate(_batches(6)):
+        torch.manual_seed(i)
+        got = jitted(x, y)
+        torch.manual_seed(i)
+        assert_close(got, eager_step(x, y))
+        scheduler.step()
+        eager_scheduler.step()
+        if i == 2:
+            misses = keraunos.cache_misses(jitted)
+    assert keraunos.cache_misses(jitted) == misses  # the rate is read on every call
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    assert_close(optimizer.param_groups[0]["lr"], eager_optimizer.param_groups[0]["lr"])
