@@ -99,16 +99,14 @@ backward.""",
     Family("train", "Training step", """\
 `benchmarks/train.py`: forward, loss, backward and AdamW step of a 4-layer litgpt Llama-2 config
 (width 256, batch 1x64). `keraunos` is the torch executor, `keraunos fused` the fused program
-(`fuse="wait"`, the program the default switches to), `regional` is `block.compile()` per layer.
-Steps timed in turns, medians; ratios to `torch.compile`. With `--compile-optimizer` each side
-compiles the AdamW step too (`keraunos.jit(optimizer.step)`, `torch.compile(optimizer.step)`).
-With `--whole-step`, `keraunos step` is `keraunos.jit(train_step)`: `zero_grad`, the forward, the
-loss, `loss.backward()` and the AdamW step captured as one program (`keraunos step fused`: its
-fused program), beside torch's best recipes for the optimizer: `torch.compile(optimizer.step)`,
-and `AdamW(fused=True)`, torch's own fused kernel.""",
-           [["benchmarks/train.py", "--iters", "20"],
-            ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"],
-            ["benchmarks/train.py", "--iters", "20", "--whole-step"]]),
+(`fuse="wait"`, the program the default switches to), `regional` is `block.compile()` per layer;
+steps timed in turns, medians. `keraunos step` is `keraunos.jit(train_step)`: `zero_grad`, forward,
+loss, `loss.backward()` and AdamW as one program (`keraunos step fused`: fused), beside torch's
+best optimizer recipes: `torch.compile(optimizer.step)`, `AdamW(fused=True)` (torch's fused
+kernel). With `--compile-optimizer` each side compiles the AdamW step (`keraunos.jit`, or
+`torch.compile`, of `optimizer.step`).""",
+           [["benchmarks/train.py", "--iters", "20", "--whole-step"],
+            ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"]]),
     Family("precision", "Reduced precision", """\
 `benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
 model under `torch.autocast("cpu", dtype=torch.bfloat16)` and as a bfloat16 model; an eval forward
@@ -176,6 +174,8 @@ HEADLINES = [
              "(c) training step, fused", "torch.compile"),
     Headline("train", "", "keraunos fused", "vs torch.compile",
              "training step, eager AdamW", "torch.compile"),
+    Headline("train", "", "keraunos step fused", "vs torch.compile",
+             "whole training step, one program", "torch.compile"),
     Headline("generate", "", "llama: keraunos+inductor", "vs torch.compile",
              "HF Llama decode step, fused", "torch.compile"),
     Headline("zoo", "torchvision", "resnet18 eval", "keraunos", "resnet18 eval, per call",

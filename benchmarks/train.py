@@ -17,7 +17,9 @@ All figures from this one run, one intra-op thread:
 - steady-state median step time (of the last N steps);
 - each system's median step with all systems taking steps in turns (interleaved);
 - bytes saved for backward by one forward, counted with torch.autograd.graph.saved_tensors_hooks
-  (unique storages, so a tensor saved twice counts once), for eager and keraunos.
+  (unique storages, so a tensor saved twice counts once), for eager and keraunos;
+- peak memory of one step: the most bytes its tensors held at once beyond what was held when it
+  started, from the profiler's allocation records (``profile_memory=True``).
 """
 from __future__ import annotations
 
@@ -101,6 +103,19 @@ def optimizer_only(base, idx, targets, rounds: int) -> None:
         f"{v / medians['torch.compile']:.2f}x torch.compile)" for k, v in medians.items()))
 
 
+def peak_bytes(step) -> int:
+    """The most bytes the step's tensors held at once beyond what was held when it started: the
+    allocations and frees the profiler records (``profile_memory``), summed in order."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        step()
+    live = peak = 0  # each allocation in the innermost op that made it; frees as "[memory]"
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
 def saved_bytes(model, idx) -> int:
     storages: dict[int, int] = {}
 
@@ -171,6 +186,7 @@ def main():
     results = {}
     losses = {}
     steps = {}
+    peaks = {}
     for name, (model_wrap, options, optimizer_wrap, step_wrap) in recipes.items():
         model = copy.deepcopy(base)
         runner = model_wrap(model)
@@ -181,6 +197,7 @@ def main():
         losses[name] = step().item()
         steps[name] = step
         results[name] = (compile_time, median, first)
+        peaks[name] = peak_bytes(step)
         if model_wrap is not torch.compile and model_wrap is not regional and \
                 step_wrap is same:
             results[name] += (saved_bytes(runner, idx),)
@@ -206,21 +223,26 @@ def main():
               f"{results['keraunos'][0] / results['torch.compile'][0]:.3f}")
     print(f"  loss after {2 * args.iters + 1} steps: " +
           ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
+    print("  peak memory of one step (tensors held at once beyond the step's start): " +
+          ", ".join(f"{k} {v / 2**20:.2f} MiB ({v / peaks['eager']:.2f}x eager)"
+                    for k, v in peaks.items()))
     if args.json:
-        write_json(results, interleaved, base_name, losses, args.json)
+        write_json(results, interleaved, base_name, losses, peaks, args.json)
 
 
-def write_json(results: dict, interleaved: dict, base_name: str, losses: dict,
+def write_json(results: dict, interleaved: dict, base_name: str, losses: dict, peaks: dict,
                path: str) -> None:
     """The table as benchmarks/report.py renders it: one row per system."""
     eager = results["eager"]
     rows = [[name, f"{r[0]:.2f} s", f"{interleaved[name] * 1e3:.2f} ms",
              f"{interleaved[name] / interleaved[base_name]:.2f}x",
              f"{r[3] / 2**20:.2f} MiB ({r[3] / eager[3]:.2f}x)" if len(r) > 3 else "n/a",
+             f"{peaks[name] / 2**20:.2f} MiB ({peaks[name] / peaks['eager']:.2f}x)",
              f"{losses[name]:.5f}"] for name, r in results.items()]
     with open(path, "w") as f:
         json.dump({"tables": [{"columns": ["system", "compile + warm-up", "step, in turns",
                                            f"vs {base_name}", "saved for backward (vs eager)",
+                                           "peak memory of a step (vs eager)",
                                            "loss after the steps"],
                                "rows": rows, "ratios_to": base_name}]}, f, indent=1)
 

@@ -254,3 +254,33 @@ def test_a_reduced_precision_model_trains_fused_as_close_to_float64_as_eager(dty
                                exact_model.parameters()):
         assert p.grad.dtype == dtype
         assert_as_close_to_float64(p.grad, q.grad, e.grad, name)
+
+
+def test_a_float16_training_step_with_a_grad_scaler_trains_like_eager():
+    """The recipe of float16 training: autocast to float16, the loss scaled by a ``GradScaler``
+    (its unscaling, inf checks and step outside the jitted model), fused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Flatten(), nn.Linear(8 * 32, 4))
+    reference = copy.deepcopy(model)
+    jitted = keraunos.jit(model, fuse="wait")
+    sides = []
+    for m, run in ((model, jitted), (reference, reference)):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        sides.append((m, run, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, 32, generator=g), torch.randint(0, 4, (4,), generator=g)
+        losses = []
+        for m, run, optimizer, scaler in sides:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(run(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.detach())
+        assert_close(losses[0], losses[1], rtol=2e-3, atol=2e-3)
+    assert sides[0][3].get_scale() == sides[1][3].get_scale()
+    assert keraunos.compile_stats(jitted).tier == "fused"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p, q, rtol=2e-3, atol=2e-3, msg=name)

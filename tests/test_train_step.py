@@ -5,6 +5,7 @@ expands it into the step's forward and backward (``autograd/in_program.py``): on
 fallback. After every call the step leaves what eager leaves: the loss, parameters, ``.grad``
 (or ``None``), optimizer state, RNG."""
 import copy
+import pathlib
 import warnings
 
 import pytest
@@ -389,3 +390,14 @@ def test_a_scheduler_outside_with_a_tensor_rate_trains_like_eager_without_recomp
     assert keraunos.cache_misses(jitted) == misses  # the rate is read on every call
     _assert_same_training(model, optimizer, eager_model, eager_optimizer)
     assert_close(optimizer.param_groups[0]["lr"], eager_optimizer.param_groups[0]["lr"])
+
+
+def test_the_step_shows_in_compile_stats_and_the_report(tmp_path):
+    model, optimizer, step = _training("sgd")
+    jitted = keraunos.jit(step, fuse="off", fallback="error")
+    for x, y in _batches(3):
+        jitted(x, y)
+    stats = str(keraunos.compile_stats(jitted))
+    assert "Backward in the program" in stats
+    page = pathlib.Path(keraunos.report(jitted, tmp_path / "step.html")).read_text()
+    assert "Backward in the program" in page and "nll_loss_backward" in page
