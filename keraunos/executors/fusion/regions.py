@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core import tree
+from ...core import glue, tree
 from ...core.symbolic import SymbolicValue
 from ...core.effects import draws_random, forbidding, is_inplace_by_name, may_move
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
@@ -374,6 +374,9 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
     that is not fused and reads nothing of the run it sits in moves before the run, so that it
     does not cut the run in two (a view of a RoPE table made inside the first layer only)."""
     claimed = list(claimed)
+    first, moved = _scalars_first(lines, claimed, _Proxies(lines))
+    lines, claimed = [lines[i] for i in first], [claimed[i] for i in first]
+    layers = [_SCALARS if i in moved else layers[i] for i in first]
     io = _Proxies(lines)
     minimum = _min_compute_lines.get()
     while True:
@@ -395,6 +398,88 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
             return ordered, kept
         for i in refused:
             claimed[i] = False
+
+
+# The layer key of the 0-dim values moved ahead of the first larger computation
+# (``_scalars_first``): their own region, never one with the tensors that read them.
+_SCALARS = "(0-dim values)"
+
+
+def _scalars_first(lines: list[BoundSymbol], claimed: list[bool],
+                   io: _Proxies) -> tuple[list[int], set[int]]:
+    """The line order with each claimed line of only 0-dim tensors that can run before the
+    trace's first claimed line of larger tensors moved there, in their order: an optimizer's
+    step counts and bias corrections for every parameter (they read its state, inputs of the
+    trace) then run as one region ahead of the updates, instead of cutting the updates into a
+    region per parameter. A line moves above no line that makes a value it reads, writes memory
+    it reads or writes, or reads memory it writes, and above no switch of grad mode or
+    autocast and no opaque call."""
+    start = next((k for k, b in enumerate(lines) if claimed[k] and not _only_0_dim(b)), None)
+    if start is None:
+        return list(range(len(lines))), set()
+    moved: dict[int, list[int]] = {}  # position in the lines kept in place -> lines moved there
+    kept: list[int] = list(range(start + 1))
+    last = 0  # moved lines keep their order among themselves
+    feeding = _feeding_larger(lines, claimed, io)
+    for i in range(start + 1, len(lines)):
+        b = lines[i]
+        if i in feeding and (_movable(b) or writes(b) is not None):
+            at = max(_earliest(b, [lines[k] for k in kept], io), last)
+            if at <= start:  # (the lines before ``start`` are all kept, in place)
+                moved.setdefault(at, []).append(i)
+                last = at
+                continue
+        kept.append(i)
+    if not moved:
+        return list(range(len(lines))), set()
+    order: list[int] = []
+    for position, i in enumerate(kept):
+        order += moved.get(position, [])
+        order.append(i)
+    return order, {i for group in moved.values() for i in group}
+
+
+def _feeding_larger(lines: list[BoundSymbol], claimed: list[bool], io: _Proxies) -> set[int]:
+    """The claimed lines of only 0-dim tensors whose values claimed lines of larger tensors
+    read, directly or through other such lines (a step count's bias correction; not
+    BatchNorm's ``num_batches_tracked``, which nothing larger reads)."""
+    read: set[str] = set()
+    found: set[int] = set()
+    for i in range(len(lines) - 1, -1, -1):
+        b = lines[i]
+        if not claimed[i]:
+            continue
+        ins = {p.name for p in io.ins(b)}
+        if not _only_0_dim(b):
+            read |= ins
+            continue
+        written = writes(b)
+        if {p.name for p in io.outs(b)} & read or (written is not None and written.name in read):
+            found.add(i)
+            read |= ins
+    return found
+
+
+def _earliest(bsym: BoundSymbol, before: list[BoundSymbol], io: _Proxies) -> int:
+    """How many of the lines ``before`` must stay before ``bsym``."""
+    reads = {p.name for p in io.ins(bsym)}
+    read_memory = {io.storage(p) for p in io.ins(bsym) if isinstance(p, TensorProxy)}
+    written = writes(bsym)
+    written_memory = io.storage(written) if written is not None else None
+    for k in range(len(before) - 1, -1, -1):
+        b = before[k]
+        if not isinstance(b.symbol, TorchSymbol) and b.symbol is glue.SET_GLOBAL_STATE or \
+                OPAQUE in b.tags:
+            return k + 1
+        if {p.name for p in io.outs(b)} & reads:
+            return k + 1
+        wrote = {io.storage(p) for p in _written(b, io) + [w for w in [writes(b)] if w]}
+        if wrote & (read_memory | {written_memory}):
+            return k + 1
+        if written_memory is not None and written_memory in {
+                io.storage(p) for p in io.all(b) + io.outs(b) if isinstance(p, TensorProxy)}:
+            return k + 1
+    return 0
 
 
 def _inlined_scalars(region: Region) -> list[int]:
