@@ -420,7 +420,7 @@ def _scalars_first(lines: list[BoundSymbol], claimed: list[bool],
     moved: dict[int, list[int]] = {}  # position in the lines kept in place -> lines moved there
     kept: list[int] = list(range(start + 1))
     last = 0  # moved lines keep their order among themselves
-    feeding = _feeding_larger(lines, claimed, io)
+    feeding = _feeding_larger(lines, claimed, io) & _read_inputs(lines, io)
     for i in range(start + 1, len(lines)):
         b = lines[i]
         if i in feeding and (_movable(b) or writes(b) is not None):
@@ -457,6 +457,26 @@ def _feeding_larger(lines: list[BoundSymbol], claimed: list[bool], io: _Proxies)
         if {p.name for p in io.outs(b)} & read or (written is not None and written.name in read):
             found.add(i)
             read |= ins
+    return found
+
+
+def _read_inputs(lines: list[BoundSymbol], io: _Proxies) -> set[int]:
+    """The lines of only 0-dim tensors that read a tensor the trace takes as input (an
+    optimizer's step count), directly or through other such lines; a constant made in the
+    trace (``torch.tensor(2.0)``) costs nothing where Inductor inlines it."""
+    made = {p.name for b in lines for p in io.outs(b)}
+    rooted: set[str] = set()
+    found: set[int] = set()
+    for i, b in enumerate(lines):
+        if not _only_0_dim(b):
+            continue
+        tensors = [p for p in io.ins(b) if isinstance(p, TensorProxy)]
+        if any(p.name not in made or p.name in rooted for p in tensors):
+            found.add(i)
+            rooted.update(p.name for p in io.outs(b))
+            written = writes(b)
+            if written is not None:
+                rooted.add(written.name)
     return found
 
 
