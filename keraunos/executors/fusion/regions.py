@@ -388,7 +388,7 @@ def find_regions(lines: list[BoundSymbol], claimed: list[bool], layers: list[str
         last_write = _last_writes(ordered, io)
         refused = [order[k] for r in regions
                    for k in _unsafe_lines(r, observable, last_write, io) + _unsafe_writes(r, io)
-                   + _inlined_scalars(r)]
+                   + _inlined_scalars(r, io)]
         if not refused:
             kept = [r for r in regions if sum(_allocates(b, io) for b in r.lines) >= minimum]
             for r in kept:
@@ -502,25 +502,15 @@ def _earliest(bsym: BoundSymbol, before: list[BoundSymbol], io: _Proxies) -> int
     return 0
 
 
-def _inlined_scalars(region: Region) -> list[int]:
+def _inlined_scalars(region: Region, io: _Proxies) -> list[int]:
     """The lines of only 0-dim tensors in a region whose values larger tensors of the region
     read (an optimizer's step count and bias corrections, ``1 - beta ** step``, read by its
     update): Inductor inlines such a value into the loop of every tensor that reads it and
     computes its powers and roots again for each element (AdamW's update took 3x the time of
     torch's fused kernel). Given back, they run once each on the torch executor, before the
     region. (A counter nothing larger reads, BatchNorm's ``num_batches_tracked``, stays.)"""
-    read: set[str] = set()  # names whose values a line of larger tensors needs
-    given_back: list[int] = []
-    for k in range(len(region.lines) - 1, -1, -1):
-        b = region.lines[k]
-        ins = {p.name for p in b.input_proxies() if isinstance(p, TensorProxy)}
-        if not _only_0_dim(b):
-            read |= ins
-        elif {p.name for p in b.output_proxies()} & read or (
-                writes(b) is not None and writes(b).name in read):
-            given_back.append(region.start + k)
-            read |= ins
-    return given_back if len(given_back) < len(region.lines) else []
+    found = _feeding_larger(region.lines, [True] * len(region.lines), io)
+    return [region.start + k for k in sorted(found)] if len(found) < len(region.lines) else []
 
 
 def _only_0_dim(bsym: BoundSymbol) -> bool:
