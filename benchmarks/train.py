@@ -19,7 +19,8 @@ All figures from this one run, one intra-op thread:
 - bytes saved for backward by one forward, counted with torch.autograd.graph.saved_tensors_hooks
   (unique storages, so a tensor saved twice counts once), for eager and keraunos;
 - peak memory of one step: the most bytes its tensors held at once beyond what was held when it
-  started, from the profiler's allocation records (``profile_memory=True``).
+  started, from the profiler's allocation records (``profile_memory=True``) of the second of two
+  steps, so that the frees of the gradients the first step made count.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import keraunos
+from keraunos.testing.memory import peak_bytes
 
 # benchmarks/fusion.py (keraunos bench) loads this file by its path: its folder is not on sys.path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,19 +103,6 @@ def optimizer_only(base, idx, targets, rounds: int) -> None:
     print(f"  AdamW step alone, interleaved ({rounds} rounds), median: " + ", ".join(
         f"{k} {v * 1e3:.2f} ms ({v / medians['eager']:.2f}x eager, "
         f"{v / medians['torch.compile']:.2f}x torch.compile)" for k, v in medians.items()))
-
-
-def peak_bytes(step) -> int:
-    """The most bytes the step's tensors held at once beyond what was held when it started: the
-    allocations and frees the profiler records (``profile_memory``), summed in order."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        step()
-    live = peak = 0  # each allocation in the innermost op that made it; frees as "[memory]"
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def saved_bytes(model, idx) -> int:

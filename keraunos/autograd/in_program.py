@@ -51,8 +51,11 @@ def expand_backwards(computation: Trace) -> list[BoundSymbol]:
 def _expand(computation: Trace, lines: list[BoundSymbol], at: int) -> list[BoundSymbol]:
     line = lines[at]
     outputs, grad_outputs = line.args
+    # ``x.grad = None`` lines (zero_grad) touch no value autograd sees: they run first.
+    releases = [b for b in lines[:at] if b.symbol is glue.RELEASE_GRAD]
     before = Trace("computation", computation.params,
-                   lines[:at] + [glue.RETURN.bind(list(outputs))],
+                   [b for b in lines[:at] if b.symbol is not glue.RELEASE_GRAD]
+                   + [glue.RETURN.bind(list(outputs))],
                    ["the program up to its backward"], dict(computation.namespace))
     split = split_forward_backward(before)
     if split.differentiable != list(range(len(outputs))):
@@ -86,7 +89,7 @@ def _expand(computation: Trace, lines: list[BoundSymbol], at: int) -> list[Bound
         gradient_of[out.name] = renames.get(g.name, g)
     expanded = [_renamed_line(b, renames) for b in forward_lines + backward_lines]
     after = [_renamed_line(b, gradient_of) for b in lines[at + 1:]]
-    return expanded + after
+    return releases + expanded + after
 
 
 def _kept_gradients(lines: list[BoundSymbol]) -> list[BoundSymbol]:

@@ -90,7 +90,7 @@ _TENSOR_STATE = (torch.Tensor.grad, torch.Tensor._base, torch.Tensor.grad_fn)
 
 def _reads_tensor_state(bsym: BoundSymbol) -> bool:
     """``x.grad`` reads the input itself, not its data: it must not move to the working copy."""
-    return isinstance(bsym.symbol, TorchSymbol) and any(
+    return bsym.symbol is glue.RELEASE_GRAD or isinstance(bsym.symbol, TorchSymbol) and any(
         bsym.symbol.attribute is a for a in _TENSOR_STATE)
 
 
@@ -235,6 +235,11 @@ def _assemble(ctx: CaptureContext, out: Any, check_values: bool) -> Program:
     for g in groups:
         returns.add_output(g.updated)
     params = _computation_inputs(ctx, groups)
+    # ``x.grad = None`` frees memory where the computation receives ``x`` itself (not a view of
+    # a storage it shares with other inputs, nor under DTensor's autograd): elsewhere only the
+    # epilogue's write makes it.
+    direct = set() if _dtensor_autograd(ctx) else {p.name for p in params}
+    body = [b for b in body if b.symbol is not glue.RELEASE_GRAD or b.args[0].name in direct]
     if _dtensor_autograd(ctx):
         # DTensor's autograd, not the local program's: one line with its own backward.
         body = [region_line(ctx, params, body, returns)]

@@ -359,7 +359,22 @@ class FusionCall(Symbol):
             lines += [f"#   {line}" for line in b.symbol.format(b, sub)]
             sub.defined.update(p.name for p in b.output_proxies())
         args = ", ".join(p.name for p in bsym.args)
+        if isinstance(bsym.fields, HandOver):  # inputs that die here: the kernel frees them
+            handed = f"{self.name}_inputs"
+            return lines + [f"{handed} = [{args}]", f"del {', '.join(bsym.fields.names)}",
+                            w.assignment(bsym, f"{self.name}.take({handed})")]
         return lines + [w.assignment(bsym, f"{self.name}({args})")]
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """A fused region's line whose inputs ``names`` are used last there (``passes/deletion.py``):
+    they are handed to the kernel in a list it empties, and deleted before the call, so that
+    the kernel frees each at its own last use (a backward's saved activations, as eager's
+    backward frees them) instead of all of them when it returns. A region's call that can take
+    its inputs so has ``take(list)``."""
+
+    names: tuple[str, ...]
 
 
 # --- the epilogue -----------------------------------------------------------------------------
@@ -446,6 +461,16 @@ COPY_BACK = Glue("copy_back", _copy_back, CopyBack)
 MAKE_VIEW = Glue("make_view", _make_view)
 WRITE_ATTRIBUTE = Glue("write_attribute", _write_attribute, WriteAttribute)
 WRITE_CONTAINER = Glue("write_container", _write_container)
+
+
+def _release_grad(bsym, w):
+    return [f"{bsym.args[0].name}.grad = None  # where the program sets it, as eager frees it "
+            f"there; the epilogue writes what the program leaves"]
+
+
+# ``x.grad = None`` (``zero_grad(set_to_none=True)``) of an input, in the computation where the
+# program makes it: the old gradient's memory is free from there on, as in eager.
+RELEASE_GRAD = Glue("release_grad", _release_grad)
 @dataclass(frozen=True)
 class ReplayCall:
     """A ``print``/logging/``warnings.warn`` call of the program (``replay``, a callable that

@@ -21,8 +21,14 @@ def delete_last_used(trace: Trace) -> list[BoundSymbol]:
             for p in bsym.output_proxies() + used:
                 if p.name not in seen and p.name not in params:
                     dead.setdefault(p.name, p)
+            handed = [n for n in dict.fromkeys(p.name for p in used) if n in dead] \
+                if hasattr(getattr(bsym.symbol, "call", None), "take") else []
+            for name in handed:
+                del dead[name]
             if dead:
                 result.append(glue.DELETE.bind(*dead.values()))
+            if handed:
+                bsym = bsym.replace(fields=glue.HandOver(tuple(handed)))
         seen.update(p.name for p in used)
         result.append(bsym)
     result.reverse()

@@ -61,7 +61,7 @@ from ..capture.retarget import expecting_values_of, with_example
 from ..version import __version__
 
 NAMESPACE = "program"  # the store's namespace for these rows
-FORMAT = 3             # bump when what a row holds, or how it is loaded, changes
+FORMAT = 4             # bump when what a row holds, or how it is loaded, changes
 
 
 @dataclass
@@ -75,7 +75,7 @@ class StoredProgram:
     backward: Trace | None
     split: Any                       # the autograd split (``autograd/split.py``), or None
     check_descriptions: list         # what each of the prologue's checks is (miss reasons)
-    facts: tuple                     # (number of inputs, the inputs it writes): ``codegen``
+    facts: tuple                     # (inputs, written, not handed on): ``codegen``
     seen_sizes: dict                 # what capture told automatic dynamic of each input's sizes
     # How the inputs of the call that captured it shared memory (``cache.sharing_of``): a call
     # it serves must repeat it.

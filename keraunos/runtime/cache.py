@@ -40,6 +40,9 @@ class CacheEntry:
     # rebinding read; None for the torch.compile fallback's entry, whose prologue checks nothing
     # (dynamo's guards do).
     fast_prologue: object = None
+    # The names of tensors the prologue checks but does not hand on (an old gradient that
+    # ``zero_grad`` only compared with None): the hit path lets go of them before the computation.
+    released: tuple = ()
     computation_fn: Callable  # replaced once, by the switch to the fused tier (runtime/tiers.py)
     epilogue_fn: Callable
     prologue_traces: list[Trace] = field(default_factory=list)

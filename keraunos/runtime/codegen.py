@@ -19,7 +19,7 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
     computation_fn = computation_callable(c)
     epilogue_fn = c.epilogues[-1].python_callable()
     c.time("codegen", time.perf_counter() - t0)
-    n_inputs, written = c.facts if c.facts is not None else captured_facts(c)
+    n_inputs, written, released = c.facts if c.facts is not None else captured_facts(c)
     positions = tuple(range(n_inputs))
     entry = CacheEntry(prologue_fn=prologue_fn, computation_fn=computation_fn,
                        epilogue_fn=epilogue_fn, prologue_traces=c.prologues,
@@ -30,15 +30,17 @@ def make_entry(c: Compilation, tiering: Tiering | None = None) -> CacheEntry:
                        written_positions=written,
                        fusion_regions=c.fusion_regions, fusion_note=c.fusion_note,
                        tiering=tiering, program_store=c.program_store,
-                       fast_prologue=c.fast_prologue)
+                       fast_prologue=c.fast_prologue, released=released)
     return entry
 
 
 def captured_facts(c: Compilation) -> tuple:
-    """What make_entry needs of the captured computation: its number of inputs, and which of
-    them it writes (``_written_positions``)."""
+    """What make_entry needs of the captured computation: the number of inputs the prologue
+    hands on, which of them it writes (``_written_positions``), and the names of those it
+    checks but does not hand on (``stages.drop_unused_inputs``)."""
     captured = c.program.computation
-    return len(captured.params), _written_positions(captured)
+    handed = [p for p in captured.params if getattr(p, "name", None) not in c.dropped_inputs]
+    return len(handed), _written_positions(captured, handed), tuple(sorted(c.dropped_inputs))
 
 
 def computation_callable(c: Compilation):
@@ -54,10 +56,11 @@ def computation_callable(c: Compilation):
     return computation_fn
 
 
-def _written_positions(computation: Trace) -> tuple | None:
-    """The inputs the program writes to (it works on a copy of each), or ``None`` when that is
-    not known (an op of unknown effect)."""
-    index = {p.name: i for i, p in enumerate(computation.params)}
+def _written_positions(computation: Trace, handed: list) -> tuple | None:
+    """The positions among the inputs ``handed`` on by the prologue of those the program writes
+    to (it works on a copy of each), or ``None`` when that is not known (an op of unknown
+    effect)."""
+    index = {p.name: i for i, p in enumerate(handed)}
     written = []
     for b in computation.bound_symbols:
         if OPAQUE in b.tags:

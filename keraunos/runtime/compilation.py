@@ -49,7 +49,8 @@ class Compilation:
     segments: Any = None
     # Loaded from the program store (``persist/programs.py``) instead of captured; what the
     # store did with this compilation (compile_stats's ``program_store``); for a loaded one, the
-    # captured facts make_entry needs: (number of inputs, the inputs it writes).
+    # captured facts make_entry needs: (number of inputs, the inputs it writes, the inputs the
+    # prologue checks but does not hand on).
     loaded: bool = False
     program_store: str | None = None
     facts: tuple | None = None
@@ -60,6 +61,8 @@ class Compilation:
     site: Any = None
     request: CompileRequest = field(default_factory=CompileRequest)
     fast_prologue: Any = None  # the fast prologue's record (``fast_prologue.FastPrologue``)
+    # The captured computation's inputs the prologue does not hand on (``drop_unused_inputs``).
+    dropped_inputs: frozenset = frozenset()
 
     @property
     def computation(self) -> Trace:

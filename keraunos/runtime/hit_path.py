@@ -134,6 +134,11 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
         if alias_check is not sharing_cannot_matter:
             lines.append(f"if not {w.constant(alias_check, 'alias_check')}(({inputs},)): "
                          f"return 'the inputs share memory differently'")
+        bound = {p.name for b in prologue.bound_symbols for p in b.output_proxies()}
+        released = [name for name in entry.released if name in bound]
+        if released:
+            lines.append(f"del {', '.join(released)}  # checked, not handed on: its memory is "
+                         f"free to go while the program runs")
         lines.append("try:")
         if returns_the_only_output(entry.epilogue_traces[-1]):
             lines.append(f"  return _entry.computation_fn({inputs})  # (result,): the epilogue "

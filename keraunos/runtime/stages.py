@@ -16,7 +16,8 @@ from .. import executors as executors_module
 from ..autograd import split_forward_backward
 from ..autograd.in_program import expand_backwards, has_backward
 from ..autograd.buckets import display_trace, plan_segments
-from ..core.proxies import Proxy
+from ..core import glue
+from ..core.proxies import Proxy, TensorProxy
 from ..core.runner import trace_pass, trace_step
 from ..core.symbolic import refuse_raw_symbols
 from ..core.trace import Trace
@@ -75,12 +76,35 @@ def optimize(c: Compilation) -> None:
         c.record(p.label, computation=p(c.computation))
 
 
+def drop_unused_inputs(c: Compilation) -> None:
+    """Tensor inputs the optimized computation no longer reads (a gradient that ``zero_grad``
+    only compared with ``None``) are still checked by the prologue but not handed on: a caller
+    holding them would keep their memory alive for the whole call."""
+    computation, prologue = c.computation, c.prologues[-1]
+    read = {p.name for b in computation.bound_symbols for p in b.input_proxies()}
+    kept = [p for p in computation.params
+            if not isinstance(p, TensorProxy) or p.name in read]
+    returned = prologue.bound_symbols[-1]
+    if len(kept) == len(computation.params) or returned.symbol is not glue.RETURN_INPUTS or \
+            [getattr(p, "name", p) for p in returned.args[0]] != \
+            [getattr(p, "name", p) for p in computation.params]:
+        return
+    t0 = time.perf_counter()
+    label = "Unused inputs not handed on"
+    lines = prologue.bound_symbols[:-1] + [returned.replace(args=(kept, returned.args[1]))]
+    seconds = time.perf_counter() - t0
+    c.dropped_inputs = frozenset(p.name for p in computation.params if p not in kept)
+    c.record(label, seconds=seconds, prologue=prologue.derive(lines, label, seconds),
+             computation=computation.derive(computation.bound_symbols, label, seconds,
+                                            params=kept))
+
+
 def autograd_split(c: Compilation) -> None:
     """Grad mode on and some input requires grad: a forward trace and a backward trace."""
     if not _needs_backward(c.computation):
         return
     try:
-        split = split_forward_backward(c.computation)
+        split = split_forward_backward(_without_releases(c.computation))
         backwards = [split.backward]
         for p in BACKWARD_OPTIMIZATIONS:
             backwards.append(p(backwards[-1]))
@@ -103,6 +127,15 @@ def autograd_split(c: Compilation) -> None:
         c.time(p.label, trace.seconds)
     if placement:
         c.time("autograd split", placed.seconds)
+
+
+def _without_releases(computation: Trace) -> Trace:
+    """The computation without its ``x.grad = None`` lines, which a forward recorded by autograd
+    leaves to the epilogue's write."""
+    lines = [b for b in computation.bound_symbols if b.symbol is not glue.RELEASE_GRAD]
+    if len(lines) == len(computation.bound_symbols):
+        return computation
+    return computation.derive(lines, "released gradients left to the epilogue")
 
 
 def reinplace_inputs(c: Compilation) -> None:
@@ -239,7 +272,8 @@ def fast_prologue_stage(c: Compilation) -> None:
 # What runs after capture, in order; each stage records its traces and time in the Compilation.
 # The backward peephole runs before the claims, so that fusion regions see the backward it leaves.
 # What they leave is what the program store keeps; the fast prologue follows (``compile_entry``).
-STAGES = (backwards_in_program, transforms_before_prologue, optimize, autograd_split,
+STAGES = (backwards_in_program, transforms_before_prologue, optimize, drop_unused_inputs,
+          autograd_split,
           peephole_stage, reinplace_inputs)
 
 

@@ -37,3 +37,17 @@ def apply_of(cls):
 __all__ = ["FUNCTION_APPLY", "SET_GRAD_ENABLED_SOURCE", "apply_descriptor_kind", "apply_of",
            "exit_dual_level", "pop_saved_tensors_hooks", "push_saved_tensors_hooks",
            "set_grad_enabled", "top_saved_tensors_hooks"]
+
+
+def allocations(prof) -> list[tuple[int, int]]:
+    """``(time in ns, bytes)`` of each allocation (positive) and free (negative) a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order: the raw records,
+    where ``prof.events()`` counts a free in the op that encloses it, at that op's start."""
+    records = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]"]
+    return sorted(records)
+
+
+def marked(prof, name: str) -> int:
+    """When (in the clock of ``allocations``) the ``record_function(name)`` range began."""
+    return min(e.start_ns() for e in prof.profiler.kineto_results.events() if e.name() == name)

@@ -162,13 +162,33 @@ class Kernel:
                 if _eval_frame_callback() is None:
                     return run(list(args))
                 return compiled(*args)
+
+            def take(args: list):
+                if _eval_frame_callback() is None:
+                    return run(args)
+                return compiled(*_emptied(args))
+            call.take = take
             return call
 
         def call_without_grad(*args):
             if _eval_frame_callback() is None and not _grad_enabled():
                 return run(list(args))
             return compiled(*args)
+
+        def take_without_grad(args: list):
+            if _eval_frame_callback() is None and not _grad_enabled():
+                return run(args)
+            return compiled(*_emptied(args))
+        call_without_grad.take = take_without_grad
         return call_without_grad
+
+
+def _emptied(args: list) -> tuple:
+    """The items of ``args``, which is left empty (a caller that handed its inputs over holds
+    them no more)."""
+    items = tuple(args)
+    args.clear()
+    return items
 
 
 def _counting_writes(graph):
@@ -506,6 +526,12 @@ def _stored_call(call, writes: tuple = ()):
         if _eval_frame_callback() is None and not _grad_enabled():
             return call(list(args))
         return wrapped(list(args))
+
+    def take(args: list):
+        if _eval_frame_callback() is None and not _grad_enabled():
+            return call(args)
+        return wrapped(args)
+    run.take = take
     return run
 
 
@@ -627,6 +653,16 @@ class RegionCall:
         if self.guard is not None and not self.guard(*self.layout.values(args)):
             return self.fallback(*args)
         return self.run(*args, *self.layout.extra_values(args))
+
+    def take(self, args: list):
+        """The call, with the inputs handed over in ``args``, a list the kernel empties, so that
+        it frees each input at its last use (``glue.HandOver``). Where the kernel cannot take
+        them so (the first call, layouts fixed, symbolic sizes), the list is emptied here and
+        the call made as any."""
+        take = getattr(self.run, "take", None) if self.layout is None else None
+        if take is not None:
+            return take(args)
+        return self(*_emptied(args))
 
     def _metas(self, args):
         """The input and output layouts of this call: the traced ones, evaluated when symbolic."""
