@@ -61,6 +61,7 @@ def child(model_type: str, systems: list[str]) -> dict:
     row["head"] = built.head
     try:
         reference_model = copy.deepcopy(built.model).double()
+        catalogue.float64_ready(reference_model)
         reference = catalogue.run(reference_model, reference_model, built.inputs, torch.float64)
         eager_model = copy.deepcopy(built.model)
         start = time.perf_counter()

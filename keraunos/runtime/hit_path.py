@@ -135,7 +135,8 @@ def hit_path(entry: CacheEntry) -> tuple[Callable, Trace | None]:
             lines.append(f"if not {w.constant(alias_check, 'alias_check')}(({inputs},)): "
                          f"return 'the inputs share memory differently'")
         bound = {p.name for b in prologue.bound_symbols for p in b.output_proxies()}
-        released = [name for name in entry.released if name in bound]
+        kept = {getattr(p, "name", None) for p in pro_to_epi}  # (the epilogue may return it)
+        released = [name for name in entry.released if name in bound and name not in kept]
         if released:
             lines.append(f"del {', '.join(released)}  # checked, not handed on: its memory is "
                          f"free to go while the program runs")

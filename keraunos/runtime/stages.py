@@ -77,13 +77,14 @@ def optimize(c: Compilation) -> None:
 
 
 def drop_unused_inputs(c: Compilation) -> None:
-    """Tensor inputs the optimized computation no longer reads (a gradient that ``zero_grad``
-    only compared with ``None``) are still checked by the prologue but not handed on: a caller
-    holding them would keep their memory alive for the whole call."""
+    """Gradients (``x.grad`` inputs) the optimized computation no longer reads, which
+    ``zero_grad`` only compared with ``None``, are still checked by the prologue but not handed
+    on: a caller holding them would keep their memory alive for the whole call. (Other inputs
+    are held by their owners anyway.)"""
     computation, prologue = c.computation, c.prologues[-1]
     read = {p.name for b in computation.bound_symbols for p in b.input_proxies()}
-    kept = [p for p in computation.params
-            if not isinstance(p, TensorProxy) or p.name in read]
+    kept = [p for p in computation.params if not isinstance(p, TensorProxy) or p.name in read
+            or not (p.provenance or "").endswith(".grad")]
     returned = prologue.bound_symbols[-1]
     if len(kept) == len(computation.params) or returned.symbol is not glue.RETURN_INPUTS or \
             [getattr(p, "name", p) for p in returned.args[0]] != \

@@ -81,9 +81,14 @@ def shrink(config) -> None:
             except (AttributeError, ValueError, TypeError):
                 pass
     if getattr(config, "num_key_value_heads", None):
-        config.num_key_value_heads = min(config.num_key_value_heads, 2)
+        # (latent attention's keys and values have every head)
+        config.num_key_value_heads = config.num_attention_heads \
+            if getattr(config, "kv_lora_rank", None) else min(config.num_key_value_heads, 2)
     if getattr(config, "head_dim", None):
         config.head_dim = 8
+    if getattr(config, "qk_head_dim", None) and getattr(config, "qk_rope_head_dim", None):
+        # derived when the config was made (DeepSeek's latent attention)
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if isinstance(getattr(config, "layer_types", None), list):
         # one layer of each kind the model has (Qwen3.5's linear and full attention), in order
         kinds = list(dict.fromkeys(config.layer_types))
@@ -138,6 +143,10 @@ def _small(name: str, value, config):
         return min(value, 2)
     if name == "num_kv_shared_layers":  # layers reading another layer's cache (Gemma3n)
         return 0
+    if name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rotary_dim"):
+        return min(value, 8)  # a head's parts (DeepSeek's latent attention), its rotary part
+    if name in ("kv_lora_rank", "q_lora_rank"):
+        return min(value, 16)
     return value
 
 
@@ -161,6 +170,16 @@ def build(model_type: str, seed: int = 0) -> Built:
     torch.manual_seed(seed)
     model = cls(config).eval()
     return Built(model_type, model, cls.__name__, _input_maker(model, config, mapping))
+
+
+def float64_ready(model) -> None:
+    """A model's float64 copy made runnable: a mixture of experts computes with the plain loop
+    over its experts (the same sums as the float32 model's grouped matmul, which has no float64
+    kernel)."""
+    try:
+        model.set_experts_implementation("eager")
+    except (AttributeError, ValueError):  # no experts, or no such switch
+        pass
 
 
 def _input_maker(model, config, mapping: str) -> Callable[[int, bool], dict]:
