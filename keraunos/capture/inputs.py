@@ -23,7 +23,7 @@ from ..core.provenance import (ATTR, BUFFER, ITEM, KEYS_OF, PARAMETER, SUBMODULE
 from ..core.glue import RELEASE_GRAD
 from ..core.proxies import TensorProxy
 from ..core.symbolic import SymbolicUnsupported
-from ..core.tags import MUTATION, STATIC_MEMORY_LOCATION
+from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import CaptureError, UnsupportedInputError, user_source
 from . import guards
 from .guards import is_plain
@@ -161,7 +161,7 @@ class InputsMixin:
             self._grads_written[id(fake)] = value
             self.attribute_writes.append(AttributeWrite(entry.path, "grad", value))
             if value is None:
-                self.emit(RELEASE_GRAD.bind(entry.proxy, tags={MUTATION}, source=user_source()))
+                self.emit(RELEASE_GRAD.bind(entry.proxy, source=user_source()))
 
     def current_grad(self, fake: FakeTensor) -> Any:
         """``x.grad`` as the program reads it now (see ``input_grad``)."""

@@ -469,7 +469,9 @@ def _release_grad(bsym, w):
 
 
 # ``x.grad = None`` (``zero_grad(set_to_none=True)``) of an input, in the computation where the
-# program makes it: the old gradient's memory is free from there on, as in eager.
+# program makes it: the old gradient's memory is free from there on, as in eager. It writes no
+# tensor's memory (no MUTATION tag: passes may move writes and reads of ``x`` across it), and
+# as a glue line without outputs no pass drops it.
 RELEASE_GRAD = Glue("release_grad", _release_grad)
 @dataclass(frozen=True)
 class ReplayCall:
