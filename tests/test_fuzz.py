@@ -385,3 +385,27 @@ def test_a_float64_run_that_does_another_thing_is_refused():
     with pytest.raises(Exception, match="eager called"):
         with Promote(record.facts):
             torch.ones(2).cos()
+
+
+def test_autocast_mode_runs_both_sides_under_autocast_and_is_undone():
+    """``--autocast bfloat16``: every step of both sides runs under ``torch.autocast``, so a
+    compiler that drops autocast's casts (an output in float32 where eager's matmul gives
+    bfloat16) is a mismatch, which it is not without autocast; a campaign leaves the fuzzer's
+    settings as they were."""
+    from keraunos.testing.fuzz import compare, drive
+    from keraunos.testing.fuzz.campaign import use_autocast
+    program = _program(["t = a @ a.T"], ["t"])
+    to_float32 = _outputs_map(lambda t: t.float())
+    assert run_program(program, make_jitted=to_float32).status == "pass"
+    before = compare.RTOL, compare.ATOL, drive.AMBIENT
+    use_autocast("bfloat16")
+    try:
+        outcome = run_program(program, make_jitted=to_float32)
+        assert outcome.status == "mismatch", outcome
+        assert run_program(program, make_jitted=lambda f: f).status == "pass"
+    finally:
+        compare.RTOL, compare.ATOL, drive.AMBIENT = before
+    report = run_campaign([f"3:{i}" for i in range(12)], shrink_budget=0, autocast="bfloat16")
+    assert not report.failures, report.summary()
+    assert any("torch.autocast('cpu', dtype=torch.bfloat16)" in n for n in report.notes)
+    assert (compare.RTOL, compare.ATOL, drive.AMBIENT) == before

@@ -10,6 +10,11 @@ error, not on rounding.
 ``warnings.simplefilter("error")``; a program also fails when the process state its thread sees
 changes or when its fused tier fails to compile (campaign.BackToBack). Reproducers are printed
 as generated, with the programs to run before each.
+
+``--autocast bfloat16`` (or ``float16``): both sides run every step under
+``torch.autocast("cpu", dtype)``; floats are compared at that dtype's tolerance and a mismatch is
+classified against float64 without autocast (rounding: the jitted value is as close to it as
+eager autocast's own).
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--drain", type=float, default=0.0,
                         help="--back-to-back: seconds to wait at the end for the fused compiles "
                              "still under way, to check them too")
+    parser.add_argument("--autocast", default=None, choices=("bfloat16", "float16"),
+                        help="every step of both sides under torch.autocast('cpu', dtype): "
+                             "compared at that dtype's tolerance, classified against float64")
     args = parser.parse_args(argv)
     if args.back_to_back and (args.jobs != 1 or args.fuse is not None):
         parser.error("--back-to-back runs in one process on the default tier: "
@@ -57,14 +65,14 @@ def main(argv=None) -> int:
     if args.back_to_back:
         report = run_back_to_back(names, per_kind=args.per_kind, progress=sys.stderr,
                                   executors=args.executors.split(",") if args.executors else None,
-                                  drain_s=args.drain)
+                                  drain_s=args.drain, autocast=args.autocast)
         print(report.summary())
         print(report.reproducers_text())
         return 1 if report.failures else 0
     report = run_campaign(names, jobs=args.jobs, shrink_budget=0 if args.no_shrink else args.shrink_budget,
                           per_kind=args.per_kind, progress=sys.stderr,
                           executors=args.executors.split(",") if args.executors else None,
-                          fuse=args.fuse or "wait")
+                          fuse=args.fuse or "wait", autocast=args.autocast)
     print(report.summary())
     print(report.reproducers_text())
     return 1 if report.failures else 0

@@ -14,7 +14,7 @@ import torch
 import keraunos
 
 from ..opinfo import FUSED
-from . import compare, process_state
+from . import compare, drive, process_state
 from .drive import _cause, _first_line, run_program
 from .side import Outcome
 from .generate import generate
@@ -90,6 +90,29 @@ _fuse: str = "wait"
 _back_to_back: bool = False
 
 
+def use_autocast(dtype: str | None) -> None:
+    """``--autocast``: both sides run every step under ``torch.autocast("cpu", dtype)``, and
+    floats are compared at that dtype's tolerance (``torch.testing``'s); a mismatch is still
+    classified against a float64 run without autocast, so "rounding" means the jitted value is
+    as close to float64 as eager autocast's own."""
+    if dtype is None:
+        drive.AMBIENT = None
+        return
+    cast = getattr(torch, dtype)
+    drive.AMBIENT = lambda: torch.autocast("cpu", dtype=cast)
+    rtol = 1.6e-2 if cast is torch.bfloat16 else 1e-3
+    compare.RTOL, compare.ATOL = max(compare.RTOL, rtol), max(compare.ATOL, 1e-5)
+
+
+def _autocast_note() -> list[str]:
+    if drive.AMBIENT is None:
+        return []
+    with drive.AMBIENT():
+        dtype = torch.get_autocast_dtype("cpu")
+    return [f"every step of both sides under torch.autocast('cpu', dtype={dtype}) "
+            f"(replay with --autocast {str(dtype).split('.')[-1]})"]
+
+
 def _jit(fn):
     if _back_to_back:
         if _executors is None:
@@ -131,22 +154,27 @@ def _init_worker() -> None:
 
 def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
                  per_kind: int = 2, progress=None, executors: list[str] | None = None,
-                 fuse: str = "wait", back_to_back: bool = False) -> Report:
+                 fuse: str = "wait", back_to_back: bool = False,
+                 autocast: str | None = None) -> Report:
     """Run the programs ``names``; shrink up to ``per_kind`` programs of each distinct failure
     (one kind of check can hide several causes). ``executors``: jit them with these (with
     ``inductor``, floats are compared at ``opinfo.FUSED``'s tolerance, as the OpInfo sweep with
     fusion is: Inductor's kernels round differently from eager's). ``back_to_back``: see
     ``run_back_to_back`` (``jobs`` and ``fuse`` do not apply)."""
     if back_to_back:
-        return run_back_to_back(names, executors=executors, per_kind=per_kind, progress=progress)
+        return run_back_to_back(names, executors=executors, per_kind=per_kind, progress=progress,
+                                autocast=autocast)
     global _executors, _fuse, _back_to_back
     _executors = list(executors) if executors else None
     _fuse = fuse
     _back_to_back = False
+    saved = compare.RTOL, compare.ATOL, drive.AMBIENT
     if _fused():
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
+    use_autocast(autocast)
     start = time.monotonic()
     report = Report()
+    report.notes += _autocast_note()
     pool = multiprocessing.get_context("fork").Pool(jobs, _init_worker) if jobs > 1 else None
     mapper = pool.imap_unordered if pool else map
     try:
@@ -168,6 +196,7 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
         if pool:
             pool.close()
             pool.join()
+        compare.RTOL, compare.ATOL, drive.AMBIENT = saved
     report.seconds = time.monotonic() - start
     return report
 
@@ -317,7 +346,7 @@ class BackToBack:
 
 
 def run_back_to_back(names: list[str], executors: list[str] | None = None, per_kind: int = 2,
-                     progress=None, drain_s: float = 0.0) -> Report:
+                     progress=None, drain_s: float = 0.0, autocast: str | None = None) -> Report:
     """``BackToBack`` over ``names`` in order, in this process (no workers, no fork). Failures
     are printed as generated (shrinking a program alone would lose the programs it ran beside).
     ``drain_s``: after the last program, wait up to this long for the fused compiles still
@@ -325,10 +354,13 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
     global _executors, _fuse, _back_to_back
     _executors = list(executors) if executors else None
     _fuse, _back_to_back = "background", True
+    saved = compare.RTOL, compare.ATOL, drive.AMBIENT
     if _fused():
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
+    use_autocast(autocast)
     start = time.monotonic()
     report = Report()
+    report.notes += _autocast_note()
     runner = BackToBack(report, compile_reference=_fused())
     try:
         for done, name in enumerate(names, 1):
@@ -338,6 +370,7 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
         runner.collect(drain_s)
     finally:
         _back_to_back = False
+        compare.RTOL, compare.ATOL, drive.AMBIENT = saved
     _as_generated(report, report.failures, per_kind)
     _as_generated(report, report.rounding, per_kind)
     report.notes.append(f"back to back in one process: {runner.eager_warned} programs ended "

@@ -8,6 +8,7 @@ backward of the sum of the outputs that require grad, the gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
 import re
 import traceback
@@ -22,6 +23,11 @@ from .classify import classify_mismatch
 from .compare import Mismatch, compare_roles, compare_states, compare_tree, flatten, module_state
 from .program import Call, Program
 from .side import Outcome, Side, backward_one, call_one, globals_of, grad_outputs
+
+
+# ``--autocast``: a context both sides run every step in (calls, changes of state, backwards),
+# never the float64 run that classifies a mismatch; None: none.
+AMBIENT: Callable[[], ContextManager] | None = None
 
 
 class _Stop(Exception):
@@ -103,11 +109,12 @@ def _both(action, eager: Side, jitted: Side, where: str,
     results = []
     for side in (eager, jitted):
         try:
-            if side is eager and eager_guard is not None:
-                with eager_guard():
+            with AMBIENT() if AMBIENT is not None else contextlib.nullcontext():
+                if side is eager and eager_guard is not None:
+                    with eager_guard():
+                        results.append((action(side), None))
+                else:
                     results.append((action(side), None))
-            else:
-                results.append((action(side), None))
         except Mismatch:
             raise
         except Exception as e:  # noqa: BLE001 - every exception is compared with eager's
