@@ -392,7 +392,7 @@ def test_autocast_mode_runs_both_sides_under_autocast_and_is_undone():
     compiler that drops autocast's casts (an output in float32 where eager's matmul gives
     bfloat16) is a mismatch, which it is not without autocast; a campaign leaves the fuzzer's
     settings as they were."""
-    from keraunos.testing.fuzz import compare, drive
+    from keraunos.testing.fuzz import compare, side as drive
     from keraunos.testing.fuzz.campaign import use_autocast
     program = _program(["t = a @ a.T"], ["t"])
     to_float32 = _outputs_map(lambda t: t.float())

@@ -14,7 +14,7 @@ import torch
 import keraunos
 
 from ..opinfo import FUSED
-from . import compare, drive, process_state
+from . import compare, process_state, side
 from .drive import _cause, _first_line, run_program
 from .side import Outcome
 from .generate import generate
@@ -96,18 +96,18 @@ def use_autocast(dtype: str | None) -> None:
     classified against a float64 run without autocast, so "rounding" means the jitted value is
     as close to float64 as eager autocast's own."""
     if dtype is None:
-        drive.AMBIENT = None
+        side.AMBIENT = None
         return
     cast = getattr(torch, dtype)
-    drive.AMBIENT = lambda: torch.autocast("cpu", dtype=cast)
+    side.AMBIENT = lambda: torch.autocast("cpu", dtype=cast)
     rtol = 1.6e-2 if cast is torch.bfloat16 else 1e-3
     compare.RTOL, compare.ATOL = max(compare.RTOL, rtol), max(compare.ATOL, 1e-5)
 
 
 def _autocast_note() -> list[str]:
-    if drive.AMBIENT is None:
+    if side.AMBIENT is None:
         return []
-    with drive.AMBIENT():
+    with side.AMBIENT():
         dtype = torch.get_autocast_dtype("cpu")
     return [f"every step of both sides under torch.autocast('cpu', dtype={dtype}) "
             f"(replay with --autocast {str(dtype).split('.')[-1]})"]
@@ -168,7 +168,7 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
     _executors = list(executors) if executors else None
     _fuse = fuse
     _back_to_back = False
-    saved = compare.RTOL, compare.ATOL, drive.AMBIENT
+    saved = compare.RTOL, compare.ATOL, side.AMBIENT
     if _fused():
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
     use_autocast(autocast)
@@ -196,7 +196,7 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
         if pool:
             pool.close()
             pool.join()
-        compare.RTOL, compare.ATOL, drive.AMBIENT = saved
+        compare.RTOL, compare.ATOL, side.AMBIENT = saved
     report.seconds = time.monotonic() - start
     return report
 
@@ -354,7 +354,7 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
     global _executors, _fuse, _back_to_back
     _executors = list(executors) if executors else None
     _fuse, _back_to_back = "background", True
-    saved = compare.RTOL, compare.ATOL, drive.AMBIENT
+    saved = compare.RTOL, compare.ATOL, side.AMBIENT
     if _fused():
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
     use_autocast(autocast)
@@ -370,7 +370,7 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
         runner.collect(drain_s)
     finally:
         _back_to_back = False
-        compare.RTOL, compare.ATOL, drive.AMBIENT = saved
+        compare.RTOL, compare.ATOL, side.AMBIENT = saved
     _as_generated(report, report.failures, per_kind)
     _as_generated(report, report.rounding, per_kind)
     report.notes.append(f"back to back in one process: {runner.eager_warned} programs ended "

@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import compare
 from .compare import Mismatch, flatten, module_state
-from .side import Outcome, Side, backward_one, call_one, globals_of
+from . import side as _side
+from .side import Outcome, Side, ambient, backward_one, call_one, globals_of
 from .program import Call, Program
 
 F32, F64 = torch.float32, torch.float64
@@ -90,7 +91,10 @@ class Record(TorchFunctionMode):
 
 
 def _agrees(got: torch.dtype, want: torch.dtype) -> bool:
-    return got == want or (want == F32 and got == F64)
+    """Whether the float64 run's dtype is eager's, promoted: float32 (or, where eager ran
+    under ``--autocast``, the reduced precision autocast gave) as float64."""
+    lower = want in (torch.bfloat16, torch.float16) and _side.AMBIENT is not None
+    return got == want or ((want == F32 or lower) and got == F64)
 
 
 def _to_f64(value):
@@ -177,6 +181,25 @@ def _snapshot(out, named, side: Side) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in found.items() if isinstance(v, torch.Tensor)}
 
 
+class _Ambient:
+    """``mode`` inside a fresh ``ambient()`` (``--autocast``) each time it is entered: for the
+    float32 reruns, which must run as both sides ran."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(ambient())
+        stack.enter_context(self.mode)
+        self.stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
+
+
 def run_side(program: Program, filename: str, upto: int, after_backward: bool, mode,
              make=None) -> dict[str, torch.Tensor]:
     """Drive one side (eager under ``mode``, or ``make(f_or_model)``) through steps 0..``upto``
@@ -242,7 +265,8 @@ def classify_mismatch(program: Program, filename: str, outcome: Outcome, m: Mism
     try:
         with torch.random.fork_rng(), _quiet():
             record = Record()
-            eager = run_side(program, filename, outcome.step, after_backward, record)[m.path]
+            eager = run_side(program, filename, outcome.step, after_backward,
+                             _Ambient(record))[m.path]
             exact = run_side(program, filename, outcome.step, after_backward,
                              Promote(record.facts))[m.path]
             if eager.shape != m.eager.shape or not bool(_same(eager, m.eager).all()):
@@ -250,7 +274,7 @@ def classify_mismatch(program: Program, filename: str, outcome: Outcome, m: Mism
             rounding, evidence = judge(m.eager, m.jitted, exact)
             if not rounding and compile_reference:
                 compiled = run_side(program, filename, outcome.step, after_backward,
-                                    contextlib.nullcontext(), torch.compile)[m.path]
+                                    _Ambient(contextlib.nullcontext()), torch.compile)[m.path]
                 rounding, evidence = judge(m.eager, m.jitted, exact, compiled)
     except Exception as e:  # noqa: BLE001 - no float64 reference: the mismatch stands
         return replace(outcome, detail=outcome.detail + f"\nnot classified: {type(e).__name__}: "

@@ -8,7 +8,6 @@ backward of the sum of the outputs that require grad, the gradients.
 """
 from __future__ import annotations
 
-import contextlib
 import linecache
 import re
 import traceback
@@ -22,12 +21,7 @@ import keraunos
 from .classify import classify_mismatch
 from .compare import Mismatch, compare_roles, compare_states, compare_tree, flatten, module_state
 from .program import Call, Program
-from .side import Outcome, Side, backward_one, call_one, globals_of, grad_outputs
-
-
-# ``--autocast``: a context both sides run every step in (calls, changes of state, backwards),
-# never the float64 run that classifies a mismatch; None: none.
-AMBIENT: Callable[[], ContextManager] | None = None
+from .side import Outcome, Side, ambient, backward_one, call_one, globals_of, grad_outputs
 
 
 class _Stop(Exception):
@@ -109,7 +103,7 @@ def _both(action, eager: Side, jitted: Side, where: str,
     results = []
     for side in (eager, jitted):
         try:
-            with AMBIENT() if AMBIENT is not None else contextlib.nullcontext():
+            with ambient():
                 if side is eager and eager_guard is not None:
                     with eager_guard():
                         results.append((action(side), None))

@@ -3,11 +3,12 @@ call, one backward; and what happened to a program (``Outcome``). The driver (dr
 sides and compares them; the classifier (classify.py) runs sides again to judge a mismatch."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -16,6 +17,15 @@ from .program import Call, Program
 # "rounding": a float mismatch the classifier (classify.py) found to be float32 rounding of an
 # ill-conditioned program, not a wrong result: reported apart, not a failure.
 STATUSES = ("pass", "mismatch", "rounding", "internal error", "refusal")
+
+# ``--autocast``: what makes the context both sides run every step in (calls, changes of state,
+# backwards) and the float32 reruns that classify a mismatch, never their float64 run; None: none.
+AMBIENT: Callable[[], ContextManager] | None = None
+
+
+def ambient() -> ContextManager:
+    """A fresh ``AMBIENT`` context (a null one without it)."""
+    return AMBIENT() if AMBIENT is not None else contextlib.nullcontext()
 
 
 @dataclass
