@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..torch_internals.autograd import clear_saved_tensors
 from ..torch_internals.functorch import transforms_active as _transforms_active
 
 
@@ -51,10 +52,15 @@ class KeraunosFunction(torch.autograd.Function):
             # gradient where none flows, and an earlier call's node (reached through a buffer
             # this call overwrote) has freed its saved tensors in its own backward.
             return (None,) * (1 + len(compiled.grad_dependencies))
-        saved = ctx.saved_tensors
         grads = [g if g is not None else _zeros(ctx, i) for i, g in enumerate(grads)]
         grads = [_laid_out(g, s) for g, s in zip(grads, compiled.grad_strides)]
-        results = compiled.backward_fn(*saved, *ctx.saved_sizes, *grads)
+        # The backward takes its inputs in a list it empties, and autograd lets go of the saved
+        # tensors (unless the graph is retained): each is freed at its last use, as eager's
+        # backward frees them node by node.
+        inputs = [*ctx.saved_tensors, *ctx.saved_sizes, *grads]
+        del grads
+        clear_saved_tensors(ctx)
+        results = compiled.backward_fn(inputs)
         # An input reached only through outputs that got no gradient gets None, as in eager
         # (an optimizer skips it rather than stepping it with zeros).
         return (None, *(r if deps & present or not deps else None

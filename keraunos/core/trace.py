@@ -88,9 +88,9 @@ class Trace:
         return Trace(self.name, list(self.params), list(bound_symbols), list(self.header),
                      dict(self.namespace))
 
-    def source(self, executable: bool = False) -> tuple[str, dict[str, Any]]:
+    def source(self, executable: bool = False, boxed: bool = False) -> tuple[str, dict[str, Any]]:
         """The Python of this trace and the namespace it runs in; ``executable``: the source
-        ``python_callable`` compiles (see ``CodeWriter``)."""
+        ``python_callable`` compiles (see ``CodeWriter``); ``boxed``: see ``python_callable``."""
         namespace: dict[str, Any] = {"torch": torch, **self.namespace}
         w = CodeWriter(namespace, executable)
         params = []
@@ -101,11 +101,13 @@ class Trace:
             else:
                 params.append(str(p))
         lines = [f"# {h}" for h in self.header]
-        lines.append(f"def {self.name}({', '.join(params)}):")
+        lines.append(f"def {self.name}({'_args' if boxed else ', '.join(params)}):")
         for p in self.params:
             if isinstance(p, Proxy) and (p.provenance or p.describe()):
                 parts = [x for x in (p.describe(), p.provenance and f"from {p.provenance}") if x]
                 lines.append(f"  # {p.name}: {' '.join(parts)}")
+        if boxed:  # the caller holds none of them now: a ``del`` of one frees it
+            lines += [f"  ({''.join(n + ', ' for n in params)}) = _args", "  _args.clear()"]
         last_source = None
         for bsym in self.bound_symbols:
             if bsym.source is not None and bsym.source != last_source:
@@ -124,11 +126,13 @@ class Trace:
     def __repr__(self) -> str:
         return f"<Trace {self.name}: {len(self.bound_symbols)} lines>"
 
-    def python_callable(self) -> Callable:
-        """Compile this trace; tracebacks point into its source (registered with ``linecache``)."""
+    def python_callable(self, boxed: bool = False) -> Callable:
+        """Compile this trace; tracebacks point into its source (registered with ``linecache``).
+        ``boxed``: the function takes its inputs in one list, which it empties, so that each is
+        freed where the trace deletes it (a backward's saved tensors)."""
         if _lint.enabled():
             self.lint()
-        src, namespace = self.source(executable=True)
+        src, namespace = self.source(executable=True, boxed=boxed)
         number = _file_number()
         filename = f"<keraunos {self.name} #{number}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)

@@ -1,4 +1,7 @@
-"""Free intermediates early: ``del`` each name right after the line that last uses it."""
+"""Free intermediates early: ``del`` each name right after the line that last uses it (a fused
+region's inputs: handed over to it, see ``glue.HandOver``). A trace whose function takes its
+inputs boxed (a backward's saved tensors, ``Trace.python_callable(boxed=True)``) deletes its
+parameters too."""
 from __future__ import annotations
 
 from ..core import glue
@@ -9,8 +12,8 @@ from ..core.runner import trace_pass
 
 
 @trace_pass("Delete Last Used")
-def delete_last_used(trace: Trace) -> list[BoundSymbol]:
-    params = {p.name for p in trace.params if isinstance(p, Proxy)}
+def delete_last_used(trace: Trace, params_too: bool = False) -> list[BoundSymbol]:
+    params = set() if params_too else {p.name for p in trace.params if isinstance(p, Proxy)}
     seen: set[str] = set()
     result: list[BoundSymbol] = []
     last = trace.bound_symbols[-1] if trace.bound_symbols else None

@@ -51,7 +51,8 @@ def computation_callable(c: Compilation):
             computation_fn, [s.trace.python_callable() for s in c.segments.segments],
             c.segments, c.split, device)
     if c.backward is not None:
-        computation_fn = make_autograd_computation(computation_fn, c.backward.python_callable(),
+        computation_fn = make_autograd_computation(computation_fn,
+                                                   c.backward.python_callable(boxed=True),
                                                    c.split)
     return computation_fn
 

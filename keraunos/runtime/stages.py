@@ -238,7 +238,8 @@ def transforms_after_optimization(c: Compilation) -> None:
 
 def delete_dead_names(c: Compilation) -> None:
     c.record("delete last used", computation=delete_last_used(c.computation))
-    c.each_backward(delete_last_used)
+    # The backward takes its saved tensors boxed (``autograd/function.py``): they go too.
+    c.each_backward(lambda t: delete_last_used(t, params_too=c.segments is None))
 
 
 def split_at_ddp_buckets(c: Compilation) -> None:

@@ -51,3 +51,9 @@ def allocations(prof) -> list[tuple[int, int]]:
 def marked(prof, name: str) -> int:
     """When (in the clock of ``allocations``) the ``record_function(name)`` range began."""
     return min(e.start_ns() for e in prof.profiler.kineto_results.events() if e.name() == name)
+
+
+def clear_saved_tensors(ctx) -> None:
+    """Let go of what ``ctx.save_for_backward`` saved, inside ``Function.backward``, unless the
+    graph is retained (``retain_graph=True``): the tensors are then the backward's alone."""
+    ctx.maybe_clear_saved_tensors()
