@@ -15,8 +15,9 @@ pytest.importorskip("transformers")
 SWEEP = pathlib.Path(__file__).parent.parent / "benchmarks" / "sweep.py"
 
 # One of each kind the catalogue builds: a decoder, an encoder with relative positions whose
-# helpers are TorchScript functions, an encoder-decoder, a state-space model, a vision model.
-SLICE = ["llama", "deberta-v2", "t5", "mamba", "vit"]
+# helpers are TorchScript functions, an encoder-decoder, a state-space model, a vision model, a
+# mixture of experts with latent attention (its float64 reference loops over the experts).
+SLICE = ["llama", "deberta-v2", "t5", "mamba", "vit", "deepseek_v3"]
 
 
 # timm's families whose attention keeps its biases in a dict filled on the first eval call.

@@ -1,11 +1,11 @@
 """Free intermediates early: ``del`` each name right after the line that last uses it (a fused
 region's inputs: handed over to it, see ``glue.HandOver``). A trace whose function takes its
 inputs boxed (a backward's saved tensors, ``Trace.python_callable(boxed=True)``) deletes its
-parameters too."""
+tensor parameters too."""
 from __future__ import annotations
 
 from ..core import glue
-from ..core.proxies import Proxy
+from ..core.proxies import Proxy, TensorProxy
 from ..core.symbols import BoundSymbol
 from ..core.trace import Trace
 from ..core.runner import trace_pass
@@ -13,7 +13,9 @@ from ..core.runner import trace_pass
 
 @trace_pass("Delete Last Used")
 def delete_last_used(trace: Trace, params_too: bool = False) -> list[BoundSymbol]:
-    params = set() if params_too else {p.name for p in trace.params if isinstance(p, Proxy)}
+    # (A size symbol may be read inside a symbolic expression that names no proxy: kept.)
+    params = {p.name for p in trace.params if isinstance(p, Proxy)
+              and not (params_too and isinstance(p, TensorProxy))}
     seen: set[str] = set()
     result: list[BoundSymbol] = []
     last = trace.bound_symbols[-1] if trace.bound_symbols else None
