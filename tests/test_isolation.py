@@ -481,3 +481,46 @@ def test_a_deleted_jitted_object_is_freed_while_its_fused_tier_compiles(kind, qu
             alive = [name for name, ref in refs.items() if ref() is not None]
         assert not alive, (f"round {round_}: alive after del and gc.collect() until the fused "
                            f"tier compiled: {', '.join(alive)}")
+
+
+# ------------------------------------------------------------- warnings as errors, fused now
+
+# A whole process under ``warnings.simplefilter("error")`` (``python -W error``, a strict
+# harness) compiles a fused program on the user's thread (``fuse="wait"``), Inductor not yet
+# imported: importing it makes torch warn about its own deprecated ``torch.jit.script_method``,
+# which must neither fail the compile nor reach the user. Prints what it saw as JSON.
+_FUSED_NOW_UNDER_ERRORS = r"""
+import json, warnings
+warnings.simplefilter("error")
+import sys, torch
+import keraunos
+assert "torch._inductor.compile_fx" not in sys.modules
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                            torch.nn.Linear(16, 4))
+filters = list(warnings.filters)
+jitted = keraunos.jit(model, fuse="wait")
+x = torch.randn(3, 8, requires_grad=True)
+x_ref = x.detach().clone().requires_grad_()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = jitted(x)
+    got.sum().backward()
+want = model(x_ref)
+want.sum().backward()
+print(json.dumps({"regions": len(keraunos.last_fusions(jitted)),
+                  "tier": keraunos.compile_stats(jitted).tier,
+                  "warnings": [str(w.message) for w in caught],
+                  "filters_kept": list(warnings.filters) == filters,
+                  "equal": bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+                                and torch.allclose(x.grad, x_ref.grad, rtol=1e-4, atol=1e-4))}))
+"""
+
+
+@needs_cxx
+def test_a_fused_compile_on_the_users_thread_under_warnings_as_errors(tmp_path):
+    seen = json.loads(_python(_FUSED_NOW_UNDER_ERRORS, KERAUNOS_CACHE_DIR=str(tmp_path),
+                              KERAUNOS_FUSE=None).strip().splitlines()[-1])
+    assert seen["warnings"] == [], seen["warnings"]
+    assert seen["tier"] == "fused" and seen["regions"] >= 1, seen
+    assert seen["equal"] and seen["filters_kept"], seen

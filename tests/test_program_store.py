@@ -112,7 +112,7 @@ RUN = textwrap.dedent('''
         resized = keraunos.last_cache_miss_reasons(jitted)
     print(json.dumps({"store": stats.program_store, "captured": "capture" in stats.stages,
                       "misses": keraunos.cache_misses(jitted), "resized": resized,
-                      "tier": stats.tier,
+                      "tier": stats.tier, "hit_path": keraunos.compile_stats(jitted).hit_path,
                       "out": out.detach().double().flatten().tolist(),
                       "grads": [g.double().flatten().tolist() for g in grads]}))
 ''')
@@ -159,6 +159,35 @@ def test_a_restart_loads_the_program_and_computes_what_eager_does(kept):
     assert second["store"] == "loaded" and not second["captured"], second
     assert second["out"] == first["out"]  # and each equals eager's in its process (run.py)
     assert second["misses"] == 1
+    assert second["hit_path"] == first["hit_path"]  # the loaded prologue reads as captured
+
+
+# A model that reads no module global: its entries take the native hit path (one C call checks
+# the call and runs the entry). Prints the hit path and whether the entry was loaded.
+NATIVE_RUN = textwrap.dedent('''
+    import json, torch, keraunos
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    jitted = keraunos.jit(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x))
+        keraunos.persist.programs.wait_for_keeps()
+        torch.testing.assert_close(jitted(x), model(x))
+    stats = keraunos.compile_stats(jitted)
+    print(json.dumps({"store": stats.program_store, "hit_path": stats.hit_path}))
+''')
+
+
+def test_a_loaded_program_takes_the_native_hit_path_as_a_captured_one_does(tmp_path):
+    # The prologue's checks of grad mode, autocast and the rest keep what they compare through
+    # the store; read as text, they sent every loaded entry to the Python hit path.
+    script = tmp_path / "run.py"
+    script.write_text(NATIVE_RUN)
+    first = run_with_store(script, [], tmp_path / "store")
+    second = run_with_store(script, [], tmp_path / "store")
+    assert (first["store"], second["store"]) == ("kept", "loaded"), (first, second)
+    assert first["hit_path"] == second["hit_path"] == "native", (first, second)
 
 
 def test_training_loads_forward_and_backward(program):

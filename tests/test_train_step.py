@@ -115,6 +115,22 @@ def test_the_fused_step_trains_like_eager_and_runs_forward_backward_and_update_i
     assert "inductor_region" in str(keraunos.last_traces(jitted)[-1])
 
 
+def test_the_step_counts_of_every_parameter_run_as_one_region():
+    # AdamW's step counts and bias corrections (0-dim) move ahead of the update; the bindings
+    # of the written counts to their new names (``x_updated = x``) between them must not cut
+    # them into a region per parameter.
+    model, optimizer, step = _training("adamw")
+    eager_model, eager_optimizer, eager_step = _training("adamw")
+    jitted = keraunos.jit(step, fuse="wait", fallback="error")
+    _run_both(jitted, eager_step, _batches(3))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    headers = [line for line in str(keraunos.last_traces(jitted)[-1]).splitlines()
+               if line.lstrip().startswith("# inductor_region") and "(0-dim values)" in line]
+    assert len(headers) == 1, headers
+    assert all(f"state_values_{k}_step_updated" in headers[0]
+               for k in range(len(list(model.parameters()))))
+
+
 def test_a_step_under_the_default_tiers_trains_like_eager():
     model, optimizer, step = _training("adamw")
     eager_model, eager_optimizer, eager_step = _training("adamw")

@@ -210,15 +210,43 @@ class AmbientDifference(str):
             differences = [f"{reason} differs from when compiled"]
         return "; ".join(differences)
 
+    def compiled_value(self) -> Any:
+        """The value at capture of the one setting this check compares (its expression may be
+        the one for a tuple: ``_expression_for``; the setting is the same)."""
+        return self.snapshot.values[_LABELS.index(self.ambient.label)]
+
     def before_tensor_reason(self, reason: str) -> str:
         """A failed tensor check's ``reason``, after this setting's difference when there is one
         (for a check the tensor checks stand in for: ``implied_by_tensor_checks``)."""
         a = self.ambient
-        now, then = a.read(), self.snapshot.values[AMBIENT_STATE.index(a)]
+        now, then = a.read(), self.compiled_value()
         if now == then:
             return reason
         return (f"{a.label} is {_show(now)}, compiled with {_show(then)}; "
                 f"the tensor checks: {reason}")
 
-    def __reduce__(self):  # a copy is the plain text
-        return str, (str(self),)
+    def __reduce__(self):
+        # With its snapshot, so that a stored program's prologue takes the native hit path
+        # and explains its misses as the captured one does; the setting by its label, found
+        # again in the loading process's list.
+        ambient = self.ambient
+        return _difference, (self.snapshot, str(self), _LABELS,
+                             None if ambient is None else (ambient.label, ambient.expression))
+
+
+_LABELS = tuple(a.label for a in AMBIENT_STATE)
+
+
+def _difference(snapshot: AmbientSnapshot, text: str, labels: tuple, ambient) -> str:
+    """An ``AmbientDifference`` again (``__reduce__``); the plain text where this process
+    lists other settings (another set of autocast device types): its values are not this
+    list's, and the check then reads as text, on the Python hit path."""
+    if labels != _LABELS or len(snapshot.values) != len(AMBIENT_STATE):
+        return text
+    if ambient is None:
+        return AmbientDifference(snapshot, text)
+    label, expression = ambient
+    found = AMBIENT_STATE[_LABELS.index(label)]
+    if found.expression != expression:
+        found = replace(found, expression=expression)
+    return AmbientDifference(snapshot, text, found)

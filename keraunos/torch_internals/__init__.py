@@ -23,6 +23,33 @@ package imports neither dynamo nor Inductor: their modules load on first use.
 from __future__ import annotations
 
 import importlib
+import sys
+import threading
+import warnings
+
+# What torch's own modules may warn while they are first imported: their deprecations (importing
+# Inductor defines ``torch.utils.mkldnn``'s ``torch.jit.script_method`` classes, deprecated from
+# torch 2.13). A harness that turns warnings into errors around its code (``simplefilter
+# ("error")``) would otherwise fail the import, and with it every fused region compiled on the
+# user's thread, for a warning about torch's code that the user cannot act on.
+_IMPORT_TIME_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+def import_module(module: str):
+    """``importlib.import_module``, with the deprecations torch's modules warn about themselves
+    while first imported kept quiet. The filters are the user's thread's to change: on
+    keraunos's background thread a module is imported as it is (that thread imports nothing of
+    torch's compiler stack, ``keraunos.background``); a module imported already is taken as
+    it is."""
+    found = sys.modules.get(module)
+    if found is not None:
+        return found
+    if getattr(threading.current_thread(), "keraunos_background", False):
+        return importlib.import_module(module)
+    with warnings.catch_warnings():
+        for category in _IMPORT_TIME_WARNINGS:
+            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
+        return importlib.import_module(module)
 
 
 def lazy(module_name: str, table: dict[str, tuple[str, str | None]]):
@@ -32,6 +59,6 @@ def lazy(module_name: str, table: dict[str, tuple[str, str | None]]):
         if name not in table:
             raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
         module, attribute = table[name]
-        found = importlib.import_module(module)
+        found = import_module(module)
         return found if attribute is None else getattr(found, attribute)
     return __getattr__

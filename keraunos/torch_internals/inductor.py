@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import sys
 
-from . import lazy
+from . import import_module, lazy
 
 # name -> (module, attribute or None for the module itself): imported on first use.
 _LAZY = {
@@ -99,7 +98,7 @@ def config_overridden() -> list[tuple[str, object, object]] | None:
 
 def load_compiler() -> None:
     """Import Inductor's compiler now (a process that will compile pays for it up front)."""
-    importlib.import_module("torch._inductor.compile_fx")
+    import_module("torch._inductor.compile_fx")
 
 
 # The method table of Inductor's binding template, around its one entry (braces doubled: a

@@ -577,7 +577,11 @@ def _hoisted(lines, claimed, layers, io: _Proxies) -> list[int]:
 
 
 def _movable(bsym: BoundSymbol) -> bool:
-    """A line whose only effect is its outputs: it may run earlier than written."""
+    """A line whose only effect is its outputs: it may run earlier than written. The binding
+    of an input written in place to its new name (``x_updated = x``) is one: between the
+    regions of an optimizer's step counts it would cut them into a region per parameter."""
+    if bsym.symbol is glue.ALIAS:
+        return True
     return (isinstance(bsym.symbol, TorchSymbol)
             and may_move(bsym) and not is_inplace_by_name(bsym.symbol) and not _draws_random(bsym))
 

@@ -72,9 +72,10 @@ import torch
 
 from ... import background
 from ... import debug
-from ...capture.ambient import AMBIENT_STATE, AmbientDifference, NativeRead
+from ...capture.ambient import AmbientDifference, NativeRead
 from ...capture.guards import KEYS, LENGTH
 from ...core import glue
+from ...core.symbols import CodeWriter
 from ..cache import returns_the_only_output, sharing_cannot_matter
 from ..fast_prologue import STATICS, AttributeCheck, FastPrologue, LoadStructure, TensorChecks
 from ...torch_internals import dispatch, dynamo
@@ -360,7 +361,7 @@ def _read_ambient(read: _Read, description: AmbientDifference) -> str | None:
     if ambient is None:
         read.global_guard = description.snapshot.cxx_guard
         return None
-    value = description.snapshot.values[AMBIENT_STATE.index(ambient)]
+    value = description.compiled_value()
     if ambient.native is NativeRead.AUTOCAST_DTYPE and isinstance(value, torch.dtype):
         read.autocast.append((ambient.device, value))
     elif ambient.native is NativeRead.FLOAT32_MATMUL_PRECISION and value in _MATMUL_PRECISIONS:
@@ -418,7 +419,8 @@ def _read(lines) -> _Read | str:
             read.tensors = made
             read.checked += made.checked
         else:
-            return f"the prologue line {str(b).strip().splitlines()[0][:80]!r}"
+            line = (b.symbol.format(b, CodeWriter({})) or [b.symbol.name])[0]
+            return f"the prologue line {line.strip()[:80]!r}"
     return read
 
 
