@@ -26,7 +26,7 @@ from ...core.symbols import BoundSymbol
 from ...core.tags import MUTATION
 from ...core.trace import Trace
 from ..base import Executor, FusionExecutor, give_back
-from . import channels_last, compiler, fx_graph, layers, regions, symbolic, workers
+from . import channels_last, compiler, fx_graph, layers, region_call, regions, symbolic, workers
 from .regions import Region, find_regions, fusible
 
 __all__ = ["InductorExecutor", "FusionRegion", "fuse", "computes_in_region"]
@@ -365,7 +365,7 @@ def _fuse_region(r: Region, prepared: _Prepared, trace_name, counter, always_che
     region_trace = Trace(name, list(r.inputs), list(r.lines) + [
         glue.RETURN_REGION.bind(*r.outputs)])
     try:  # with symbolic sizes, a call the kernel's guards reject runs the region's own lines
-        call = compiler.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
+        call = region_call.RegionCall(kernel, r.inputs, r.outputs, checked, fallback=(
             region_trace.python_callable() if kernel.guards else None),
             make_fallback=region_trace.python_callable, layout=layout, written=written,
             writes=writes_memory)
