@@ -156,32 +156,30 @@ class Kernel:
         graph, compiled = self._unwrapped, self.compiled
         if graph is False:
             return compiled
-        run = _counting_writes(graph)
+        return _twins(_counting_writes(graph), lambda args: compiled(*emptied(args)),
+                      _outside_dynamo if grad_free else _outside_dynamo_without_grad)
 
-        if grad_free:
-            def call(*args):
-                if _eval_frame_callback() is None:
-                    return run(list(args))
-                return compiled(*args)
 
-            def take(args: list):
-                if _eval_frame_callback() is None:
-                    return run(args)
-                return compiled(*emptied(args))
-            call.take = take
-            return call
+def _outside_dynamo() -> bool:
+    return _eval_frame_callback() is None
 
-        def call_without_grad(*args):
-            if _eval_frame_callback() is None and not _grad_enabled():
-                return run(list(args))
-            return compiled(*args)
 
-        def take_without_grad(args: list):
-            if _eval_frame_callback() is None and not _grad_enabled():
-                return run(args)
-            return compiled(*emptied(args))
-        call_without_grad.take = take_without_grad
-        return call_without_grad
+def _outside_dynamo_without_grad() -> bool:
+    return _eval_frame_callback() is None and not _grad_enabled()
+
+
+def _twins(run, wrapped, direct_now):
+    """A region's kernel as a call of its inputs, ``call(*inputs)``, and as ``call.take(list)``
+    (``RegionCall.take``), both emptying the list they hand on: ``run`` (Inductor's own call, a
+    list of inputs) where ``direct_now()``, else ``wrapped`` (the same with what the wrappers do
+    around it)."""
+    def call(*args):
+        return run(list(args)) if direct_now() else wrapped(list(args))
+
+    def take(args: list):
+        return run(args) if direct_now() else wrapped(args)
+    call.take = take
+    return call
 
 
 def emptied(args: list) -> tuple:
@@ -523,17 +521,7 @@ def _stored_call(call, writes: tuple = ()):
         with torch.no_grad():
             return call(args)
 
-    def run(*args):
-        if _eval_frame_callback() is None and not _grad_enabled():
-            return call(list(args))
-        return wrapped(list(args))
-
-    def take(args: list):
-        if _eval_frame_callback() is None and not _grad_enabled():
-            return call(args)
-        return wrapped(args)
-    run.take = take
-    return run
+    return _twins(call, wrapped, _outside_dynamo_without_grad)
 
 
 def _compile(make_graph, inputs, outputs, region_name, layout, graph=None,
