@@ -394,21 +394,36 @@ def timm_models(per_family: int = 1) -> list[str]:
 
 
 def build_timm(name: str, seed: int = 0) -> Built:
-    """A random-weight timm model with 10 classes, on images of 64 px where it takes a size
-    (else its own input size)."""
+    """A random-weight timm model with 10 classes, on the smallest image size it runs eager on:
+    64 px (given as its ``img_size`` where it takes one), 96, 128, else its own input size (an
+    attention bias laid out for 7x7 patches, inception's stem, a window size)."""
     import timm
-    torch.manual_seed(seed)
-    try:
-        model = timm.create_model(name, pretrained=False, num_classes=10, img_size=64)
-        size = (3, 64, 64)
-    except TypeError:  # a model without an image size of its own (a CNN), or a fixed one
-        model = timm.create_model(name, pretrained=False, num_classes=10)
-        size = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
-        if "fixed_input_size" not in model.pretrained_cfg or \
-                not model.pretrained_cfg["fixed_input_size"]:
-            size = (size[0], 64, 64)
+    for side in (64, 96, 128, None):
+        torch.manual_seed(seed)
+        try:
+            model = timm.create_model(name, pretrained=False, num_classes=10,
+                                      **({"img_size": side} if side else {}))
+        except TypeError:  # a model without an image size of its own (a CNN), or a fixed one
+            model = timm.create_model(name, pretrained=False, num_classes=10)
+            if model.pretrained_cfg.get("fixed_input_size"):
+                side = None
+        own = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
+        size = own if side is None else (own[0], side, side)
+        # (tried on a copy: a forward may fill the model's caches, which capture must meet empty)
+        if side is None or _runs_on(copy.deepcopy(model), size):
+            break
 
     def inputs(seed: int, labels: bool) -> dict:
         g = torch.Generator().manual_seed(seed)
         return {"x": torch.randn(BATCH, *size, generator=g)}
     return Built(f"timm:{name}", model.eval(), type(model).__name__, inputs)
+
+
+def _runs_on(model, size: tuple) -> bool:
+    """Whether ``model`` runs an eval forward on a batch of images of ``size`` in eager."""
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(BATCH, *size))
+        return True
+    except Exception:  # noqa: BLE001 - any failure: the size does not fit the model
+        return False
