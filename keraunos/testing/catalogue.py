@@ -80,12 +80,16 @@ def shrink(config) -> None:
                 setattr(config, name, new)
             except (AttributeError, ValueError, TypeError):
                 pass
-    if getattr(config, "num_key_value_heads", None):
+    own = vars(config)  # (a heterogeneous config refuses to read per-layer attributes)
+    if own.get("num_key_value_heads"):
         # (latent attention's keys and values have every head)
-        config.num_key_value_heads = config.num_attention_heads \
-            if getattr(config, "kv_lora_rank", None) else min(config.num_key_value_heads, 2)
-    if getattr(config, "head_dim", None):
+        config.num_key_value_heads = own.get("num_attention_heads") \
+            if own.get("kv_lora_rank") else min(own["num_key_value_heads"], 2)
+    if own.get("head_dim"):
         config.head_dim = 8
+    if "num_experts_per_tok" in own and own["num_experts_per_tok"] is None and (
+            own.get("n_routed_experts") or own.get("num_experts")):
+        config.num_experts_per_tok = 2  # no default (DeepSeek-V2): the router needs one
     if getattr(config, "qk_head_dim", None) and getattr(config, "qk_rope_head_dim", None):
         # derived when the config was made (DeepSeek's latent attention)
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -102,6 +106,29 @@ def shrink(config) -> None:
         for key, value in list(vars(config).items()):  # per-layer lists (Gemma3n's sparsity)
             if key != "layer_types" and isinstance(value, list) and len(value) == layers_before:
                 setattr(config, key, value[:getattr(config, name)])
+        _shrink_per_layer(config, getattr(config, name))
+
+
+def _shrink_per_layer(config, layers: int) -> None:
+    """A heterogeneous config's per-layer values (transformers 5's ``per_layer_config``: one
+    layer's head size or key-value heads other than the rest) shrunk as the global ones, for
+    the layers kept."""
+    spec = vars(config).get("_heterogeneity_spec")
+    overrides = getattr(spec, "per_layer_overrides", None)
+    if not isinstance(overrides, dict):
+        return
+    for index in list(overrides):
+        if not isinstance(index, int) or index >= layers:
+            del overrides[index]
+            continue
+        values = overrides[index]
+        for key, value in list(values.items()):
+            if key == "head_dim" and value:
+                values[key] = 8
+            elif key == "num_key_value_heads" and value:
+                values[key] = min(value, 2)
+            elif type(value) is not bool and isinstance(value, (int, float, list)):
+                values[key] = _small(key, value, config)
 
 
 def _layer_count_name(config) -> str | None:
@@ -164,7 +191,12 @@ def build(model_type: str, seed: int = 0) -> Built:
         if cls is not None:
             break
     else:
-        raise LookupError(f"no model class for {model_type}")
+        # a part of a composite model (a text or vision tower) that no auto mapping names: the
+        # model class its config class is named for (``AltCLIPTextConfig``: ``AltCLIPTextModel``)
+        mapping = "MODEL_MAPPING_NAMES"
+        cls = getattr(transformers, type(config).__name__.removesuffix("Config") + "Model", None)
+        if not isinstance(cls, type):
+            raise LookupError(f"no model class for {model_type}")
     if "SEQ_TO_SEQ" in mapping and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     torch.manual_seed(seed)
