@@ -2,6 +2,7 @@
 floor that any compiler of the model's forward and backward pays when AdamW runs eagerly.
 
 Run: python benchmarks/step_account.py [--rounds N] [--repeats R] [--floor] [--compile-optimizer]
+     [--whole-step]
 
 Default (the account): both systems (and eager with --eager) are compiled and warmed in one
 process, then take profiled steps in turns (``torch.profiler``, CPU); each event's self time is
@@ -21,6 +22,12 @@ step. Their sum is a lower bound on any step with the same BLAS and the eager op
 0.9x torch.compile's step it says how much room such a target leaves. With
 --compile-optimizer both sides compile AdamW's step (as ``train.py --compile-optimizer``), and the
 floor's optimizer step is torch.compile's.
+
+--whole-step: the systems are ``keraunos.jit(train_step)`` fused (forward, loss, backward and
+AdamW as one program) and the best torch recipe of ``train.py --whole-step``,
+``torch.compile(model)`` with ``AdamW(fused=True)``; with --floor, the floor is the library calls
+both make (matrix products, attention, the loss) and torch's fused AdamW kernel, the fastest
+update measured here, and the ratios are to that recipe's step.
 """
 from __future__ import annotations
 
@@ -98,6 +105,25 @@ def account(prof) -> collections.Counter:
             parent = parent.cpu_parent
         rows[category(ev.name, in_optimizer, backward)] += ev.self_cpu_time_total / 1e3
     return rows
+
+
+BEST_TORCH = "torch.compile, AdamW(fused=True)"
+
+
+def whole_steps(base, idx, targets) -> dict:
+    """``keraunos.jit(train_step)`` fused, and torch.compile's model with the fused AdamW."""
+    steps = {}
+    for name in ("keraunos step fused", BEST_TORCH):
+        model = copy.deepcopy(base)
+        if name == BEST_TORCH:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            steps[name] = step_fn(torch.compile(model), optimizer, idx, targets)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            steps[name] = keraunos.jit(step_fn(model, optimizer, idx, targets), fuse="wait")
+        for _ in range(5):
+            steps[name]()
+    return steps
 
 
 def make_steps(base, idx, targets, eager: bool, compile_optimizer: bool) -> dict:
@@ -196,10 +222,12 @@ def replayed(calls: list) -> dict:
 
 
 def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int,
-                compile_optimizer: bool) -> None:
-    parts = replayed(library_calls(steps["torch.compile"]))
+                compile_optimizer: bool, whole_step: bool = False) -> None:
+    reference = BEST_TORCH if whole_step else "torch.compile"
+    parts = replayed(library_calls(steps[reference]))
     model = copy.deepcopy(base)  # AdamW on a copy of its own, with one backward's gradients
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                  **({"fused": True} if whole_step else {}))
     logits = model(idx)
     F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1)).backward()
     grads = [p.grad for p in model.parameters()]
@@ -217,8 +245,12 @@ def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int,
     adamw = torch.compile(optimizer.step) if compile_optimizer else optimizer.step
     for _ in range(3):
         adamw()
-    parts.update({"loss (cross_entropy forward and backward)": loss, "zero_grad": zero_grad,
-                  ("torch.compile'd" if compile_optimizer else "eager") + " AdamW step": adamw})
+    if whole_step:  # (the whole step's zero_grad lets go of the gradients: nothing to time)
+        parts.update({"loss (cross_entropy forward and backward)": loss,
+                      "AdamW(fused=True) step": adamw})
+    else:
+        parts.update({"loss (cross_entropy forward and backward)": loss, "zero_grad": zero_grad,
+                      ("torch.compile'd" if compile_optimizer else "eager") + " AdamW step": adamw})
 
     def floor():
         for part in parts.values():
@@ -230,13 +262,13 @@ def print_floor(base, idx, targets, steps: dict, rounds: int, repeats: int,
         load = " ".join(open("/proc/loadavg").read().split()[:3])
         samples = samples_in_turns(calls, rounds)
         medians = {k: statistics.median(v) for k, v in samples.items()}
-        compiled = medians["torch.compile"]
+        compiled = medians[reference]
         per_round = statistics.median(
-            f / c for f, c in zip(samples["floor: all of the below"], samples["torch.compile"]))
+            f / c for f, c in zip(samples["floor: all of the below"], samples[reference]))
         print(f"run {repeat + 1}: load average {load}; {rounds} rounds in turns, medians")
         for k, v in medians.items():
-            print(f"  {k:<44} {v * 1e3:8.2f} ms {v / compiled:7.3f}x torch.compile's step")
-        print(f"  floor / torch.compile's step, median of the rounds' ratios: {per_round:.3f} "
+            print(f"  {k:<44} {v * 1e3:8.2f} ms {v / compiled:7.3f}x {reference}'s step")
+        print(f"  floor / {reference}'s step, median of the rounds' ratios: {per_round:.3f} "
               f"(the target, 0.9x, is {0.9 * compiled * 1e3:.2f} ms)", flush=True)
 
 
@@ -248,16 +280,26 @@ def main():
     parser.add_argument("--eager", action="store_true", help="the account of eager's step too")
     parser.add_argument("--compile-optimizer", action="store_true",
                         help="both sides compile AdamW's step (the floor: torch.compile's)")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="keraunos.jit(train_step) against torch.compile with "
+                             "AdamW(fused=True)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = make_model(4, 256)
     idx = torch.randint(0, VOCAB, (1, 64))
     targets = torch.randint(0, VOCAB, (1, 64))
-    steps = make_steps(base, idx, targets, args.eager and not args.floor, args.compile_optimizer)
-    print(f"torch {torch.__version__}, 1 thread; benchmarks/train.py's model and step (AdamW "
-          f"{'compiled by each side' if args.compile_optimizer else 'eager on every side'})")
+    if args.whole_step:
+        steps = whole_steps(base, idx, targets)
+        print(f"torch {torch.__version__}, 1 thread; benchmarks/train.py's model and step, "
+              f"the whole step as one program against {BEST_TORCH}")
+    else:
+        steps = make_steps(base, idx, targets, args.eager and not args.floor,
+                           args.compile_optimizer)
+        print(f"torch {torch.__version__}, 1 thread; benchmarks/train.py's model and step (AdamW "
+              f"{'compiled by each side' if args.compile_optimizer else 'eager on every side'})")
     if args.floor:
-        print_floor(base, idx, targets, steps, args.rounds, args.repeats, args.compile_optimizer)
+        print_floor(base, idx, targets, steps, args.rounds, args.repeats, args.compile_optimizer,
+                    args.whole_step)
     else:
         print_account(steps, args.rounds)
 
