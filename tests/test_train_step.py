@@ -378,6 +378,40 @@ def test_a_training_step_with_autocast_inside_trains_like_eager():
     assert "torch.bfloat16" in trace  # autocast's casts, lines of the program
 
 
+def _update_regions(trace: str) -> tuple[list[str], list[str]]:
+    """The headers of a fused step's regions of 0-dim values, and the lines outside regions
+    that write a parameter or its state."""
+    lines = trace.splitlines()
+    scalars = [line for line in lines
+               if line.lstrip().startswith("# inductor_region") and "(0-dim values)" in line]
+    outside = [line for line in lines if not line.lstrip().startswith("#")
+               and ("param_groups" in line or "state_values" in line)
+               and ("_(" in line or ".copy_(" in line)]
+    return scalars, outside
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bfloat16 weights"])
+def test_a_fused_step_in_reduced_precision_updates_in_regions_and_trains_like_eager(precision):
+    # Autocast switched off after the forward, and bfloat16 parameters (AdamW's step size, a
+    # float32 0-dim tensor, is their ``addcdiv_``'s factor: computed in float32 as eager's
+    # kernel does), must not leave the step counts or the updates a region per parameter.
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 4))
+        return model.to(torch.bfloat16) if precision == "bfloat16 weights" else model
+
+    def loss_of(model, x, y):
+        return F.cross_entropy(model(x.to(model[0].weight.dtype)).float(), y)
+    batches = _batches(4)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if precision == "bfloat16 weights" else {}
+    jitted = _train_both(_whole_step_pair(build, loss_of, autocast=precision == "autocast"),
+                         batches, fuse="wait", **tolerance)
+    scalars, outside = _update_regions(str(keraunos.last_traces(jitted)[-1]))
+    assert len(scalars) == 1 and "state_values_3_step_updated" in scalars[0], scalars
+    assert not outside, outside
+
+
 def test_a_scheduler_outside_with_a_tensor_rate_trains_like_eager_without_recompiling():
     def pair():
         model = _model()

@@ -85,7 +85,10 @@ def _candidate(bsym: BoundSymbol, grad_on: bool, names: dict[int, set[str]], ali
     if not all(type(n) is int for n in (*w.shape, *w.stride)) or w.stride != _contiguous(w.shape):
         return None  # (an out-of-place value of another layout would not have w's strides)
     tensors = [p for p in bsym.input_proxies() if isinstance(p, TensorProxy)]
-    if any(t.dtype != w.dtype or t.device != w.device for t in tensors):
+    factor = _scalar_factor(bsym)  # (a float32 one of a bfloat16 tensor: spelled out in float32)
+    if any((t.dtype != w.dtype and not (t is factor and w.dtype in _REDUCED
+                                        and t.dtype == torch.float32))
+           or t.device != w.device for t in tensors):
         return None
     if grad_on and any(t.requires_grad for t in tensors):
         return None
@@ -156,21 +159,36 @@ def functionalize_writes(trace):
 
 
 # Methods whose scalar factor (``value=``, ``alpha=``) may be a 0-dim tensor, as the pointwise
-# ops they are: ``x.addcdiv(a, b, value=t)`` is ``x + t * (a / b)``. A region cannot take the
-# tensor as a scalar (Inductor would read it with ``.item()``); as ops, it fuses.
+# ops they are, in the order eager's kernels compute them: ``x.addcdiv(a, b, value=t)`` is
+# ``x + t * a / b``, ``x.addcmul(a, b, value=t)`` is ``x + t * a * b``, ``x.add(a, alpha=t)`` is
+# ``x + t * a``. A region cannot take the tensor as a scalar (Inductor would read it with
+# ``.item()``); as ops, it fuses. Each entry: the factor's keyword, the op that takes the second
+# operand (if any), the op that ends it.
 _SPELLED_OUT = {"addcdiv": ("value", torch.Tensor.div, "div", torch.Tensor.add, "add"),
                 "addcmul": ("value", torch.Tensor.mul, "mul", torch.Tensor.add, "add"),
                 "add": ("alpha", None, None, torch.Tensor.add, "add"),
                 "sub": ("alpha", None, None, torch.Tensor.sub, "sub")}
+# Eager's kernels compute a bfloat16 or float16 tensor's ops in float32 and round once: such a
+# tensor's ops are spelled out so, with a factor of its dtype or float32 (AdamW's step size, of
+# bfloat16 parameters).
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _scalar_factor(b: BoundSymbol) -> TensorProxy | None:
+    """The 0-dim tensor a line of ``_SPELLED_OUT`` (or its in-place form) takes as its scalar
+    factor, if it takes one."""
+    spelled = _SPELLED_OUT.get(getattr(b.symbol, "name", "").rstrip("_"))
+    factor = b.kwargs.get(spelled[0]) if spelled is not None else None
+    return factor if isinstance(factor, TensorProxy) and factor.shape == () else None
 
 
 def _tensor_scalar_factor(b: BoundSymbol) -> bool:
-    spelled = _SPELLED_OUT.get(b.symbol.name.rstrip("_"))
-    return spelled is not None and isinstance(b.kwargs.get(spelled[0]), TensorProxy)
+    return _scalar_factor(b) is not None
 
 
 def _with_tensor_scalar_spelled_out(b: BoundSymbol, taken: set[str]) -> list[BoundSymbol]:
-    """``b``, or the lines it is when its scalar factor is a 0-dim tensor of its dtype."""
+    """``b``, or the lines it is when its scalar factor is a 0-dim tensor of its dtype (or a
+    float32 one of a bfloat16 or float16 tensor), computed as eager's kernel computes it."""
     spelled = _SPELLED_OUT.get(b.symbol.name)
     if spelled is None:
         return [b]
@@ -178,30 +196,44 @@ def _with_tensor_scalar_spelled_out(b: BoundSymbol, taken: set[str]) -> list[Bou
     factor = b.kwargs.get(key)
     operands = b.args[1:]
     x = b.args[0]
-    if not isinstance(factor, TensorProxy) or factor.shape != () or factor.dtype != x.dtype \
-            or set(b.kwargs) != {key} or len(operands) != (2 if combine else 1) or not all(
-            isinstance(o, TensorProxy) and o.shape == x.shape for o in operands):
+    if not isinstance(factor, TensorProxy) or factor.shape != () or set(b.kwargs) != {key} \
+            or len(operands) != (2 if combine else 1) or not all(
+            isinstance(o, TensorProxy) and o.shape == x.shape and o.dtype == x.dtype
+            for o in operands):
         return [b]
+    reduced = x.dtype in _REDUCED and factor.dtype in (torch.float32, x.dtype)
+    if factor.dtype != x.dtype and not reduced:
+        return [b]
+    compute = torch.float32 if reduced else x.dtype
+    lines: list[BoundSymbol] = []
 
-    def fresh(hint):
-        k = 1
-        while f"{hint}_{k}" in taken:
-            k += 1
-        taken.add(f"{hint}_{k}")
-        return _proxy_like(x, f"{hint}_{k}")
+    def line(fn, name, args, hint):
+        out = _proxy_like(x, _fresh(f"{b.outputs.name}_{hint}", taken), compute)
+        lines.append(b.replace(symbol=TorchSymbol(fn, name, "method"), args=args, kwargs={},
+                               outputs=out))
+        return out
 
-    lines, term = [], operands[0]
+    def computed(t):
+        return t if t.dtype == compute else line(torch.Tensor.to, "to", (t, compute), "f")
+    term = line(torch.Tensor.mul, "mul", (computed(operands[0]), factor), "s")
     if combine is not None:
-        q = fresh(f"{b.outputs.name}_q")
-        lines.append(b.replace(symbol=TorchSymbol(combine, combine_name, "method"),
-                               args=tuple(operands), kwargs={}, outputs=q))
-        term = q
-    scaled = fresh(f"{b.outputs.name}_s")
-    lines.append(b.replace(symbol=TorchSymbol(torch.Tensor.mul, "mul", "method"),
-                           args=(term, factor), kwargs={}, outputs=scaled))
-    lines.append(b.replace(symbol=TorchSymbol(finish, finish_name, "method"),
-                           args=(x, scaled), kwargs={}))
+        term = line(combine, combine_name, (term, computed(operands[1])), "q")
+    if not reduced:
+        lines.append(b.replace(symbol=TorchSymbol(finish, finish_name, "method"),
+                               args=(x, term), kwargs={}))
+        return lines
+    total = line(finish, finish_name, (computed(x), term), "r")
+    lines.append(b.replace(symbol=TorchSymbol(torch.Tensor.to, "to", "method"),
+                           args=(total, x.dtype), kwargs={}))
     return lines
+
+
+def _fresh(hint: str, taken: set[str]) -> str:
+    k = 1
+    while f"{hint}_{k}" in taken:
+        k += 1
+    taken.add(f"{hint}_{k}")
+    return f"{hint}_{k}"
 
 
 def _may_write(b: BoundSymbol) -> list:
@@ -224,9 +256,9 @@ def _contiguous(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _proxy_like(w: TensorProxy, name: str) -> TensorProxy:
-    """A new tensor with ``w``'s metadata in memory of its own."""
-    memory = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device="meta")
+def _proxy_like(w: TensorProxy, name: str, dtype: torch.dtype | None = None) -> TensorProxy:
+    """A new tensor with ``w``'s metadata (another ``dtype`` if given) in memory of its own."""
+    memory = torch.empty_strided(w.shape, w.stride, dtype=dtype or w.dtype, device="meta")
     proxy = TensorProxy(name, memory)
     proxy.device = w.device
     proxy.requires_grad = False

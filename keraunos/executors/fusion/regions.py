@@ -411,9 +411,10 @@ def _scalars_first(lines: list[BoundSymbol], claimed: list[bool],
     trace's first claimed line of larger tensors moved there, in their order: an optimizer's
     step counts and bias corrections for every parameter (they read its state, inputs of the
     trace) then run as one region ahead of the updates, instead of cutting the updates into a
-    region per parameter. A line moves above no line that makes a value it reads, writes memory
-    it reads or writes, or reads memory it writes, and above no switch of grad mode or
-    autocast and no opaque call."""
+    region per parameter. A line that cannot go that far moves as far up as it can where that
+    is just after a line not claimed (a switch of autocast). A line moves above no line that
+    makes a value it reads, writes memory it reads or writes, or reads memory it writes, and
+    above no switch of grad mode or autocast and no opaque call."""
     start = next((k for k, b in enumerate(lines) if claimed[k] and not _only_0_dim(b)), None)
     if start is None:
         return list(range(len(lines))), set()
@@ -425,7 +426,11 @@ def _scalars_first(lines: list[BoundSymbol], claimed: list[bool],
         b = lines[i]
         if i in feeding and (_movable(b) or writes(b) is not None):
             at = max(_earliest(b, [lines[k] for k in kept], io), last)
-            if at <= start:  # (the lines before ``start`` are all kept, in place)
+            # (the lines before ``start`` are all kept, in place); or just after a line that
+            # is not claimed, which cuts the runs there anyway: where autocast is switched off
+            # after the forward, the step counts of an optimizer after the backward run ahead
+            # of the backward's region instead of cutting the updates apart
+            if at <= start or not claimed[kept[at - 1]]:
                 moved.setdefault(at, []).append(i)
                 last = at
                 continue
