@@ -2,15 +2,19 @@
 model; eval forward and training step, eager vs keraunos vs torch.compile.
 
 Run: python benchmarks/precision.py [--layers L] [--width W] [--batch B] [--seq T]
-                                    [--rounds N] [--cases autocast-eval,autocast-train,...]
+                                    [--rounds N] [--cases autocast-eval,autocast-step,...]
                                     [--json PATH] [--quick]
 
 Cases: ``autocast-eval`` (float32 weights, ``torch.autocast("cpu", torch.bfloat16)``, under
 ``no_grad``), ``autocast-train`` (the same model in train mode: forward, loss in float32,
 backward, AdamW step, the forward and loss under autocast as PyTorch's recipe has them),
-``bf16-eval`` and ``bf16-train`` (the model cast to bfloat16, AdamW on its bfloat16 weights).
-Systems: eager, ``keraunos.jit(model, fuse="wait")`` (its fused program, compiled before timing)
-and ``torch.compile(model)``. Every system takes one call per round, in turns, one intra-op
+``bf16-eval`` and ``bf16-train`` (the model cast to bfloat16, AdamW on its bfloat16 weights);
+``autocast-step`` and ``bf16-step``, the training steps of the train cases with keraunos
+compiling the whole step function as one program (``keraunos.jit(train_step)``: zero_grad,
+forward, loss, backward, AdamW) where the train cases jit the model alone.
+Systems: eager, ``keraunos.jit(model, fuse="wait")`` (its fused program, compiled before timing;
+for a step case ``keraunos.jit(train_step, fuse="wait")``) and ``torch.compile(model)`` (with
+eager AdamW, as in every training case). Every system takes one call per round, in turns, one intra-op
 thread; the table gives each one's median and its ratio to eager and to torch.compile, and how
 far each system is from a float64 run of the model (root mean square of the logits, or of every
 gradient of one training step) against eager's distance. ``--json`` writes the table for
@@ -33,7 +37,8 @@ import keraunos
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from turns import medians_in_turns  # noqa: E402
 
-CASES = ("autocast-eval", "autocast-train", "bf16-eval", "bf16-train")
+CASES = ("autocast-eval", "autocast-train", "autocast-step", "bf16-eval", "bf16-train",
+         "bf16-step")
 
 
 def make_model(layers: int, width: int, vocab: int = 512):
@@ -52,8 +57,64 @@ def _autocast(case: str):
         else contextlib.nullcontext()
 
 
+def train_step(model, optimizer, idx, targets, case: str, upcast=torch.float32):
+    """The step function of the training cases: forward and loss under autocast where the case
+    has it, the loss in ``upcast``, backward, AdamW."""
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(case):
+            logits = model(idx)
+            loss = F.cross_entropy(logits.to(upcast).view(-1, logits.size(-1)),
+                                   targets.view(-1))
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def step_calls(case: str, base, idx, targets) -> dict:
+    """name -> one training step: keraunos compiles the step function, torch.compile the model."""
+    calls = {}
+    for name in ("eager", "keraunos", "torch.compile"):
+        model = copy.deepcopy(base).train()
+        if case.startswith("bf16"):
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs = torch.compile(model) if name == "torch.compile" else model
+        step = train_step(runs, optimizer, idx, targets, case)
+        calls[name] = keraunos.jit(step, fuse="wait") if name == "keraunos" else step
+        for _ in range(3):
+            calls[name]()
+    return calls
+
+
+def step_numerics(case: str, base, idx, targets) -> dict:
+    """Each system's distance from float64 of the gradients a step leaves, as ``numerics``:
+    AdamW with a rate of 0 (the parameters stay), the second step's (keraunos's fused one)."""
+    got = {}
+    for name in ("float64", "eager", "keraunos", "torch.compile"):
+        model = copy.deepcopy(base).train()
+        if name == "float64":
+            model = model.double()
+        elif case.startswith("bf16"):
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+        runs = torch.compile(model) if name == "torch.compile" else model
+        step = train_step(runs, optimizer, idx, targets,
+                          "exact" if name == "float64" else case,
+                          torch.float64 if name == "float64" else torch.float32)
+        step = keraunos.jit(step, fuse="wait") if name == "keraunos" else step
+        for _ in range(2):
+            step()
+        got[name] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    exact = got.pop("float64")
+    return {name: (v - exact).square().mean().sqrt().item() for name, v in got.items()}
+
+
 def system_calls(case: str, base, idx, targets) -> dict:
     """name -> a call of one eval forward or one training step, warmed up and compiled."""
+    if case.endswith("step"):
+        return step_calls(case, base, idx, targets)
     training = case.endswith("train")
     calls = {}
     for name in ("eager", "keraunos", "torch.compile"):
@@ -86,6 +147,8 @@ def system_calls(case: str, base, idx, targets) -> dict:
 def numerics(case: str, base, idx, targets) -> dict:
     """Each system's distance from a float64 run of the same model (root mean square): of the
     logits for an eval case, of every gradient together for a training case (one step)."""
+    if case.endswith("step"):
+        return step_numerics(case, base, idx, targets)
     training = case.endswith("train")
     exact_model = copy.deepcopy(base).double().train(training)
     got = {}

@@ -110,9 +110,10 @@ kernel). With `--compile-optimizer` each side compiles the AdamW step (`keraunos
     Family("precision", "Reduced precision", """\
 `benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
 model under `torch.autocast("cpu", dtype=torch.bfloat16)` and as a bfloat16 model; an eval forward
-(`no_grad`) and a training step (float32 loss, backward, AdamW). `keraunos` is its fused program
-(`fuse="wait"`); systems in turns, medians. The last column: distance from a float64 run of the
-model (logits, or every gradient of one step), against eager's.""",
+(`no_grad`) and a training step (float32 loss, backward, AdamW; `torch.compile(model)` with eager
+AdamW). `keraunos` is its fused program (`fuse="wait"`): `keraunos.jit(model)`, and for the step
+cases `keraunos.jit(train_step)`, the whole step as one program; systems in turns, medians. The
+last column: distance from a float64 run (logits, or every gradient of one step), vs eager's.""",
            [["benchmarks/precision.py"]]),
     Family("generate", "Text generation and symbolic sizes", """\
 `benchmarks/generate.py`: greedy generation with tiny random-weight configs (Hugging Face
@@ -187,21 +188,18 @@ HEADLINES = [
 ]
 
 METHOD = """\
-- **One intra-op thread** (`torch.set_num_threads(1)`) in every process, so that the two cores
-  do not make the figures depend on what else runs.
+- **One intra-op thread** (`torch.set_num_threads(1)`) in every process: the two cores do not
+  make the figures depend on what else runs.
 - **Ratios within one run.** Every script measures eager, keraunos and `torch.compile` in the
-  same run; where systems share a process they are timed **in turns** (a block of calls of each
-  system per round, the order rotating, medians over the rounds), so that a change of the
-  machine's load falls on all of them alike. Read the ratios: absolute times vary from machine
-  to machine and with the load, ratios much less.
-- **Cold** is a fresh process with an empty Inductor cache and an empty keraunos store
-  (`TORCHINDUCTOR_CACHE_DIR`, `KERAUNOS_CACHE_DIR`); a **warm restart** is a second process on
-  the caches the cold one left.
-- **First result** is the wall time from the `keraunos.jit` (or `torch.compile`) call to the
-  first call's output; **time until fused** runs until every call runs the fused program;
-  **per call** is the median of warm calls once fused.
-- Every system's output is compared with eager's before it is timed; a system that differs or
-  fails is shown as such, never timed silently."""
+  same run, where they share a process **in turns** (a block of calls of each system per round,
+  the order rotating, medians over the rounds): a change of load falls on all alike. Read the
+  ratios; absolute times vary with the machine and the load, ratios much less.
+- **Cold**: a fresh process, empty Inductor cache and keraunos store (`TORCHINDUCTOR_CACHE_DIR`,
+  `KERAUNOS_CACHE_DIR`); a **warm restart**: a second process on the caches the cold one left.
+- **First result**: wall time from the `keraunos.jit` (or `torch.compile`) call to the first
+  output; **time until fused**: until every call runs the fused program; **per call**: the
+  median of warm calls once fused. Every system's output is compared with eager's before it is
+  timed; a system that differs or fails is shown as such, never timed silently."""
 
 TRIED = """\
 - Inductor's `cpp_wrapper` (one translation unit per region): 4 g++ builds instead of 12 on the training step, but 52.8 s of CPU instead of 40.4 s.
