@@ -464,6 +464,32 @@ def test_batchnorm_gradients_of_a_deep_fused_stack_are_as_close_to_float64_as_ea
         assert distance(fused[name], exact[name]) <= 3 * distance(eager[name], exact[name]), name
 
 
+def test_bias_gradients_summed_in_a_fused_backward_are_as_close_to_float64_as_eagers():
+    """A Linear's bias gradient sums the output gradient's rows (``grad.sum(0)``). Inductor's
+    CPU kernel adds the 4096 rows to one accumulator per column in order: 8x eager's distance
+    from a float64 run, whose kernel sums in a cascade. Accumulated in float64 it is within
+    eager's; the weights' gradients (matrix products) are eager's kernels anyway."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    x, w = torch.randn(4096, 32) + 0.5, torch.randn(4096, 64)
+
+    def gradients(m, x, w):
+        m.zero_grad(set_to_none=True)
+        (m(x) * w).square().sum().backward()
+        return {name: p.grad.double() for name, p in m.named_parameters()}
+    exact = gradients(copy.deepcopy(model).double(), x.double(), w.double())
+    eager = gradients(copy.deepcopy(model), x, w)
+    jitted = keraunos.jit(copy.deepcopy(model), fuse="wait")
+    fused = gradients(jitted, x, w)
+    backward = keraunos.last_backward_traces(jitted)[-1]
+    outside = [line for line in str(backward).splitlines()
+               if not line.lstrip().startswith("#") and ".sum" in line]
+    assert fusion_lines(backward) and not outside, outside  # the sums ran in regions
+    for name in ("0.bias", "2.bias"):
+        error = (fused[name] - exact[name]).abs().max().item()
+        assert error <= (eager[name] - exact[name]).abs().max().item(), name
+
+
 def test_regions_are_called_past_inductors_wrappers():
     """After its first call a region calls Inductor's graph directly (the wrappers cost as much
     as a small kernel), BatchNorm's too, whose graph writes the running statistics (it was
