@@ -77,7 +77,8 @@ class _GraphBuilder(Interpreter):
             return relaid
         dims = _outer_float32_sum(bsym)
         if dims is not None:
-            return _summed_in_float64(self.graph, args[0], dims, _keepdim(bsym))
+            op = _SUMS[id(bsym.symbol.fn)][1]
+            return _summed_in_float64(self.graph, op, args[0], dims, _keepdim(bsym))
         return _node(self.graph, bsym.symbol, tuple(args), dict(kwargs))
 
     def bind(self, proxies, node) -> None:
@@ -134,22 +135,25 @@ def _cat_of_one(bsym: BoundSymbol, leaving: set[str]) -> tuple[int, torch.memory
     return None
 
 
-# Sums whose float32 accumulation ``_outer_float32_sum`` looks at: the line's callable, and where
-# its dimensions and ``keepdim`` are (positions after the tensor, keywords).
-_SUMS = {id(f): f for f in (torch.sum, torch.Tensor.sum, torch.ops.aten.sum.dim_IntList)}
+# Sums and means whose float32 accumulation ``_outer_float32_sum`` looks at (each takes the
+# tensor, its dimensions and ``keepdim``), and the ATen op each becomes.
+_SUMS = {id(f): (f, torch.ops.aten.sum.dim_IntList)
+         for f in (torch.sum, torch.Tensor.sum, torch.ops.aten.sum.dim_IntList)}
+_SUMS.update({id(f): (f, torch.ops.aten.mean.dim)
+              for f in (torch.mean, torch.Tensor.mean, torch.ops.aten.mean.dim)})
 # Below this many values a sum's rounding is as eager's whichever way it runs.
 _SUMMED_VALUES = 64
 
 
 def _outer_float32_sum(bsym: BoundSymbol) -> list[int] | None:
-    """The dimensions of a float32 sum on the CPU over at least ``_SUMMED_VALUES`` values each
-    that does not sum the tensor's innermost dimension (a column sum: ``grad.sum(0)``), else
-    None. Inductor's CPU kernel for such a sum keeps one accumulator per column and adds every
+    """The dimensions of a float32 sum (or mean) on the CPU over at least ``_SUMMED_VALUES``
+    values each that does not sum the tensor's innermost dimension (a column sum:
+    ``grad.sum(0)``), else None. Inductor's CPU kernel for such a sum keeps one accumulator per column and adds every
     row to it in order: on 8192 rows its error against float64 was 13-25x eager's, whose
     kernel sums in a cascade; accumulated in float64 it is eager's or less (the final rounding
     to float32), at about the same speed (the sum reads memory at the same rate)."""
     fn = getattr(bsym.symbol, "fn", None)
-    if id(fn) not in _SUMS or _SUMS[id(fn)] is not fn or not bsym.args:
+    if id(fn) not in _SUMS or _SUMS[id(fn)][0] is not fn or not bsym.args:
         return None
     x, out = bsym.args[0], bsym.output_proxies()
     if not isinstance(x, TensorProxy) or x.dtype != torch.float32 or x.device.type != "cpu" \
@@ -177,11 +181,11 @@ def _keepdim(bsym: BoundSymbol) -> bool:
     return bool(bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("keepdim", False))
 
 
-def _summed_in_float64(graph: fx.Graph, x: fx.Node, dims: list[int], keepdim: bool) -> fx.Node:
-    aten = torch.ops.aten
-    total = graph.call_function(aten.sum.dim_IntList, (x, dims, keepdim),
-                                {"dtype": torch.float64})
-    return graph.call_function(aten._to_copy.default, (total,), {"dtype": torch.float32})
+def _summed_in_float64(graph: fx.Graph, op, x: fx.Node, dims: list[int],
+                       keepdim: bool) -> fx.Node:
+    total = graph.call_function(op, (x, dims, keepdim), {"dtype": torch.float64})
+    return graph.call_function(torch.ops.aten._to_copy.default, (total,),
+                               {"dtype": torch.float32})
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:
