@@ -194,14 +194,30 @@ def build(model_type: str, seed: int = 0) -> Built:
         # a part of a composite model (a text or vision tower) that no auto mapping names: the
         # model class its config class is named for (``AltCLIPTextConfig``: ``AltCLIPTextModel``)
         mapping = "MODEL_MAPPING_NAMES"
-        cls = getattr(transformers, type(config).__name__.removesuffix("Config") + "Model", None)
-        if not isinstance(cls, type):
+        cls = _model_class_of(type(config))
+        if cls is None:
             raise LookupError(f"no model class for {model_type}")
     if "SEQ_TO_SEQ" in mapping and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     torch.manual_seed(seed)
     model = cls(config).eval()
     return Built(model_type, model, cls.__name__, _input_maker(model, config, mapping))
+
+
+def _model_class_of(config_class: type):
+    """The model class a config class is named for (``AltCLIPTextConfig``: ``AltCLIPTextModel``),
+    exported by transformers or in the modeling module beside the config's; else None."""
+    import importlib
+    import transformers
+    name = config_class.__name__.removesuffix("Config") + "Model"
+    found = getattr(transformers, name, None)
+    if not isinstance(found, type):
+        module = config_class.__module__.replace(".configuration_", ".modeling_")
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ImportError:  # (a model whose modeling needs a library not installed here)
+            return None
+    return found if isinstance(found, type) else None
 
 
 def float64_ready(model) -> None:
