@@ -44,12 +44,24 @@ def import_module(module: str):
     found = sys.modules.get(module)
     if found is not None:
         return found
-    if getattr(threading.current_thread(), "keraunos_background", False):
+    if getattr(threading.current_thread(), "keraunos_background", False) \
+            or not _errors_for_import_time_warnings():
         return importlib.import_module(module)
     with warnings.catch_warnings():
         for category in _IMPORT_TIME_WARNINGS:
             warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
         return importlib.import_module(module)
+
+
+def _errors_for_import_time_warnings() -> bool:
+    """Whether the filters may turn one of ``_IMPORT_TIME_WARNINGS`` into an error. Only then
+    are the filters changed (for the import; ``catch_warnings`` swaps the one process-wide
+    list, which other threads of the user's would see meanwhile)."""
+    if warnings.defaultaction == "error":
+        return True
+    return any(action == "error" and any(issubclass(c, category) or issubclass(category, c)
+                                         for c in _IMPORT_TIME_WARNINGS)
+               for action, _, category, _, _ in warnings.filters)
 
 
 def lazy(module_name: str, table: dict[str, tuple[str, str | None]]):
