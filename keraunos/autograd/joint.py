@@ -22,7 +22,7 @@ from ..core.interpreter import SKIP, Interpreter
 from ..core.proxies import NumberProxy, TensorProxy
 from ..core.symbols import TorchSymbol
 from ..core.trace import Trace
-from ..torch_internals.autograd import set_grad_enabled
+from ..capture.state import global_state, restore_global_state, switch_global_state
 from ..torch_internals.fake import FakeTensorMode, ShapeEnv
 from .rules import rule_for
 
@@ -135,7 +135,7 @@ def record_joint(computation: Trace) -> Joint:
             env[p.name] = t
             inputs.append(t)
     forward = _FakeForward(env, recorder)
-    state = _global_state()  # grad mode and autocast, which the program's switches change
+    state = global_state()  # grad mode and autocast, which the program's switches change
     try:
         with torch.enable_grad(), mode, recorder:
             forward.run(computation.bound_symbols)
@@ -158,7 +158,7 @@ def record_joint(computation: Trace) -> Joint:
                                              allow_unused=True)) if differentiable else \
                 [None] * len(needs_grad)
     finally:
-        _restore_global_state(state)
+        restore_global_state(state)
     return Joint(inputs, env, recorder_calls_forward, _reshapes(recorder.calls), outputs,
                  forward.outputs,
                  differentiable, grad_outputs, needs_grad, grads, keep_alive=[mode],
@@ -228,28 +228,8 @@ def _fake_like(proxy):
 _RNG_STATE = (torch.manual_seed, torch.get_rng_state, torch.set_rng_state)
 
 
-def _global_state() -> tuple:
-    return (torch.is_grad_enabled(), *[(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                                        for d in glue.AUTOCAST_DEVICES])
-
-
-def _restore_global_state(state: tuple) -> None:
-    set_grad_enabled(state[0])
-    for device, (enabled, dtype) in zip(glue.AUTOCAST_DEVICES, state[1:]):
-        torch.set_autocast_enabled(device, enabled)
-        torch.set_autocast_dtype(device, dtype)
-
-
 def _apply_state(bsym) -> None:
     """A switch of grad mode or autocast the program makes, made on the fake run (capture wrote
     autocast's casts as lines, which the switch then leaves as they are; a line it could not
     write, ``UNDER_AUTOCAST``, casts as it did in capture)."""
-    for i, value in bsym.args[0]:
-        if i == 0:
-            set_grad_enabled(value)
-        else:
-            device = glue.AUTOCAST_DEVICES[(i - 1) // 2]
-            if (i - 1) % 2 == 0:
-                torch.set_autocast_enabled(device, value)
-            else:
-                torch.set_autocast_dtype(device, value)
+    switch_global_state(bsym.args[0])

@@ -25,9 +25,20 @@ def global_state() -> tuple:
 
 
 def restore_global_state(state: tuple) -> None:
-    set_grad_enabled(state[0])
-    for i, device in enumerate(_AUTOCAST_DEVICES):
-        torch.set_autocast_enabled(device, state[1 + 2 * i])
-        torch.set_autocast_dtype(device, state[2 + 2 * i])
+    switch_global_state(enumerate(state))
+
+
+def switch_global_state(switches) -> None:
+    """Set each ``(index, value)`` of ``switches``: the index of the setting in
+    ``global_state()``'s layout (a ``SET_GLOBAL_STATE`` line's arguments)."""
+    for i, value in switches:
+        if i == 0:
+            set_grad_enabled(value)
+            continue
+        device = _AUTOCAST_DEVICES[(i - 1) // 2]
+        if (i - 1) % 2 == 0:
+            torch.set_autocast_enabled(device, value)
+        else:
+            torch.set_autocast_dtype(device, value)
 
 
