@@ -383,7 +383,9 @@ def update_readme(stored: dict[str, dict], path: pathlib.Path) -> None:
 def _commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+    # (what a --run writes itself, the results and the page, does not count as a change)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/results", ":!docs"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     return done.stdout.strip() + (" with uncommitted changes" if dirty else "")
 
