@@ -106,12 +106,19 @@ def test_clipping_by_value_or_none_trains_like_eager(clip):
     _assert_same_training(model, optimizer, eager_model, eager_optimizer)
 
 
-def test_the_fused_step_trains_like_eager_and_runs_forward_backward_and_update_in_regions():
+def _fused_adamw_trained_like_eager(steps: int):
+    """The fused AdamW step, run ``steps`` times beside eager's and checked against it: the
+    model and the jitted step."""
     model, optimizer, step = _training("adamw")
     eager_model, eager_optimizer, eager_step = _training("adamw")
     jitted = keraunos.jit(step, fuse="wait", fallback="error")
-    _run_both(jitted, eager_step, _batches(4))
+    _run_both(jitted, eager_step, _batches(steps))
     _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    return model, jitted
+
+
+def test_the_fused_step_trains_like_eager_and_runs_forward_backward_and_update_in_regions():
+    _, jitted = _fused_adamw_trained_like_eager(4)
     assert "inductor_region" in str(keraunos.last_traces(jitted)[-1])
 
 
@@ -119,13 +126,8 @@ def test_the_step_counts_of_every_parameter_run_as_one_region():
     # AdamW's step counts and bias corrections (0-dim) move ahead of the update; the bindings
     # of the written counts to their new names (``x_updated = x``) between them must not cut
     # them into a region per parameter.
-    model, optimizer, step = _training("adamw")
-    eager_model, eager_optimizer, eager_step = _training("adamw")
-    jitted = keraunos.jit(step, fuse="wait", fallback="error")
-    _run_both(jitted, eager_step, _batches(3))
-    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
-    headers = [line for line in str(keraunos.last_traces(jitted)[-1]).splitlines()
-               if line.lstrip().startswith("# inductor_region") and "(0-dim values)" in line]
+    model, jitted = _fused_adamw_trained_like_eager(3)
+    headers, _ = _update_regions(str(keraunos.last_traces(jitted)[-1]))
     assert len(headers) == 1, headers
     assert all(f"state_values_{k}_step_updated" in headers[0]
                for k in range(len(list(model.parameters()))))
