@@ -48,6 +48,24 @@ def test_a_tensor_used_as_a_size_is_named_so():
         assert_close(keraunos.jit(f)(x, n), f(x, n))
 
 
+def _top_of_the_kept(scores, keep):
+    kept = scores[:, keep]  # a width that depends on the mask's data
+    return kept.topk(kept.shape[-1] // 2, dim=-1).values * 2
+
+
+def test_a_size_from_boolean_indexing_falls_back_and_matches_eager():
+    scores = torch.randn(3, 8)
+    keep = torch.tensor([True, False, True, True, False, True, True, False])
+    with pytest.raises(DataDependentError, match="topk"):
+        keraunos.jit(_top_of_the_kept, fallback="error")(scores, keep)
+    jitted = keraunos.jit(_top_of_the_kept)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mask in (keep, ~keep, torch.ones(8, dtype=torch.bool)):
+            assert_close(jitted(scores, mask), _top_of_the_kept(scores, mask))
+    assert sum("falls back to torch.compile" in str(w.message) for w in caught) == 1
+
+
 def _loss(w, x):
     return (x @ w).sin().sum()
 

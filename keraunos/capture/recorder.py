@@ -131,7 +131,8 @@ class Recorder(TorchFunctionMode):
             raise _data_dependent_error(symbol, DataDependentOutputException(func))
         if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
                and not self.ctx.backed(x) for x in tree.leaves((args, kwargs))):
-            raise CaptureError(
+            # One trace cannot hold it; the route that splits programs can (its default).
+            raise DataDependentError(
                 f"keraunos cannot capture {user_source()}\n  `{symbol.name}` receives a size that "
                 f"depends on tensor data (from nonzero, torch.where(mask), boolean indexing), used "
                 f"as a Python number.\n  What to do: keep working with the tensor itself, or "
