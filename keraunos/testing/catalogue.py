@@ -386,6 +386,8 @@ def compare(got: _Run, eager: _Run, reference: _Run) -> tuple[bool, dict]:
 
 SYSTEMS: dict[str, Callable[[torch.nn.Module], Callable]] = {
     "keraunos": lambda m: __import__("keraunos").jit(m),
+    # Every call after the first compile on the fused program (Inductor's regions).
+    "keraunos fused": lambda m: __import__("keraunos").jit(m, fuse="wait"),
     "torch.compile": lambda m: torch.compile(m),
     "keraunos backend": lambda m: torch.compile(m, backend="keraunos"),
 }
@@ -411,7 +413,7 @@ def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
                            seconds=time.perf_counter() - start)
     seconds = time.perf_counter() - start
     route = ""
-    if system == "keraunos":
+    if system in ("keraunos", "keraunos fused"):
         fell_back = [str(w.message) for w in caught if "falls back" in str(w.message)]
         where = fell_back[0].split(" because of ")[-1].splitlines()[0] if fell_back else ""
         route = f"fallback: {where[-160:]}" if fell_back else "own capture"

@@ -10,9 +10,9 @@ is what Inductor's own caches and keraunos's key compare.
 Three kinds of line are rewritten on the way: a ``cat`` of one non-empty tensor that the region
 returns becomes a ``clone`` in the memory format the trace records (``_cat_of_one``), so that
 Inductor lays it out as eager does; the convolutions that run faster channels-last run on
-channels-last copies made in the graph (``channels_last.relaid_line``); and a float32 sum on
-the CPU over dimensions that leave the innermost one (a bias's gradient, ``grad.sum(0)``)
-accumulates in float64 (``_summed_in_float64``).
+channels-last copies made in the graph (``channels_last.relaid_line``); and float32 column
+sums and BatchNorm's training statistics accumulate in float64, as eager's CPU kernels do
+(``accumulation``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ...core.symbolic import SymbolicValue
 from ...core.interpreter import Interpreter
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol
-from . import channels_last, symbolic
+from . import accumulation, channels_last, symbolic
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
@@ -75,10 +75,10 @@ class _GraphBuilder(Interpreter):
         relaid = channels_last.relaid_line(self.graph, bsym, tuple(args), dict(kwargs))
         if relaid is not None:  # a convolution run on channels-last copies
             return relaid
-        dims = _outer_float32_sum(bsym)
-        if dims is not None:
-            op = _SUMS[id(bsym.symbol.fn)][1]
-            return _summed_in_float64(self.graph, op, args[0], dims, _keepdim(bsym))
+        for accurate in (accumulation.summed_line, accumulation.batch_norm_line):
+            node = accurate(self.graph, bsym, tuple(args))
+            if node is not None:  # a reduction accumulated as eager's kernel does
+                return node
         return _node(self.graph, bsym.symbol, tuple(args), dict(kwargs))
 
     def bind(self, proxies, node) -> None:
@@ -133,59 +133,6 @@ def _cat_of_one(bsym: BoundSymbol, leaving: set[str]) -> tuple[int, torch.memory
         except RuntimeError:  # channels-last of a tensor that is not 4-D (5-D)
             continue
     return None
-
-
-# Sums and means whose float32 accumulation ``_outer_float32_sum`` looks at (each takes the
-# tensor, its dimensions and ``keepdim``), and the ATen op each becomes.
-_SUMS = {id(f): (f, torch.ops.aten.sum.dim_IntList)
-         for f in (torch.sum, torch.Tensor.sum, torch.ops.aten.sum.dim_IntList)}
-_SUMS.update({id(f): (f, torch.ops.aten.mean.dim)
-              for f in (torch.mean, torch.Tensor.mean, torch.ops.aten.mean.dim)})
-# Below this many values a sum's rounding is as eager's whichever way it runs.
-_SUMMED_VALUES = 64
-
-
-def _outer_float32_sum(bsym: BoundSymbol) -> list[int] | None:
-    """The dimensions of a float32 sum (or mean) on the CPU over at least ``_SUMMED_VALUES``
-    values each that does not sum the tensor's innermost dimension (a column sum:
-    ``grad.sum(0)``), else None. Inductor's CPU kernel for such a sum keeps one accumulator per column and adds every
-    row to it in order: on 8192 rows its error against float64 was 13-25x eager's, whose
-    kernel sums in a cascade; accumulated in float64 it is eager's or less (the final rounding
-    to float32), at about the same speed (the sum reads memory at the same rate)."""
-    fn = getattr(bsym.symbol, "fn", None)
-    if id(fn) not in _SUMS or _SUMS[id(fn)][0] is not fn or not bsym.args:
-        return None
-    x, out = bsym.args[0], bsym.output_proxies()
-    if not isinstance(x, TensorProxy) or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or len(out) != 1 or out[0].dtype != torch.float32 or bsym.kwargs.get("dtype"):
-        return None
-    dims = bsym.args[1] if len(bsym.args) > 1 else bsym.kwargs.get("dim")
-    dims = [dims] if type(dims) is int else dims
-    if not isinstance(dims, (list, tuple)) or not dims or not all(type(d) is int for d in dims) \
-            or set(bsym.kwargs) - {"dim", "keepdim"} or len(bsym.args) > 3:
-        return None
-    shape, stride = x.shape, x.stride
-    if not all(type(n) is int for n in (*shape, *stride)) or not shape:
-        return None
-    dims = sorted({d % len(shape) for d in dims})
-    inner = [d for d in range(len(shape)) if stride[d] == 1 and shape[d] > 1]
-    summed = 1
-    for d in dims:
-        summed *= shape[d]
-    if not inner or inner[0] in dims or summed < _SUMMED_VALUES:
-        return None
-    return dims
-
-
-def _keepdim(bsym: BoundSymbol) -> bool:
-    return bool(bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("keepdim", False))
-
-
-def _summed_in_float64(graph: fx.Graph, op, x: fx.Node, dims: list[int],
-                       keepdim: bool) -> fx.Node:
-    total = graph.call_function(op, (x, dims, keepdim), {"dtype": torch.float64})
-    return graph.call_function(torch.ops.aten._to_copy.default, (total,),
-                               {"dtype": torch.float32})
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:
