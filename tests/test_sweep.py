@@ -34,10 +34,10 @@ def _timm_available() -> bool:
     return True
 
 
-def _sweep(tmp_path, names: list[str]) -> dict:
+def _sweep(tmp_path, names: list[str], system: str = "keraunos") -> dict:
     out = tmp_path / "sweep.jsonl"
     done = subprocess.run([sys.executable, str(SWEEP), "--only", ",".join(names),
-                           "--systems", "keraunos", "--out", str(out), "--timeout", "400"],
+                           "--systems", system, "--out", str(out), "--timeout", "400"],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     return {r["model_type"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -51,6 +51,33 @@ def test_a_slice_of_timms_families_passes_against_float64(tmp_path):
     for name, row in rows.items():
         assert row.get("keraunos", {}).get("status") == "pass", row
         assert row["keraunos"]["route"] == "own capture", row
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not _timm_available(),
+                    reason="timm is not installed (scripts/setup.sh puts it in .venv/vendor)")
+def test_a_deep_batchnorm_net_passes_against_float64_on_the_fused_program(tmp_path):
+    """dpn68 with every call on the fused program: its last block's BatchNorm statistics,
+    accumulated in float32, let one element through a ReLU that float64 stops, and its
+    gradients were 8x eager's distance from float64."""
+    row = _sweep(tmp_path, ["timm:dpn68"], "keraunos fused")["timm:dpn68"]
+    assert row.get("keraunos fused", {}).get("status") == "pass", row
+    assert row["keraunos fused"]["route"] == "own capture", row
+
+
+def test_a_value_eager_float32_gets_wrong_by_more_than_its_size_is_counted_not_judged():
+    import torch
+    from keraunos.testing import catalogue
+    reference = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    chaotic, fine = torch.tensor([3.0, 2.0, -2.0]), torch.tensor([1.001, -1.0, 0.5])
+
+    def judged(got, eager):
+        runs = [catalogue._Run([[t]], [{"w": t}]) for t in (got, eager, reference)]
+        return catalogue.compare(*runs)
+    ok, worst = judged(torch.tensor([9.0, 9.0, 9.0]), chaotic)
+    assert ok and worst["not judged"] == 2  # the output and the gradient
+    ok, worst = judged(torch.tensor([1.1, -1.0, 0.5]), fine)
+    assert not ok and "not judged" not in worst
 
 
 @pytest.mark.long
@@ -79,6 +106,13 @@ def test_the_table_counts_each_outcome_and_leaves_out_models_eager_could_not_run
          "torch.compile": {"status": "internal error", "detail": "KeyError: x", "seconds": 1.0}},
         {"model_type": "c", "build": "ValueError: no"},
     ]
+    fused = tmp_path / "fused.jsonl"  # a file of one system: its table has that system alone
+    fused.write_text(json.dumps({"model_type": "d", "head": "D", "keraunos fused": {
+        "status": "pass", "route": "own capture", "seconds": 3.0,
+        "worst": {"value": "", "ratio": 0.5, "not judged": 4}}}) + "\n")
+    text = sweep.table(fused)
+    assert "| d | D | pass | own capture |  |" in text and "- keraunos fused: 1/1 pass" in text
+    assert "not judged (eager float32's own error larger than the value): 4, in 1 models" in text
     out = tmp_path / "rows.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = sweep.table(out, ["keraunos", "torch.compile"])
@@ -87,3 +121,4 @@ def test_the_table_counts_each_outcome_and_leaves_out_models_eager_could_not_run
     assert "- keraunos: 1/2 pass (pass 1, wrong 1)" in text
     assert "- torch.compile: 1/2 pass (internal error 1, pass 1)" in text
     assert "not counted: 1 model types" in text
+    assert "keraunos, on its own capture: 2/2" in text

@@ -8,7 +8,8 @@ model). ``inputs_for`` makes inputs from the forward's signature. ``check`` runs
 (keraunos.jit, torch.compile, torch.compile with keraunos's backend) on a copy of the model: an
 eval forward twice, then two training steps with SGD, each compared with a float64 run of the
 same model; a value passes when its error against float64 is at most ``TOLERANCE`` times eager
-float32's own (plus a floor for values eager gets exactly). ``benchmarks/sweep.py`` runs this
+float32's own (plus a floor for values eager gets exactly; a value eager float32 gets wrong by
+more than its own size is counted, not judged). ``benchmarks/sweep.py`` runs this
 for every model type, each in a process of its own.
 """
 from __future__ import annotations
@@ -376,12 +377,31 @@ def compare(got: _Run, eager: _Run, reference: _Run) -> tuple[bool, dict]:
     for i, (gs, es, rs) in enumerate(zip(got.grads, eager.grads, reference.grads)):
         scale = _scale(rs.values())
         values += [(f"step {i} grad {n}", gs[n], es[n], rs[n], scale) for n in rs]
+    chaotic = 0
     for name, g, e, r, scale in values:
+        if _beyond_float32(e, r):
+            chaotic += 1
+            continue
         passed, ratio = _judge(g, e, r, scale)
         ok &= passed
         if ratio > worst["ratio"]:
             worst = {"value": name, "ratio": round(ratio, 3)}
+    if chaotic:
+        worst["not judged"] = chaotic
     return ok, worst
+
+
+def _beyond_float32(eager, reference) -> bool:
+    """Whether eager float32's own error exceeds the value itself (its root mean square): the
+    value depends on rounding more than on the model, as a BatchNorm over two values per
+    channel after a step makes it (inception's last blocks, batch 2 at 1x1: eager's error on
+    its stem's gradients was 23x their size). No float32 program can be judged there, and no
+    system is: such values are counted, not compared."""
+    if eager is None or reference is None or eager.shape != reference.shape or \
+            not reference.numel():
+        return False
+    size = reference.double().square().mean().sqrt().item()
+    return _rmse(eager, reference) > size > 0
 
 
 SYSTEMS: dict[str, Callable[[torch.nn.Module], Callable]] = {
