@@ -262,7 +262,13 @@ def page(outs: list[pathlib.Path]) -> str:
                       "runs the fused program (Inductor's regions), where the defaults run the "
                       "first calls on eager's kernels while the regions compile. The models with "
                       "the deepest BatchNorm stacks, and others with BatchNorm, as the section "
-                      "above judges them.", "",
+                      "above judges them. Of the rows marked wrong, those looked into (dla34, "
+                      "inception_resnet_v2) differ from float64 at one element each: a "
+                      "BatchNorm output within float32's rounding of zero, on the other side of "
+                      "the ReLU after it than in float64 (one channel's bias gradient off by "
+                      "10-35%, and every gradient before it); eager float32 happened to fall on "
+                      "float64's side. A batch of 2 leaves 2 to 8 values per channel in the last "
+                      "blocks, where such ties decide the most.", "",
                       f"`python benchmarks/sweep.py --systems \"keraunos fused\" --out "
                       f"{out.relative_to(root)} --only {names}`, on {on}, {at}.", "",
                       table(out), ""]
