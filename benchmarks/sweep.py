@@ -263,7 +263,7 @@ def page(outs: list[pathlib.Path]) -> str:
                       "first calls on eager's kernels while the regions compile. The models with "
                       "the deepest BatchNorm stacks, and others with BatchNorm, as the section "
                       "above judges them. Of the rows marked wrong, those looked into (dla34, "
-                      "inception_resnet_v2) differ from float64 at one element each: a "
+                      "inception_resnet_v2) differ from float64 at one or two elements each: a "
                       "BatchNorm output within float32's rounding of zero, on the other side of "
                       "the ReLU after it than in float64 (one channel's bias gradient off by "
                       "10-35%, and every gradient before it); eager float32 happened to fall on "
