@@ -357,6 +357,38 @@ def test_batchnorm_running_stats_update_like_eager():
     assert m.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3
 
 
+class _StatisticsOnly(nn.Module):
+    """A BatchNorm (and an InstanceNorm that tracks statistics) run for their running
+    statistics: one result unused, one used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.inorm = nn.InstanceNorm1d(4, track_running_stats=True)
+
+    def forward(self, x):
+        self.bn(x)  # only its running statistics change
+        self.inorm(x.unsqueeze(-1).expand(-1, -1, 3))
+        return self.bn(x * 2) + self.bn(x * 2)  # two updates, not one merged
+
+
+@pytest.mark.parametrize("fuse", ["off", "wait"])
+def test_normalizations_update_running_statistics_even_when_their_result_is_unused(fuse):
+    """Their schemas mark no argument written and fake kernels bump no version counter: dead
+    code elimination dropped the unused one (the statistics stayed as they were) and a merge of
+    the two identical calls would update once."""
+    torch.manual_seed(0)
+    model = _StatisticsOnly()
+    eager = copy.deepcopy(model)
+    jitted = keraunos.jit(model, fuse=fuse)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        assert_close(jitted(x), eager(x))
+    for (name, got), want in zip(model.named_buffers(), eager.buffers()):
+        assert_close(got, want, msg=name)
+    assert model.bn.num_batches_tracked.item() == 9
+
+
 # --------------------------------------------------------------------------- storage aliases
 def test_same_tensor_passed_twice():
     f = lambda a, b: a * 2 + b  # noqa: E731

@@ -224,6 +224,20 @@ def test_what_the_program_depends_on_changing_misses_the_store(kept, change):
     assert len(program_rows(store)) == (1 if change == "settings" else 2)
 
 
+def test_the_key_covers_every_source_file_of_keraunos():
+    """A program stored by another checkout (another capture, other passes) is not loaded: the
+    key hashed only the store's own folder, and a fix to capture loaded the programs captured
+    before it."""
+    import keraunos
+    from keraunos.persist import programs
+    package = os.path.dirname(keraunos.__file__)
+    covered = {os.path.relpath(str(p), package) for p in programs.source_files()}
+    for path in ("__init__.py", os.path.join("capture", "recorder.py"),
+                 os.path.join("passes", "dce.py"), os.path.join("core", "effects.py"),
+                 os.path.join("executors", "fusion", "accumulation.py")):
+        assert path in covered, path
+
+
 @pytest.mark.skipif(compiler.toolchain_problem("cpu") is not None,
                     reason="Inductor cannot build C++ kernels on this machine")
 @pytest.mark.long

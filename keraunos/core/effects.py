@@ -22,6 +22,7 @@ import torch
 from dataclasses import dataclass
 
 from ..torch_internals.dispatch import OpOverload
+from .proxies import TensorProxy
 from .symbols import TorchSymbol
 from .tags import COPY_OF_WRITTEN_INPUT, MUTATION, OPAQUE, RANDOM, UNDER_AUTOCAST, Tag
 
@@ -61,12 +62,50 @@ def _allows(bsym, what: str) -> bool:
 
 def may_drop(bsym) -> bool:
     """Whether a pass may remove the line when nothing reads its outputs."""
-    return _allows(bsym, "drop")
+    return _allows(bsym, "drop") and not writes_running_statistics(bsym)
 
 
 def may_merge(bsym) -> bool:
     """Whether a pass may merge the line with an identical one (or fold it into another)."""
-    return _allows(bsym, "merge")
+    return _allows(bsym, "merge") and not writes_running_statistics(bsym)
+
+
+@functools.cache
+def _statistics_arguments() -> dict[int, tuple]:
+    """id(op) -> (positions of the running mean and variance, position and keyword of the flag
+    that makes the op update them, the flag's default), for the normalizations that update
+    running statistics in place, in each of the spellings a trace holds."""
+    F, aten = torch.nn.functional, torch.ops.aten
+    table = {id(F.batch_norm): ((1, 2, "running_mean", "running_var"), (5, "training"), False),
+             id(F.instance_norm): ((1, 2, "running_mean", "running_var"), (5, "use_input_stats"),
+                                   True)}
+    native = ((3, 4, "running_mean", "running_var"), (5, "training"), False)
+    for op in (torch.batch_norm, torch.native_batch_norm, torch.instance_norm):
+        table[id(op)] = native
+    for name in ("batch_norm", "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm",
+                 "instance_norm"):
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            table.update({id(getattr(packet, o)): native for o in packet.overloads()})
+    return table
+
+
+def writes_running_statistics(bsym) -> bool:
+    """Whether the line is a batch or instance norm that updates its running statistics in place
+    (in training): PyTorch's schemas do not mark those arguments written and a fake kernel bumps
+    no version counter, so no tag says it; the line must run once per time it is written, even
+    when nothing reads its result."""
+    arguments = _statistics_arguments().get(id(getattr(bsym.symbol, "fn", None)))
+    if arguments is None:
+        return False
+    (mean_at, var_at, mean_kw, var_kw), (flag_at, flag_kw), default = arguments
+    args, kwargs = bsym.args, bsym.kwargs
+
+    def argument(at, keyword, absent=None):
+        return args[at] if len(args) > at else kwargs.get(keyword, absent)
+    stats = (argument(mean_at, mean_kw), argument(var_at, var_kw))
+    return bool(argument(flag_at, flag_kw, default)) and any(
+        isinstance(t, TensorProxy) for t in stats)
 
 
 def may_move(bsym) -> bool:

@@ -123,11 +123,19 @@ def _keraunos_source_hash() -> str:
     """Every source file of the keraunos package: a program kept by one checkout is not loaded
     by another, whatever the version string says."""
     h = hashlib.sha256()
-    root = pathlib.Path(__file__).parent
-    for path in sorted(root.rglob("*.py")):
+    root = _PACKAGE
+    for path in source_files():
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+_PACKAGE = pathlib.Path(__file__).parent.parent  # keraunos/: capture, passes, executors, ...
+
+
+def source_files() -> list[pathlib.Path]:
+    """The package's Python files, which a stored program's key covers."""
+    return sorted(_PACKAGE.rglob("*.py"))
 
 
 def _global_state() -> tuple:

@@ -30,6 +30,7 @@ MEMBERS = {  # name -> Model.__init__ line
     "flag": "self.flag = True",
     "calls": "self.calls = 0",
 }
+BATCH_NORM = "self.bn = nn.BatchNorm1d(D)"  # a member of some modules' (``generate``)
 SUB_INIT = ("self.v = nn.Parameter(torch.randn(D) * 0.5)",
             "self.register_buffer('stat', torch.ones(D))", "self.gain = 1.0")
 
@@ -56,6 +57,8 @@ class _Scope:
             makers.append(lambda k, d, e: f"self.sub({body.expr('ND', d, True)})")
         if "lin" in self.members:
             makers.append(lambda k, d, e: f"self.lin({body.expr('ND', d, True)})")
+        if "bn" in self.members:  # batch statistics in training, written to buffers in place
+            makers.append(lambda k, d, e: f"self.bn({body.expr('ND', d, True)})")
         return makers
 
     def scalar(self, body: _Body) -> str:
@@ -115,6 +118,8 @@ def generate(name: str) -> Program:
     if "twice" in helpers and "scale" not in helpers:
         helpers.insert(0, "scale")
     members = ({m for m in MEMBERS if rng.random() < 0.55} if kind == "module" else set())
+    if kind == "module" and random.Random(f"{name}/bn").random() < 0.25:
+        members.add("bn")  # drawn apart: the programs without it are the same as before
     scope = _Scope(kind, members, helpers, has_s)
 
     names = {"ND": [p for p in tensor_params if p[0] in "abc"],
@@ -137,7 +142,8 @@ def generate(name: str) -> Program:
     sub_init, sub_body = _sub(rng, helpers) if "sub" in members else ((), ())
     program = Program(
         name=name, kind=kind, params=params, header=header, sub_init=sub_init, sub_body=sub_body,
-        init=tuple(MEMBERS[m] for m in MEMBERS if m in members), body=tuple(body.statements),
+        init=tuple(MEMBERS[m] for m in MEMBERS if m in members) + (
+            (BATCH_NORM,) if "bn" in members else ()), body=tuple(body.statements),
         returns=tuple(returns), structure=rng.choice(("single", "tuple", "tuple", "list", "dict", "nested")))
     return program.with_(steps=tuple(_Steps(rng, program, members, body.mutated, helpers).make()))
 
@@ -330,7 +336,7 @@ class _Steps:
                 options.append("model.double()")
             else:
                 options.append("model.float()")
-            if {"W", "w", "sub", "lin"} & members:
+            if {"W", "w", "sub", "lin", "bn"} & members:
                 options += ["torch.optim.SGD(model.parameters(), lr=0.1).step()"] * 2
             options.append("model.load_state_dict({k: v * 0.5 + 0.25 if v.is_floating_point() else v + 1"
                            " for k, v in model.state_dict().items()})")
@@ -351,6 +357,9 @@ class _Steps:
                      "model.sub.stat.add_(1.0)"]),
             ("lin", ["model.lin = nn.Linear(D, D)" + to_dtype, "model.lin.bias = None",
                      "model.lin.register_forward_hook(lambda mod, inp, out: out + 1)"]),
+            ("bn", ["model.bn.eval()", "model.bn.train()", "model.bn.momentum = None",
+                    "model.bn.running_var.fill_(2.0)",
+                    "model.bn = nn.BatchNorm1d(D, affine=False)" + to_dtype]),
             ("count", ["model.count.zero_()"]),
         ):
             if member in members:
