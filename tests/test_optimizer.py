@@ -284,6 +284,29 @@ def test_a_written_tensor_with_a_view_keeps_its_in_place_writes():
     assert "Functionalize Writes" not in str(keraunos.last_traces(jitted)[-1])
 
 
+class _CompilerPathFails(torch.nn.Module):
+    """As transformers' LongT5 encoder: the mask is made only when not compiling, and read
+    anyway."""
+
+    def forward(self, x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():
+            mask = torch.ones_like(x)
+        return x * mask.shape[0]
+
+
+def test_a_program_whose_compiler_path_fails_is_captured_as_eager_runs_it():
+    model, x = _CompilerPathFails(), torch.randn(3, 2)
+    jitted = keraunos.jit(model)
+    for _ in range(2):
+        assert_close(jitted(x), model(x))
+    assert keraunos.compile_stats(jitted).cache_hits == 1  # one capture, then cached
+
+    def own_error(x):  # fails on both paths: eager's error, once
+        return x @ torch.ones(5, 5)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        keraunos.jit(own_error)(x)
+
+
 def test_is_compiling_is_true_only_on_the_capturing_thread():
     """Under capture ``torch.compiler.is_compiling()`` answers true for the capturing thread
     (so ``torch.optim`` takes its traceable path), and false for any other thread meanwhile."""

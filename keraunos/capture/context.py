@@ -59,6 +59,8 @@ class CaptureContext(InputsMixin, ReadsMixin, CallsMixin):
         self.guards: list[Guard] = []
         self._guarded: set = set()
         self.specialize_data = False  # set by capture_program: jit(..., specialize_data=True)
+        # What ``torch.compiler.is_compiling()`` says during capture (capture_program).
+        self.as_compiler = True
         self.dtensors = DTensorState()  # the program's DTensors (dtensor.py)
         # The Python function whose globals and closure the program reads.
         self.fn = _python_function(type(module).forward if module is not None else fn)

@@ -128,8 +128,10 @@ def _refusing_transform(name: str):
 
 
 def _is_compiling() -> bool:
-    # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture.
-    return active_context() is not None or _is_compiling_original()
+    # Libraries (transformers) take their trace-friendly paths under a compiler: so under capture
+    # (unless that path failed: capture_program tries again as eager runs).
+    ctx = active_context()
+    return (ctx is not None and ctx.as_compiler) or _is_compiling_original()
 
 
 # A function made with ``@torch.jit.script`` (transformers' DeBERTa-v2 has six) runs in the

@@ -26,7 +26,7 @@ from ..core.symbols import BoundSymbol, Code, TorchSymbol
 from ..core.tags import COPY_OF_WRITTEN_INPUT, INPUT_TENSOR
 from ..core.trace import Trace
 
-from ..errors import CaptureError, TorchScriptModuleError, UnguardableStateError
+from ..errors import CaptureError, KeraunosError, TorchScriptModuleError, UnguardableStateError
 from ..errors import user_source_from_traceback as _innermost_user_source
 from .recorder import _data_dependent_error
 from .ambient import AmbientSnapshot
@@ -173,15 +173,34 @@ def _refuse_torchscript_modules(module: torch.nn.Module) -> None:
 
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
                     check_values: bool = True, specialize_data: bool = False,
-                    dynamic: DynamicRequest | None = None) -> Program:
+                    dynamic: DynamicRequest | None = None, as_compiler: bool = True) -> Program:
     """The program ``fn`` runs on these arguments, as traces. ``dynamic``: which sizes and ints
-    of the call may be symbolic (``symbolic.DynamicRequest``; None: all exact)."""
+    of the call may be symbolic (``symbolic.DynamicRequest``; None: all exact).
+
+    During capture ``torch.compiler.is_compiling()`` is true, so that libraries take the paths
+    they keep for compilers. Where such a path fails with the program's own error (transformers'
+    LongT5 leaves its attention mask None under a compiler, then reads its shape), the program
+    is captured again with it false, as eager runs it; if that fails too, its error is raised."""
+    try:
+        return _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic,
+                        as_compiler)
+    except KeraunosError:
+        raise
+    except Exception:
+        if not as_compiler:
+            raise
+    return _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic, False)
+
+
+def _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic,
+             as_compiler) -> Program:
     t0 = time.perf_counter()
     if module is not None:
         _refuse_torchscript_modules(module)
     names = NameGenerator()
     ctx = CaptureContext(names, module, fn, dynamic)
     ctx.specialize_data = specialize_data
+    ctx.as_compiler = as_compiler
     # A program of DTensors under grad mode is recorded as ATen ops throughout: its backward,
     # recorded through DTensor, may read any value an op makes inside (dtensor_autograd.py).
     ctx.dtensors.record_aten = torch.is_grad_enabled() and program_has_dtensors(module, args, kwargs)
