@@ -111,7 +111,7 @@ def test_the_table_counts_each_outcome_and_leaves_out_models_eager_could_not_run
         "status": "pass", "route": "own capture", "seconds": 3.0,
         "worst": {"value": "", "ratio": 0.5, "not judged": 4}}}) + "\n")
     text = sweep.table(fused)
-    assert "| d | D | pass | own capture |  |" in text and "- keraunos fused: 1/1 pass" in text
+    assert "| d | D | pass | own capture |\n" in text and "- keraunos fused: 1/1 pass" in text
     assert "not judged (eager float32's own error larger than the value): 4, in 1 models" in text
     out = tmp_path / "rows.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
