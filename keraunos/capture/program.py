@@ -173,7 +173,7 @@ def _refuse_torchscript_modules(module: torch.nn.Module) -> None:
 
 def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict,
                     check_values: bool = True, specialize_data: bool = False,
-                    dynamic: DynamicRequest | None = None, as_compiler: bool = True) -> Program:
+                    dynamic: DynamicRequest | None = None) -> Program:
     """The program ``fn`` runs on these arguments, as traces. ``dynamic``: which sizes and ints
     of the call may be symbolic (``symbolic.DynamicRequest``; None: all exact).
 
@@ -182,13 +182,11 @@ def capture_program(fn: Callable, module: torch.nn.Module | None, args: tuple, k
     LongT5 leaves its attention mask None under a compiler, then reads its shape), the program
     is captured again with it false, as eager runs it; if that fails too, its error is raised."""
     try:
-        return _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic,
-                        as_compiler)
+        return _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic, True)
     except KeraunosError:
         raise
-    except Exception:
-        if not as_compiler:
-            raise
+    except Exception:  # noqa: BLE001 - the program's own error: tried once more as eager runs
+        pass
     return _capture(fn, module, args, kwargs, check_values, specialize_data, dynamic, False)
 
 

@@ -123,9 +123,8 @@ def _keraunos_source_hash() -> str:
     """Every source file of the keraunos package: a program kept by one checkout is not loaded
     by another, whatever the version string says."""
     h = hashlib.sha256()
-    root = _PACKAGE
     for path in source_files():
-        h.update(str(path.relative_to(root)).encode())
+        h.update(str(path.relative_to(_PACKAGE)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
