@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils import _pytree as pytree
 
 import keraunos
 from keraunos.errors import BackwardInProgramError
@@ -275,29 +276,118 @@ def test_a_backward_through_an_input_that_is_not_a_leaf_is_refused_and_leaves_st
     assert all(p.grad is None for p in model.parameters()) and source.grad is None
 
 
-def test_a_scheduler_stepped_inside_falls_back_once_and_trains_like_eager():
-    def pair():
-        model = _model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+SCHEDULERS = {  # (learning rate, scheduler, whether its step takes the loss)
+    "step-float": (1e-2, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+                   False),
+    "lambda-tensor": (torch.tensor(1e-2),
+                      lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1 / (1 + e)), False),
+    "plateau": (1e-2, lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0), True),
+    "cosine-float": (1e-2, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+                     False),
+    "onecycle-tensor": (torch.tensor(1e-2), lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, 0.05, total_steps=20, cycle_momentum=False), False),
+}
 
-        def train_step(x, y):
+
+def _assert_same_scheduler(scheduler, eager_scheduler):
+    """Counters, rates and phases alike; numbers within float rounding (ReduceLROnPlateau keeps
+    the best loss, which the program computes within rounding of eager's)."""
+    leaves, spec = pytree.tree_flatten(scheduler.state_dict())
+    eager_leaves, eager_spec = pytree.tree_flatten(eager_scheduler.state_dict())
+    assert spec == eager_spec
+    for got, want in zip(leaves, eager_leaves):
+        if isinstance(want, torch.Tensor):
+            assert_close(got, want)
+        elif isinstance(want, float):
+            assert got == pytest.approx(want, rel=1e-5)  # a float32 loss, as a Python float
+        else:
+            assert got == want
+
+
+def _scheduled(kind: str, zero_grad_last: bool = False, read_after: bool = False,
+               optimizer: str = "adamw"):
+    lr, make_scheduler, takes_loss = SCHEDULERS[kind]
+    model = _model()
+    optimizer = OPTIMIZERS[optimizer](model.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] = lr.clone() if torch.is_tensor(lr) else lr
+    scheduler = make_scheduler(optimizer)
+
+    def train_step(x, y):
+        if not zero_grad_last:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            return loss
-        return model, optimizer, scheduler, train_step
-    model, optimizer, scheduler, step = pair()
-    eager_model, eager_optimizer, eager_scheduler, eager_step = pair()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step(loss.detach()) if takes_loss else scheduler.step()
+        if zero_grad_last:
+            optimizer.zero_grad(set_to_none=True)
+        if read_after:
+            return loss, scheduler.get_last_lr()[0]
+        return loss
+    return model, optimizer, scheduler, train_step
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+@pytest.mark.parametrize("fuse", ["off", "wait"])
+def test_a_scheduler_stepped_inside_is_part_of_the_one_program_and_trains_like_eager(kind, fuse):
+    model, optimizer, scheduler, step = _scheduled(kind, zero_grad_last=kind != "step-float")
+    eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
+        kind, zero_grad_last=kind != "step-float")
+    jitted = keraunos.jit(step, fuse=fuse, fallback="error")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _run_both(keraunos.jit(step), eager_step, _batches(4))
-    fallbacks = [str(w.message) for w in caught if "falls back to torch.compile" in str(w.message)]
-    assert len(fallbacks) == 1 and "StepLR" in fallbacks[0], fallbacks
+        _run_both(jitted, eager_step, _batches(6))
+    _no_fallback(caught)
     _assert_same_training(model, optimizer, eager_model, eager_optimizer)
-    assert scheduler.get_last_lr() == eager_scheduler.get_last_lr()
+    _assert_same_scheduler(scheduler, eager_scheduler)
+    for group, eager_group in zip(optimizer.param_groups, eager_optimizer.param_groups):
+        assert_close(group["lr"], eager_group["lr"])
+    assert keraunos.cache_hits(jitted) >= 1
+    epilogue = str(keraunos.last_epilogue_traces(jitted)[-1])
+    assert f"_{type(scheduler).__name__}_step" in epilogue, epilogue  # made after the computation
+    if kind.endswith("-tensor"):  # a tensor rate is read by the program: no recompile
+        assert keraunos.cache_misses(jitted) == 2  # the first call makes AdamW's state eagerly
+    if kind == "cosine-float":  # a float rate that changed is a symbol from then on
+        assert keraunos.cache_misses(jitted) == 3
+        prologue = str(keraunos.last_prologue_traces(jitted)[-1])
+        assert "param_groups[0]['lr'] is a float (compiled as the symbol" in prologue
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("fuse", ["off", "wait"])
+def test_a_learning_rate_changed_on_every_step_compiles_once_as_a_symbol(kind, fuse):
+    model, optimizer, scheduler, step = _scheduled("cosine-float", optimizer=kind)
+    eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
+        "cosine-float", optimizer=kind)
+    jitted = keraunos.jit(step, fuse=fuse, fallback="error")
+    _run_both(jitted, eager_step, _batches(8))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    _assert_same_scheduler(scheduler, eager_scheduler)
+    # The first call makes the optimizer's state eagerly, the second compiles the rate in, the
+    # third finds it changed and compiles it as a symbol; the other five hit that entry.
+    assert keraunos.cache_misses(jitted) == 3 and keraunos.cache_hits(jitted) == 5
+
+
+def test_reading_the_scheduler_after_its_step_falls_back_and_trains_like_eager():
+    model, optimizer, scheduler, step = _scheduled("step-float", read_after=True)
+    eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
+        "step-float", read_after=True)
+    jitted = keraunos.jit(step, fuse="off")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(_batches(4)):
+            torch.manual_seed(100 + i)
+            (loss, lr), (eager_loss, eager_lr) = jitted(x, y), (torch.manual_seed(100 + i),
+                                                                  eager_step(x, y))[1]
+            assert_close(loss, eager_loss)
+            assert lr == eager_lr
+    fallbacks = [str(w.message) for w in caught if "falls back to torch.compile" in str(w.message)]
+    assert len(fallbacks) == 1 and "get_last_lr" in fallbacks[0] and \
+        "after the learning-rate scheduler's step" in fallbacks[0], fallbacks
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    assert scheduler.state_dict() == eager_scheduler.state_dict()
 
 
 def _whole_step_pair(build, loss_of, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),

@@ -36,6 +36,8 @@ class CallsMixin:
         self.mutated_storages: set[int] = set()
         self.mutated_with_grad: dict[int, bool] = {}
         self.replayed_calls: list = []  # print, logging, warnings.warn: replayed.ReplayedCall
+        self.stepped_schedulers: set[int] = set()  # ids of LR schedulers stepped, their optimizers
+        self.zeroing_after_step = False  # in an optimizer's zero_grad after them (schedulers.py)
         self.metadata_changed_views: set[int] = set()  # storages of views changed by x.t_(), ...
         self.in_vmap = False
         self.state = self.initial_state = global_state()

@@ -249,9 +249,10 @@ def _check_keys(b, g: Guard) -> None:
 
 # --- symbolic int: an int argument compiled as a size symbol ---------------------------------
 
-def _check_symbolic_int(b, g: Guard) -> None:
-    p = b.var(g.path, g.expected)  # the int is the symbol: s0 = args[1]
-    b.check(g.description, lambda w: f"type({p.name}) is not int", False, uses=(p,))
+def _check_symbolic_number(b, g: Guard) -> None:
+    p = b.var(g.path, g.expected)  # the number is the symbol: s0 = args[1]
+    kind = g.expected.python_type.__name__
+    b.check(g.description, lambda w: f"type({p.name}) is not {kind}", False, uses=(p,))
 
 
 # --- absent: an attribute the program found missing ------------------------------------------
@@ -327,7 +328,9 @@ TYPE = GuardKind("type", lambda g: f"type({g.where}) is {g.expected.__qualname__
 LENGTH = GuardKind("length", _describe_length, _check_length)
 KEYS = GuardKind("keys", _describe_keys, _check_keys)
 SYMBOLIC_INT = GuardKind("symbolic int", lambda g: f"{g.where} is an int (compiled as the "
-                         f"symbol {g.expected.name})", _check_symbolic_int)
+                         f"symbol {g.expected.name})", _check_symbolic_number)
+SYMBOLIC_FLOAT = GuardKind("symbolic float", lambda g: f"{g.where} is a float (compiled as "
+                           f"the symbol {g.expected.name})", _check_symbolic_number)
 ABSENT_ATTRIBUTE = GuardKind("absent attribute", _describe_absent, _check_absent_attribute)
 ABSENT = GuardKind("absent", _describe_absent, _check_absent)
 DATA = GuardKind("data", _describe_data, _check_data, after_inputs=True)

@@ -187,6 +187,11 @@ class InputsMixin:
             if proxy is not None:
                 self.guard(guards.SYMBOLIC_INT, path, proxy)
                 return symint
+        if type(value) is float and self.dynamic is not None and \
+                self.dynamic.float_is_dynamic(value, path):
+            symfloat, proxy = self.symbols.float_input(value, path)
+            self.guard(guards.SYMBOLIC_FLOAT, path, proxy)
+            return symfloat
         # A list or dict that came with the call (an argument, or held by an object passed in: a
         # cache's list of layers) or that the module holds (a cache of computed tensors, such as
         # timm's ``attention_bias_cache``) is a container the program may change, even while it

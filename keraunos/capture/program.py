@@ -560,7 +560,8 @@ def _replays(ctx: CaptureContext, returns: _Returns) -> list[tuple]:
         replay, values = call.replay()
         source = call.source
         where = f"{source.filename}:{source.lineno}: {source.code}" if source else call.label
-        replays.append((replay, [returns.collect(v) if isinstance(v, torch.Tensor) else
-                                 returns.logged(v) for v in values],
+        replays.append((replay, [returns.collect(v) if isinstance(v, torch.Tensor) else v
+                                 if isinstance(v, ObjectRef) else returns.logged(v)
+                                 for v in values],
                         call.label, where))
     return replays

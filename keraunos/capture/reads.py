@@ -24,7 +24,7 @@ from ..core.provenance import ATTR, BUFFER, CALL, PARAMETER, SUBMODULE, Path, ro
 from ..core.tags import STATIC_MEMORY_LOCATION
 from ..errors import (CaptureError, LazyStateError, UnguardableStateError,
                       UnsupportedInputError, is_stdlib, user_source)
-from . import guards
+from . import guards, schedulers
 from .dtensor import is_device_mesh
 from .guards import is_plain
 from .recording import (_recording_argument_class, _recording_module_class,
@@ -220,6 +220,9 @@ class ReadsMixin:
     def scope_object_setattr(self, obj, name: str, value: Any) -> None:
         """``obj.name = value`` on an object reached by name: made (the rest of the program reads
         it), and remembered so that it is undone after capture (``undo_scope_writes``)."""
+        if schedulers.replayed_flag(obj, name, value):
+            self._deferred_write(obj, self._object_paths[id(obj)], name, value, "optimizers")
+            return
         d = object.__getattribute__(obj, "__dict__")
         self._scope_writes.setdefault((id(obj), name), (obj, name, d.get(name, _ABSENT)))
         original_class(obj).__setattr__(obj, name, value)
@@ -262,6 +265,14 @@ class ReadsMixin:
             # Made by the program from a watched object (``type(self)(...)`` in a class's own
             # ``__copy__``): what it holds came from reads already recorded.
             return cls.__getattribute__(obj, name)
+        if id(obj) in self.stepped_schedulers:
+            return schedulers.read_after_step(self, obj, name,
+                                              lambda: self._object_getattr(obj, d, cls, name))
+        if name == "step" and schedulers.is_scheduler(obj):  # made after the computation
+            return schedulers.deferred_step(self, obj, self._object_paths[id(obj)])
+        return self._object_getattr(obj, d, cls, name)
+
+    def _object_getattr(self, obj, d: dict, cls: type, name: str) -> Any:
         if id(obj) in self.argument_objects:
             return self._argument_getattr(obj, d, cls, name)
         if id(obj) in self.scope_objects:

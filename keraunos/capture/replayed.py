@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.templates import ObjectRef
 from ..errors import is_internal, user_source
 from .state import active_context
 
@@ -56,11 +57,13 @@ class ReplayedCall:
         """The epilogue's callable, and what it takes on every call, in order: the (fake)
         tensors of the snapshots and the symbolic sizes (``SymInt``, ``torch.Size``)."""
         leaves, spec = pytree.tree_flatten((self.args, self.kwargs), is_leaf=_is_leaf)
-        varying = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, (Shown, SizeOf))}
+        varying = {i: leaf for i, leaf in enumerate(leaves)
+                   if isinstance(leaf, (Shown, SizeOf, Passed, Found))}
         constants = [None if i in varying else leaf for i, leaf in enumerate(leaves)]
         slots = [(i, (v.suffix, v.parameter) if isinstance(v, Shown) else None)
                  for i, v in varying.items()]
-        values = [v.tensor if isinstance(v, Shown) else v.value for v in varying.values()]
+        values = [v.tensor if isinstance(v, (Shown, Passed)) else ObjectRef(v.path)
+                  if isinstance(v, Found) else v.value for v in varying.values()]
         return Replay(self.function, self.fixed, spec, constants, slots), values
 
 
@@ -69,6 +72,21 @@ class SizeOf:
     """A symbolic size the program passed (``x.shape[0]``, ``x.shape``): its value on every call."""
 
     value: Any
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A tensor the program passed, given to the call itself (its copy the computation returns)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Found:
+    """An object the program reaches by name, at ``path``: the call gets the one the prologue
+    finds there on every call."""
+
+    path: Any
 
 
 class Replay:
@@ -140,8 +158,21 @@ def _snapshot(ctx, value):
     return pytree.tree_map(show, value, is_leaf=_is_leaf)
 
 
-def _is_leaf(x) -> bool:
-    return isinstance(x, (Shown, SizeOf, torch.Size))  # a shape prints as torch.Size([...])
+def snapshot(value):
+    """``value`` with every tensor replaced by a ``Passed`` copy and every symbolic size by a
+    ``SizeOf``: the arguments of a call the epilogue makes with values, not text."""
+    def passed(t):
+        if isinstance(t, torch.Tensor):
+            return Passed(t.detach().clone())
+        if isinstance(t, _SYMBOLIC) or isinstance(t, torch.Size) and not all(
+                type(n) is int for n in t):
+            return SizeOf(t)
+        return t
+    return pytree.tree_map(passed, value, is_leaf=_is_leaf)
+
+
+def _is_leaf(x) -> bool:  # a shape prints as torch.Size([...])
+    return isinstance(x, (Shown, SizeOf, Passed, Found, torch.Size))
 
 
 def _recording_print(*args, **kwargs):

@@ -31,6 +31,7 @@ from ..core.proxies import NumberProxy
 from ..core.provenance import Path
 from ..core.symbolic import SymbolicUnsupported, SymbolicValue, SizePrinter, as_code
 from ..integrations import huggingface
+from .interceptors import paused_watch
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int]) -> None:
@@ -48,6 +49,19 @@ def mark_static(t: torch.Tensor, dim: int | list[int]) -> None:
     """Never make dimension ``dim`` of ``t`` symbolic (each size compiles its own entry)."""
     dims = [dim] if isinstance(dim, int) else list(dim)
     t._keraunos_static = set(getattr(t, "_keraunos_static", ())) | {d % t.dim() for d in dims}
+
+
+# The hyperparameters of ``optimizer.param_groups`` an LR scheduler changes on its steps (SGD's
+# momentum: OneCycleLR and CyclicLR cycle it).
+HYPERPARAMETERS = ("lr", "momentum")
+
+
+def is_hyperparameter(path: Path) -> bool:
+    """Whether ``path`` is ``<...>.param_groups[i][key]`` for a key in ``HYPERPARAMETERS``."""
+    group = path.parent
+    return path.is_item and path.key in HYPERPARAMETERS and group is not None and \
+        group.is_item and group.parent is not None and group.parent.is_attr and \
+        group.parent.key == "param_groups"
 
 
 def _from_call(path: Path) -> bool:
@@ -121,6 +135,16 @@ class DynamicRequest:
     def int_is_dynamic(self, value: int, path: Path) -> bool:
         if not _from_call(path) or path.is_root:
             return False
+        return self._number_is_dynamic(value, path)
+
+    def float_is_dynamic(self, value: float, path: Path) -> bool:
+        """Whether a float the program reads is a symbol: an optimizer's hyperparameter (a
+        learning rate an LR scheduler changes), once its value changed between compilations."""
+        if not is_hyperparameter(path):
+            return False
+        return self._number_is_dynamic(value, path)
+
+    def _number_is_dynamic(self, value, path: Path) -> bool:
         before = self.seen.get(path)
         changed = before is not None and (before[0] is None or before[0] != value)
         if changed and before[0] is not None and value not in (0, 1):
@@ -226,9 +250,10 @@ class Symbols:
             real = _non_view_alias(real, path)
         context = StatelessSymbolicContext(dynamic_sizes=[
             DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic])
-        return self.fake_mode.from_tensor(real, static_shapes=False,
-                                          source=ConstantSource(str(path)),
-                                          symbolic_context=context)
+        with paused_watch():
+            return self.fake_mode.from_tensor(real, static_shapes=False,
+                                              source=ConstantSource(str(path)),
+                                              symbolic_context=context)
 
     def bind_tensor(self, fake, proxy, path: Path) -> None:
         """Name the symbols of a tensor input's sizes, strides and offset, where each is read."""
@@ -244,12 +269,23 @@ class Symbols:
     def int_input(self, value: int, path: Path):
         """A symbolic int for an int argument; its proxy is the prologue's variable for it."""
         from ..torch_internals.dynamo import ConstantSource
-        expr = self.env.create_symbol(value, ConstantSource(str(path)), DimDynamic.DYNAMIC,
-                                      positive=None)
+        with paused_watch():
+            expr = self.env.create_symbol(value, ConstantSource(str(path)), DimDynamic.DYNAMIC,
+                                          positive=None)
         if not isinstance(expr, sympy.Symbol):  # 0 and 1 are specialized
             return value, None
         symint = self.env.create_symintnode(expr, hint=value)
         return symint, self._bind(expr, symint, path, None, None, None)
+
+    def float_input(self, value: float, path: Path):
+        """A symbolic float for an optimizer's hyperparameter (``float_is_dynamic``); its
+        proxy is the prologue's variable for it."""
+        from ..torch_internals.dynamo import ConstantSource
+        with paused_watch():  # the ShapeEnv's first symbol imports modules: not the program's
+            expr = self.env.create_unspecified_symbol(value, ConstantSource(str(path)),
+                                                      DimDynamic.DYNAMIC)
+        symfloat = self.env.create_symfloatnode(expr, hint=value)
+        return symfloat, self._bind(expr, symfloat, path, None, None, None, float)
 
     def data_input(self, value: int, target, method: str, lines, source):
         """A symbolic int for an int the program reads from tensor data: the prologue computes
@@ -273,8 +309,8 @@ class Symbols:
     def data_bindings(self) -> list[Binding]:
         return [b for b in self.bindings.values() if b.prop == "data"]
 
-    def _bind(self, expr, value, path, tensor, prop, dim) -> NumberProxy:
-        proxy = NumberProxy(self.names.fresh(f"s{len(self.bindings)}"), int, value, expr)
+    def _bind(self, expr, value, path, tensor, prop, dim, python_type=int) -> NumberProxy:
+        proxy = NumberProxy(self.names.fresh(f"s{len(self.bindings)}"), python_type, value, expr)
         self.bindings[expr] = Binding(proxy, path, tensor, prop, dim)
         proxy.provenance = self.bindings[expr].where()
         self._printer.names[expr] = proxy.name

@@ -168,6 +168,8 @@ def _inputs(args: tuple, kwargs: dict, sizes=None) -> tuple:
         if t is int and sizes is not None and not path.is_root \
                 and sizes.int_is_dynamic(v, path) and v not in (0, 1):
             return ("int", "*")  # (0 and 1 are never symbols: capture specializes them)
+        if t is float and sizes is not None and sizes.float_is_dynamic(v, path):
+            return ("float", "*")  # an optimizer's learning rate that changed
         if t in _SIMPLE:
             return (t.__name__, repr(v))
         if isinstance(v, torch.Tensor):

@@ -720,6 +720,11 @@ def _insert(state: _JitState, entry: CacheEntry) -> None:
                 f"used one was dropped. Last reasons: {state.last_miss_reasons[:3]}. Python values "
                 f"that change on every call (a step counter, a position) are compiled in as "
                 f"constants; pass them as tensors instead.")
+            if any("param_groups[" in r for r in state.last_miss_reasons):
+                message += (" An optimizer's hyperparameter changes (an LR scheduler's "
+                            "learning rate or momentum): give the optimizer a tensor learning "
+                            "rate (AdamW(params, lr=torch.tensor(1e-3))), which its scheduler "
+                            "updates in place and the program reads on every call.")
             _warn_at_user_line(message, stacklevel=3)
     state.entries = entries
     _sync_native(state)
