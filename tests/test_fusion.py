@@ -490,6 +490,31 @@ def test_batchnorm_statistics_in_a_region_are_as_close_to_float64_as_eagers():
         assert distance(f, r) <= distance(e, r), name
 
 
+@pytest.mark.parametrize("fuse", ["off", "wait"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_batchnorm_of_a_transposed_input_is_laid_out_as_eagers(fuse, training):
+    """Eager's CPU kernel makes its output in the input's suggested memory format (contiguous
+    for a transposed (N, C) input); PyTorch's fake kernel keeps the input's strides, and a region
+    returned those. Outputs, the result of a following op and the input's gradient: eager's
+    values and strides."""
+    torch.manual_seed(0)
+    model = nn.BatchNorm1d(8).train(training)
+    jitted = keraunos.jit(copy.deepcopy(model), fuse=fuse)
+
+    def run(m, x):
+        x = x.clone().requires_grad_()
+        y = m(x.t())
+        z = y * 2 + 1
+        (z * torch.arange(8.0)).sum().backward()
+        return y, z, x.grad
+    x = torch.randn(8, 16)
+    for _ in range(2):  # the first call captures, the second runs the cached program
+        for got, want in zip(run(jitted, x), run(model, x)):
+            assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert_close(jitted.running_mean, model.running_mean)
+
+
 def test_bias_gradients_summed_in_a_fused_backward_are_as_close_to_float64_as_eagers():
     """A Linear's bias gradient sums the output gradient's rows (``grad.sum(0)``). Inductor's
     CPU kernel adds the 4096 rows to one accumulator per column in order: 8x eager's distance

@@ -7,7 +7,7 @@ from ..torch_internals.fake import (DataDependentOutputException, DynamicOutputS
                                    FakeTensor, UnsupportedOperatorException)
 from ..torch_internals.functorch import is_functorch_wrapped_tensor
 from ..core import tree
-from ..core.aten import AtenRecorder
+from ..core.aten import AtenRecorder, eager_batch_norm_layout
 
 from ..core.effects import METADATA_WRITES, draws_random, is_inplace_by_name
 from ..core.symbols import TorchSymbol
@@ -82,6 +82,8 @@ class Recorder(TorchFunctionMode):
         except Exception as e:  # the program's own error (a shape mismatch, say): eager's type
             return self._failed_call(symbol, func, args, kwargs, tensors, e)
         self._check_the_result(symbol, func, args, kwargs, tensors, out)
+        if id(func) in _BATCH_NORMS:
+            out = eager_batch_norm_layout(args, out)
         mutated = [t for t, v in zip(tensors, versions) if _version(t) != v]
         if not mutated and None in versions and is_inplace_by_name(symbol) and tensors:
             mutated = [tensors[0]]  # inference tensors keep no version counter
@@ -193,6 +195,9 @@ class Recorder(TorchFunctionMode):
 
 
 _is_functorch_tensor = is_functorch_wrapped_tensor
+
+_BATCH_NORMS = frozenset(id(f) for f in (torch.nn.functional.batch_norm, torch.batch_norm,
+                                         torch.native_batch_norm))
 
 
 # ----------------------------------------------------------------------------------- autocast

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..torch_internals.dispatch import DisableTorchFunction
-from ..torch_internals.fake import FakeTensor
+from ..torch_internals.fake import FakeTensor, suggest_memory_format
 from .symbols import BoundSymbol, TorchSymbol
 
 
@@ -42,11 +42,37 @@ class AtenRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _BATCH_NORM_OPS:
+            out = eager_batch_norm_layout(args, out)
         # Queries that make no tensor and change nothing (prim.device, sym_size) need no line.
         if func._schema.is_mutable or any(isinstance(t, torch.Tensor)
                                           for t in pytree.tree_leaves(out)):
             self.calls.append(AtenCall(func, args, kwargs, out, self.parent))
         return out
+
+
+# Batch normalization: eager's CPU kernel lays its output out in the input's suggested memory
+# format (contiguous for a transposed ``(N, C)`` input), where the fake kernel keeps the input's
+# strides. Recorded with eager's layout (here and at the torch level, ``capture/recorder.py``),
+# which a region's output is then given too.
+_BATCH_NORM_OPS = frozenset((torch.ops.aten.native_batch_norm.default,
+                             torch.ops.aten._native_batch_norm_legit.default,
+                             torch.ops.aten._native_batch_norm_legit.no_stats,
+                             torch.ops.aten._native_batch_norm_legit_no_training.default,
+                             torch.ops.aten._native_batch_norm_legit_functional.default))
+
+
+def eager_batch_norm_layout(args, out):
+    """A batch normalization's outputs with its first laid out as eager's CPU kernel lays it."""
+    x = args[0] if args else None
+    if not isinstance(x, FakeTensor) or x.device.type != "cpu":
+        return out
+    first = out[0] if isinstance(out, tuple) else out
+    layout = suggest_memory_format(x)
+    if not isinstance(first, FakeTensor) or first.is_contiguous(memory_format=layout):
+        return out
+    first = first.contiguous(memory_format=layout)
+    return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
 _LIFT_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)

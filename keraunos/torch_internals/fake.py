@@ -2,12 +2,14 @@
 
 Owns ``FakeTensorMode`` and ``FakeTensor`` with the exceptions a fake kernel raises, the shape
 environment (``ShapeEnv``) with its symbols, guards and value ranges, the tracing context a
-compile runs in, and the sympy functions torch's symbolic sizes are made of. Plain re-exports:
+compile runs in, the sympy functions torch's symbolic sizes are made of, and eager's choice of
+an output's memory format (``suggest_memory_format``). Plain re-exports:
 these are the same in every supported release.
 """
 from __future__ import annotations
 
 from torch._guards import ShapeGuard, SLoc, TracingContext, tracing
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, UnsupportedOperatorException,
@@ -26,4 +28,5 @@ __all__ = ["DataDependentOutputException", "DimDynamic", "DynamicOutputShapeExce
            "FakeTensor", "FakeTensorMode", "FloorDiv", "GuardOnDataDependentSymNode",
            "LOGGER_NAME", "Max", "Min", "Mod", "PythonMod", "SLoc", "ShapeEnv", "ShapeGuard",
            "StatelessSymbolicContext", "TracingContext", "UnsupportedOperatorException",
-           "ValueRanges", "free_unbacked_symbols", "int_oo", "tracing", "unset_fake_temporarily"]
+           "ValueRanges", "free_unbacked_symbols", "int_oo", "suggest_memory_format", "tracing",
+           "unset_fake_temporarily"]
