@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 import keraunos
 from keraunos.errors import DataDependentError, FunctionTransformError
+from helpers import run_with_store
 
 
 def _branchy(x):
@@ -51,6 +52,35 @@ def test_a_tensor_used_as_a_size_is_named_so():
 def _top_of_the_kept(scores, keep):
     kept = scores[:, keep]  # a width that depends on the mask's data
     return kept.topk(kept.shape[-1] // 2, dim=-1).values * 2
+
+
+FALLBACK_AND_DISTRIBUTIONS = """
+import json, warnings, torch, keraunos
+warnings.simplefilter("ignore")
+def f(x):
+    if x.sum() > 0:  # a decision on data: the torch.compile route
+        return x * 2
+    return x - 1
+jitted = keraunos.jit(f)
+results = [jitted(torch.ones(3)).tolist(), jitted(-torch.ones(3)).tolist()]
+try:
+    torch.distributions.Normal(torch.zeros(1), -torch.ones(1))
+    validated = False
+except ValueError:
+    validated = True
+print(json.dumps([keraunos.dynamo.last_traces(jitted) != [], results, validated]))
+"""
+
+
+def test_a_fallback_leaves_the_validation_of_distributions_on(tmp_path):
+    """Dynamo's first use in a process turns torch.distributions' argument checks off for good;
+    a program that fell back to it must leave them as the user had them (a fresh process: the
+    suite's own torch.compile calls turned them off here)."""
+    script = tmp_path / "fallback.py"
+    script.write_text(FALLBACK_AND_DISTRIBUTIONS)
+    fell_back, results, validated = run_with_store(script, [], tmp_path / "store")
+    assert fell_back and results == [[2.0, 2.0, 2.0], [-2.0, -2.0, -2.0]]
+    assert validated
 
 
 def test_a_size_from_boolean_indexing_falls_back_and_matches_eager():

@@ -666,10 +666,11 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
     this callable's executors and transforms; warns once, naming the line that forced it."""
     backend = _dynamo_backend()  # imports dynamo: only paid by programs that fall back
     target = state.module if state.module is not None else state.fn
-    compiled = torch.compile(target, backend=backend(executors=state.options.executors,
-                                                     transforms=state.options.transforms,
-                                                     fuse=state.options.fuse))
+    compiled = _keeping_distribution_validation(torch.compile)(
+        target, backend=backend(executors=state.options.executors,
+                                transforms=state.options.transforms, fuse=state.options.fuse))
     state.dynamo_compiled = compiled  # keraunos.dynamo.last_traces(jitted) finds it here
+    compiled = _keeping_distribution_validation(compiled)
     lines = str(error).splitlines()
     where = lines[0].removeprefix("keraunos cannot capture ")
     advice = next((line.strip().rstrip(".") for line in lines[2:]
@@ -696,6 +697,23 @@ def _dynamo_fallback_entry(state: _JitState, error: CaptureError) -> CacheEntry:
             return ProgramRaised(error)
     entry.hit_fn = hit
     return entry
+
+
+def _keeping_distribution_validation(compiled):
+    """``compiled`` (``torch.compile`` or what it made), leaving ``torch.distributions``'
+    argument validation as the call found it: Dynamo's first use in a process turns it off for
+    good (its ``TorchPatcher``), which a program that merely fell back must not do to the user's
+    distributions."""
+    distribution = torch.distributions.Distribution
+
+    def run(*args, **kwargs):
+        validate = distribution._validate_args
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            if distribution._validate_args is not validate:
+                distribution.set_default_validate_args(validate)
+    return run
 
 
 def _warn_at_user_line(message: str, stacklevel: int) -> None:

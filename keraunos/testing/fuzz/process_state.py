@@ -1,5 +1,6 @@
 """What a user's thread can see of the process: warnings filters, grad and inference mode,
 autocast, the default dtype, determinism, anomaly detection, the modes on the dispatch stacks,
+``torch.distributions``' default argument validation,
 torch.fx's "tracing" flag, the dictionaries of the classes a trace patches (``nn.Module``'s
 ``__call__`` and ``__getattr__``, ...), and the configs of Dynamo, AOTAutograd and Inductor (when
 imported).
@@ -98,6 +99,7 @@ def snapshot() -> dict:
         "anomaly detection": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         "dispatch modes": _modes(),
         "torch.fx tracing flag": fx.tracing(),
+        "distributions' argument validation": torch.distributions.Distribution._validate_args,
         "class dicts": _class_dicts(),
     }
     for name in CONFIG_MODULES:
