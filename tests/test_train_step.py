@@ -329,8 +329,8 @@ def _scheduled(kind: str, zero_grad_last: bool = False, read_after: bool = False
     return model, optimizer, scheduler, train_step
 
 
-@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
-@pytest.mark.parametrize("fuse", ["off", "wait"])
+@pytest.mark.parametrize("kind,fuse", [(kind, "off") for kind in sorted(SCHEDULERS)] + [
+    ("cosine-float", "wait"), ("lambda-tensor", "wait")])
 def test_a_scheduler_stepped_inside_is_part_of_the_one_program_and_trains_like_eager(kind, fuse):
     model, optimizer, scheduler, step = _scheduled(kind, zero_grad_last=kind != "step-float")
     eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
@@ -355,8 +355,8 @@ def test_a_scheduler_stepped_inside_is_part_of_the_one_program_and_trains_like_e
         assert "param_groups[0]['lr'] is a float (compiled as the symbol" in prologue
 
 
-@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("fuse", ["off", "wait"])
+@pytest.mark.parametrize("kind,fuse", [(kind, "off") for kind in sorted(OPTIMIZERS)] + [
+    ("sgd", "wait")])
 def test_a_learning_rate_changed_on_every_step_compiles_once_as_a_symbol(kind, fuse):
     model, optimizer, scheduler, step = _scheduled("cosine-float", optimizer=kind)
     eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
@@ -614,3 +614,29 @@ def test_a_jitted_models_training_step_frees_saved_activations_as_eager_does(fus
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert_close(p, q)
     assert 0 < got <= eager * 1.02, (got, eager)  # (within a tensor the size of the logits)
+
+
+class _Trainer:
+    """A training loop's object holding the model, its optimizer and scheduler."""
+
+    def __init__(self):
+        self.model = _model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=10)
+
+    def step(self, x, y):
+        self.optimizer.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss
+
+
+def test_a_jitted_step_method_steps_the_scheduler_its_object_holds_like_eager():
+    trainer, eager = _Trainer(), _Trainer()
+    jitted = keraunos.jit(trainer.step, fallback="error")
+    _run_both(jitted, eager.step, _batches(6))
+    _assert_same_training(trainer.model, trainer.optimizer, eager.model, eager.optimizer)
+    _assert_same_scheduler(trainer.scheduler, eager.scheduler)
+    assert keraunos.cache_misses(jitted) == 3 and keraunos.cache_hits(jitted) == 3
