@@ -62,6 +62,21 @@ _LAZY = {
 __getattr__ = lazy(__name__, _LAZY)
 
 
+# On the first entry into any ``torch.compile``d code in a process, Dynamo wraps
+# ``nn.Module.__init__`` and ``__setstate__`` (to tag modules made while it runs) and puts
+# ``torch.fx.Tracer.trace`` (with ``torch.jit.trace``) behind its ``disable``, for good.
+_TAGGING = "install_generation_tagging_init.<locals>."
+
+
+def unwrapped_setup(value):
+    """``value`` without Dynamo's one-time wrapping of torch's own methods (above), if any."""
+    if getattr(value, "__qualname__", "").startswith(_TAGGING) and value.__closure__:
+        value = value.__closure__[0].cell_contents  # the method it wraps
+    if getattr(value, "_torchdynamo_disable", False):
+        value = value._torchdynamo_orig_callable
+    return value
+
+
 __all__ = ["AUTOCAST_FIELDS", "CONFIG_MODULES", "GLOBAL_STATE_FIELDS", "GlobalStateGuard",
            "RootGuardManager", "TensorGuards", "disable", "eval_frame_callback",
-           "global_state_fields", *_LAZY]
+           "global_state_fields", "unwrapped_setup", *_LAZY]

@@ -54,8 +54,8 @@ def _classes() -> list[type]:
 def _class_dicts() -> dict:
     """``Class.name`` -> the object in the class's ``__dict__`` (compared by identity). The
     hook-registration methods keraunos wraps on the user's thread, at the first walk of a jitted
-    module's tree, for good (``keraunos/runtime/structure.py``), and Dynamo's tagging of module
-    construction (``_DYNAMO_TAGGING``) count as torch's own."""
+    module's tree, for good (``keraunos/runtime/structure.py``), and Dynamo's one-time setup
+    (``torch_internals.dynamo.unwrapped_setup``) count as torch's own."""
     return {f"{cls.__qualname__}.{key}": _unwatched(value)
             for cls in _classes() for key, value in list(vars(cls).items())
             if callable(value) or hasattr(value, "__get__")}
@@ -64,19 +64,10 @@ def _class_dicts() -> dict:
 def _unwatched(value):
     while getattr(value, "_keraunos_hook_watch", False):
         value = value.__wrapped__
-    if getattr(value, "__qualname__", "").startswith(_DYNAMO_TAGGING) and value.__closure__:
-        value = value.__closure__[0].cell_contents  # the method it wraps
-    if getattr(value, "_torchdynamo_disable", False):
-        value = value._torchdynamo_orig_callable
-    return value
-
-
-# On the first entry into any ``torch.compile``d code in the process, Dynamo wraps
-# ``nn.Module.__init__`` and ``__setstate__`` (to tag modules made while it runs) and puts
-# ``torch.fx.Tracer.trace`` (with ``torch.jit.trace``) behind ``torch._dynamo.disable``, for
-# good: torch.compile's own setup, which the fallback route (``torch.compile(backend=
-# "keraunos")``, on the user's thread) makes as any first ``torch.compile`` call does.
-_DYNAMO_TAGGING = "install_generation_tagging_init.<locals>."
+    # Dynamo's one-time setup at the first torch.compile in the process, which the fallback
+    # route (torch.compile(backend="keraunos"), on the user's thread) makes as any first
+    # torch.compile call does: torch's own.
+    return dynamo.unwrapped_setup(value)
 
 
 def _modes() -> tuple:
