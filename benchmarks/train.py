@@ -2,6 +2,7 @@
 
 Run: python benchmarks/train.py [--iters N] [--layers L] [--width W] [--skip-compile]
                                 [--compile-optimizer] [--optimizer-only] [--whole-step]
+                                [--scheduler]
 
 --compile-optimizer compiles the AdamW step too, on both sides: ``keraunos.jit(optimizer.step)``
 against ``torch.compile(optimizer.step)`` (the recipe of torch's tutorial "Compiling the
@@ -11,6 +12,8 @@ AdamW step alone (and ``AdamW(fused=True)``, torch's own fused CPU kernel, for r
 ``keraunos.jit(train_step)``: zero_grad, forward, loss, backward and the AdamW step captured as one
 program (``keraunos step``, and ``keraunos step fused``), beside torch's best recipes:
 ``torch.compile(model)`` with ``torch.compile(optimizer.step)``, and with ``AdamW(fused=True)``.
+--scheduler steps a learning-rate scheduler after the optimizer on every system
+(``CosineAnnealingLR``: a float rate that changes on every step, the recipe most training runs).
 
 All figures from this one run, one intra-op thread:
 - compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
@@ -54,7 +57,7 @@ def make_model(layers: int, width: int):
     return GPT(config)
 
 
-def step_fn(model, optimizer, idx, targets, optimizer_step=None):
+def step_fn(model, optimizer, idx, targets, optimizer_step=None, scheduler=None):
     optimizer_step = optimizer_step or optimizer.step
 
     def step():
@@ -63,6 +66,8 @@ def step_fn(model, optimizer, idx, targets, optimizer_step=None):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         loss.backward()
         optimizer_step()
+        if scheduler is not None:
+            scheduler.step()
         return loss
     return step
 
@@ -130,6 +135,8 @@ def main():
     parser.add_argument("--whole-step", action="store_true",
                         help="add keraunos.jit(train_step), the whole step as one program, and "
                         "torch's best recipes (compiled AdamW, AdamW(fused=True))")
+    parser.add_argument("--scheduler", action="store_true",
+                        help="step a CosineAnnealingLR after the optimizer, on every system")
     parser.add_argument("--json", default="", help="also write the table to this JSON file "
                         "(what benchmarks/report.py renders)")
     parser.add_argument("--quick", action="store_true",
@@ -180,8 +187,10 @@ def main():
         model = copy.deepcopy(base)
         runner = model_wrap(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000) \
+            if args.scheduler else None
         step = step_wrap(step_fn(runner, optimizer, idx, targets,
-                                 optimizer_wrap(optimizer.step)))
+                                 optimizer_wrap(optimizer.step), scheduler))
         compile_time, median, first = time_2n(step, args.iters)
         losses[name] = step().item()
         steps[name] = step
@@ -192,7 +201,8 @@ def main():
             results[name] += (saved_bytes(runner, idx),)
     print(f"torch {torch.__version__}, 1 thread; litgpt Llama-2 config, {args.layers} layers, "
           f"n_embd {args.width}, batch 1x64; AdamW "
-          f"({'compiled' if args.compile_optimizer else 'eager'}); 2N method with N = {args.iters}")
+          f"({'compiled' if args.compile_optimizer else 'eager'})"
+          f"{', CosineAnnealingLR' if args.scheduler else ''}; 2N method with N = {args.iters}")
     eager = results["eager"]
     print(f"  {'system':<32} {'compile+warmup':>15} {'step (median)':>15} {'vs eager':>9} "
           f"{'saved for bw':>14} {'vs eager':>9}")

@@ -370,6 +370,29 @@ def test_a_learning_rate_changed_on_every_step_compiles_once_as_a_symbol(kind, f
     assert keraunos.cache_misses(jitted) == 3 and keraunos.cache_hits(jitted) == 5
 
 
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_lines_computing_with_a_learning_rate_symbol_run_in_the_fused_regions(kind):
+    """AdamW's decay factor and step size, Adam's step size, SGD's ``add_(buf, alpha=-lr)``:
+    read from the rate's symbol inside the regions (as a 0-dim float64 tensor), where they cut
+    the update into a region per parameter before."""
+    from keraunos.core import tree
+    from keraunos.executors.fusion import FusionSymbol, float_symbols
+    model, optimizer, scheduler, step = _scheduled("cosine-float", optimizer=kind)
+    eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(
+        "cosine-float", optimizer=kind)
+    jitted = keraunos.jit(step, fuse="wait", fallback="error")
+    _run_both(jitted, eager_step, _batches(8))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    _assert_same_scheduler(scheduler, eager_scheduler)
+    assert keraunos.cache_misses(jitted) == 3 and keraunos.cache_hits(jitted) == 5
+    computation = keraunos.last_traces(jitted)[-1]
+    regions = [b for b in computation.bound_symbols if isinstance(b.symbol, FusionSymbol)]
+    outside = [b for b in computation.bound_symbols if not isinstance(b.symbol, FusionSymbol)
+               and any(map(float_symbols.is_float_argument, tree.leaves((b.args, b.kwargs))))]
+    assert outside == [], [str(b) for b in outside]
+    assert any(float_symbols.is_float_symbol(p) for b in regions for p in b.args), computation
+
+
 def test_reading_the_scheduler_after_its_step_falls_back_and_trains_like_eager():
     model, optimizer, scheduler, step = _scheduled("step-float", read_after=True)
     eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(

@@ -25,7 +25,7 @@ from ...core.symbolic import SymbolicValue
 from ...core.interpreter import Interpreter
 from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol
-from . import accumulation, channels_last, symbolic
+from . import accumulation, channels_last, float_symbols, symbolic
 
 
 def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
@@ -38,7 +38,8 @@ def region_graph(lines: list[BoundSymbol], inputs: list[TensorProxy],
     layout = layout or symbolic.Layout(inputs)
     for k, (_, _, symbol) in enumerate(layout.extra, start=len(inputs)):
         symbols[symbol] = graph.placeholder(f"i{k}")  # a size read from a tensor, by the caller
-    _GraphBuilder(graph, env, symbols, {p.name for p in outputs}).run(lines)
+    floats = {env[p.name] for p in inputs if float_symbols.is_float_symbol(p)}
+    _GraphBuilder(graph, env, symbols, {p.name for p in outputs}, floats).run(lines)
     graph.output(tuple(env[p.name] for p in outputs))
     return graph
 
@@ -48,13 +49,18 @@ class _GraphBuilder(Interpreter):
     torch callable, each output the node (or a ``getitem`` of it) that makes it."""
 
     def __init__(self, graph: fx.Graph, env: dict[str, fx.Node], symbols: dict,
-                 leaving: set[str]):
+                 leaving: set[str], floats: set[fx.Node] = frozenset()):
         super().__init__(env)
         self.graph = graph
         self.symbols = symbols  # size symbol -> the node giving it
         self.leaving = leaving  # the names the region returns
+        self.floats = set(floats)  # nodes of float values: float symbols' stand-ins, expressions
 
     def constant(self, x):
+        if float_symbols.is_float_argument(x):  # ``1.0 + (-0.01)*s0``: on s0's stand-in
+            node = float_symbols.expression_node(self.graph, x, self.env)
+            self.floats.add(node)
+            return node
         if isinstance(x, SymbolicValue):  # ``2*s0``: computed in the graph from s0
             node, symbols = x.value.node, self.symbols
             if node.shape_env is not None:
@@ -75,6 +81,15 @@ class _GraphBuilder(Interpreter):
         relaid = channels_last.relaid_line(self.graph, bsym, tuple(args), dict(kwargs))
         if relaid is not None:  # a convolution run on channels-last copies
             return relaid
+        floats = [isinstance(a, fx.Node) and a in self.floats for a in args]
+        alpha = kwargs.get("alpha")
+        scaled = isinstance(alpha, fx.Node) and alpha in self.floats
+        if any(floats) or scaled:  # as eager converts a Python scalar to the op's type
+            dtype = (bsym.output_proxies() or bsym.args)[0].dtype
+            args = [float_symbols.as_operand(self.graph, a, dtype) if f else a
+                    for a, f in zip(args, floats)]
+            if scaled:
+                args, kwargs = float_symbols.scaled_by_alpha(self.graph, args, kwargs, dtype)
         for accurate in (accumulation.summed_line, accumulation.batch_norm_line):
             node = accurate(self.graph, bsym, tuple(args))
             if node is not None:  # a reduction accumulated as eager's kernel does
@@ -161,7 +176,8 @@ def fake_inputs(inputs: list[TensorProxy], fake_mode,
     def sizes(values):
         return [symbolic.moved(v, env) for v in values]
     with fake_mode:
-        fakes = [sizes([p.value])[0] if isinstance(p, NumberProxy) else
+        fakes = [torch.empty((), dtype=torch.float64) if float_symbols.is_float_symbol(p) else
+                 sizes([p.value])[0] if isinstance(p, NumberProxy) else
                  torch.empty_strided(sizes(p.shape), sizes(p.stride), dtype=p.dtype,
                                      device=p.device)
                  for p in inputs]
@@ -173,6 +189,8 @@ def shape_env(inputs: list[TensorProxy]):
     """The capture's ``ShapeEnv`` when the region has symbolic sizes, else None."""
     values = []
     for p in inputs:
+        if float_symbols.is_float_symbol(p):
+            continue  # a tensor to the kernel (its stand-in), not a size
         values += [p.value] if isinstance(p, NumberProxy) else [*p.shape, *p.stride]
     return symbolic.shape_env_of(values)
 
@@ -213,7 +231,8 @@ def region_key(graph: fx.Graph, inputs: list[TensorProxy], environment: tuple) -
     names), each input's metadata, which inputs share memory, and the compile environment;
     with symbolic sizes, their expressions and what the ``ShapeEnv`` knows about them."""
     expr = symbolic.expr_of
-    metas = tuple(("int", p.symbol) if isinstance(p, NumberProxy) else
+    metas = tuple(float_symbols.STAND_IN if float_symbols.is_float_symbol(p) else
+                  ("int", p.symbol) if isinstance(p, NumberProxy) else
                   (tuple(map(expr, p.shape)), tuple(map(expr, p.stride)), p.dtype, p.device)
                   for p in inputs)
     env = shape_env(inputs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...core.proxies import TensorProxy
-from . import symbolic
+from . import float_symbols, symbolic
 from .compiler import Kernel, SymbolicUnguardable, emptied, warn_once
 
 
@@ -36,6 +36,13 @@ class RegionCall:
                  layout: symbolic.Layout | None = None, written: tuple[int, ...] = (),
                  writes: bool = False):
         self.kernel = kernel
+        # Float symbols (a learning rate): the kernel takes them as 0-dim float64 tensors, the
+        # region's own lines as the floats they are (``float_symbols``).
+        self.floats = float_symbols.positions(inputs)
+        if self.floats:
+            fallback = _taking_floats(fallback, self.floats)
+            make_fallback = make_fallback and (
+                lambda made=make_fallback: _taking_floats(made(), self.floats))
         self.written = written  # inputs whose memory the region writes: never copied
         self.writes = writes or bool(written)  # the region writes in place (through any view)
         self.make_fallback = make_fallback  # the region's own lines, should g++ have failed
@@ -67,6 +74,8 @@ class RegionCall:
                                                   getattr(env, "keraunos_names", None) or {})
 
     def __call__(self, *args):
+        if self.floats:
+            args = float_symbols.as_stand_ins(args, self.floats)
         if self.layout is None:
             return self.run(*args)
         if self.guard is not None and not self.guard(*self.layout.values(args)):
@@ -80,6 +89,8 @@ class RegionCall:
         the call made as any."""
         take = getattr(self.run, "take", None) if self.layout is None else None
         if take is not None:
+            for k in self.floats:
+                args[k] = float_symbols.stand_in(args[k])
             return take(args)
         return self(*emptied(args))
 
@@ -148,6 +159,13 @@ class RegionCall:
             for i in self.copied_outputs:
                 outs[i] = outs[i].clone()
         return outs
+
+
+def _taking_floats(lines, floats: tuple[int, ...]):
+    """The region's own lines, called with the kernel's arguments (float symbols as tensors)."""
+    if lines is None:
+        return None
+    return lambda *args: lines(*float_symbols.as_floats(args, floats))
 
 
 def _shared_unlike_the_trace(args, outs, input_storages, output_storages,

@@ -40,7 +40,7 @@ from ...core.proxies import NumberProxy, Proxy, TensorProxy
 from ...core.symbols import BoundSymbol, Code, TorchSymbol
 from ...core.tags import MUTATION, OPAQUE, RANDOM
 from ...torch_internals.dispatch import OpOverload, OpOverloadPacket
-from . import symbolic
+from . import float_symbols, symbolic
 
 # Regions with fewer lines that allocate memory (the rest are views) are not worth a compile.
 MIN_COMPUTE_LINES = 2
@@ -152,7 +152,11 @@ def fusible(bsym: BoundSymbol) -> bool:
             isinstance(x, TensorProxy) for x in tree.leaves((bsym.args[1:], bsym.kwargs))):
         return False
     leaves = tree.leaves((bsym.args, bsym.kwargs))
-    if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) for x in leaves):
+    floats = any(map(float_symbols.is_float_argument, leaves))  # a learning rate that varies
+    if floats and not float_symbols.takes_float_operand(bsym, leaves):
+        return False
+    if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) or
+               float_symbols.is_float_argument(x) for x in leaves):
         return False
     outputs = [x for x in tree.leaves(bsym.outputs) if x is not None]
     if not outputs and writes(bsym) is not None:  # ``cache.index_copy_(...)``, result unused

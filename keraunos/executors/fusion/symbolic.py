@@ -192,7 +192,9 @@ class Layout:
                 places = [(d, expr_of(size)) for d, size in enumerate(p.shape)
                           if is_symbolic(size) and expr_of(size).is_Symbol]
             else:
-                places = [(None, p.symbol)] if getattr(p, "symbol", None) is not None else []
+                # (a float symbol is no size: the kernel takes it as a tensor, its stand-in)
+                places = [(None, p.symbol)] if getattr(p, "symbol", None) is not None and \
+                    getattr(p, "python_type", int) is not float else []
             for d, symbol in places:
                 if symbol not in bound:
                     bound.add(symbol)

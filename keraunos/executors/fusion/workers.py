@@ -114,7 +114,9 @@ def job_payload(graph, inputs, layout_choice, config_patches: dict,
     and sharing; None when the graph does not pickle (a target that is no importable function).
     Made from keraunos's own objects only (no ``GraphModule``, whose making registers source
     in ``linecache``): it may be made off the user's thread."""
-    metas = [(tuple(p.shape), tuple(p.stride), p.dtype, str(p.device)) for p in inputs]
+    from . import float_symbols
+    metas = [(*float_symbols.STAND_IN[:3], "cpu") if float_symbols.is_float_symbol(p) else
+             (tuple(p.shape), tuple(p.stride), p.dtype, str(p.device)) for p in inputs]
     first: dict = {}
     aliases = tuple(first.setdefault(p.storage, k) if getattr(p, "storage", None) is not None
                     else k for k, p in enumerate(inputs))
