@@ -104,8 +104,10 @@ steps timed in turns, medians. `keraunos step` is `keraunos.jit(train_step)`: `z
 loss, `loss.backward()` and AdamW as one program (`keraunos step fused`: fused), beside torch's
 best optimizer recipes: `torch.compile(optimizer.step)`, `AdamW(fused=True)` (torch's fused
 kernel). With `--compile-optimizer` each side compiles the AdamW step (`keraunos.jit`, or
-`torch.compile`, of `optimizer.step`).""",
+`torch.compile`, of `optimizer.step`); with `--scheduler` every system also steps a
+`CosineAnnealingLR` after the optimizer (a float rate that changes on every step).""",
            [["benchmarks/train.py", "--iters", "20", "--whole-step"],
+            ["benchmarks/train.py", "--iters", "20", "--whole-step", "--scheduler"],
             ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"]]),
     Family("precision", "Reduced precision", """\
 `benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
