@@ -393,6 +393,64 @@ def test_lines_computing_with_a_learning_rate_symbol_run_in_the_fused_regions(ki
     assert any(float_symbols.is_float_symbol(p) for b in regions for p in b.args), computation
 
 
+def _step_of_arguments(model, optimizer, scheduler, x, y):
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss
+
+
+@pytest.mark.parametrize("kind,fuse", [(kind, "off") for kind in sorted(OPTIMIZERS)] + [
+    ("adamw", "wait")])
+def test_a_step_taking_its_model_optimizer_and_scheduler_as_arguments_is_one_program(kind, fuse):
+    """``train_step(model, optimizer, scheduler, x, y)``: each is the very same object on every
+    call (checked), read as if found by name; another model is another entry."""
+    def pair():
+        model = _model()
+        optimizer = OPTIMIZERS[kind](model.parameters())
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+    (model, optimizer, scheduler), (eager_model, eager_optimizer, eager_scheduler) = pair(), pair()
+    jitted = keraunos.jit(_step_of_arguments, fuse=fuse, fallback="error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_both(lambda x, y: jitted(model, optimizer, scheduler, x, y),
+                  lambda x, y: _step_of_arguments(eager_model, eager_optimizer, eager_scheduler,
+                                                  x, y), _batches(6))
+    _no_fallback(caught)
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)
+    _assert_same_scheduler(scheduler, eager_scheduler)
+    hits = keraunos.cache_hits(jitted)
+    assert hits >= 3, (keraunos.cache_misses(jitted), hits)
+    prologue = str(keraunos.last_prologue_traces(jitted)[-1])
+    assert "args[0] is the same object as when compiled (Sequential)" in prologue, prologue
+    # Another model, optimizer and scheduler: checked, missed, compiled for them.
+    (other, other_optimizer, other_scheduler), eager_other = pair(), pair()
+    misses = keraunos.cache_misses(jitted)
+    _run_both(lambda x, y: jitted(other, other_optimizer, other_scheduler, x, y),
+              lambda x, y: _step_of_arguments(*eager_other, x, y), _batches(4))
+    _assert_same_training(other, other_optimizer, eager_other[0], eager_other[1])
+    assert keraunos.cache_misses(jitted) > misses
+    assert any("args[0] is the same object" in r for r in keraunos.last_cache_miss_reasons(jitted))
+    _assert_same_training(model, optimizer, eager_model, eager_optimizer)  # left as they were
+
+
+def test_a_module_passed_to_a_jitted_function_gives_eagers_outputs_and_gradients():
+    def loss_of(model, x):
+        return model(x).square().mean()
+    model, eager_model = _model().eval(), _model().eval()
+    jitted = keraunos.jit(loss_of, fallback="error")
+    for x, _ in _batches(3):
+        got, want = jitted(model, x), loss_of(eager_model, x)
+        assert_close(got, want)
+        got.backward()
+        want.backward()
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert_close(p.grad, q.grad)
+    assert keraunos.cache_misses(jitted) == 1 and keraunos.cache_hits(jitted) == 2
+
+
 def test_reading_the_scheduler_after_its_step_falls_back_and_trains_like_eager():
     model, optimizer, scheduler, step = _scheduled("step-float", read_after=True)
     eager_model, eager_optimizer, eager_scheduler, eager_step = _scheduled(

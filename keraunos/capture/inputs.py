@@ -243,6 +243,8 @@ class InputsMixin:
             self.guard(guards.IDENTITY, path, value)
             self._watch_object(value, path)
             return value
+        if _from_call(path) and isinstance(value, PASSED_AS_THEMSELVES):
+            return self._passed_as_itself(value, path)
         if not path.is_root and _from_call(path) and self._watch_object(value, path,
                                                                          writable=True):
             # A plain object passed in (a KV cache): its class is checked, each attribute the
@@ -250,6 +252,16 @@ class InputsMixin:
             self.guard(guards.TYPE, path, original_class(value))
             return value
         raise UnsupportedInputError(_unsupported_input_message(path, value))
+
+    def _passed_as_itself(self, value: Any, path: Path) -> Any:
+        """A module, an optimizer or an LR scheduler passed in (``train_step(model, optimizer,
+        x, y)``): the very same object on every call (checked at ``path``), read as if the
+        program found it by name, from the prologue's own reference to it."""
+        self.guard(guards.IDENTITY, path, value)
+        key = FoundByName(f"<{path} passed in>")
+        self.root_objects[key] = value
+        self.watch_scope_object(value, root(key))
+        return value
 
     def _held_mapping_input(self, value: dict, path: Path) -> dict:
         """An ``OrderedDict`` or ``defaultdict`` held by an object the program finds by name (an
@@ -324,6 +336,13 @@ class InputsMixin:
 
 # Mappings whose items the program reads in C, taken in whole (``_held_mapping_input``).
 HELD_MAPPINGS = (OrderedDict, defaultdict)
+
+
+# Objects a call may pass that keraunos reads as the very objects they are: their state (a
+# module's parameters, an optimizer's hooks and state) is read in C and cannot be stood in for.
+PASSED_AS_THEMSELVES = (torch.nn.Module, torch.optim.Optimizer,
+                        torch.optim.lr_scheduler.LRScheduler,
+                        torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def _found_by_name(path: Path) -> bool:
