@@ -9,10 +9,11 @@ dtype of the line that reads it before the op, as eager converts a Python scalar
 tensor's type. So ``p.mul_(1.0 + (-0.01)*s0)`` multiplies by the same float32 as eager, and
 ``s0 / t`` (``Tensor.__rtruediv__``: ``t.reciprocal() * s0``) keeps eager's two steps.
 
-Only ops whose float operand may equally be a 0-dim tensor of the result's dtype take one:
-arithmetic and ``lerp``, with the float as a positional argument, on the CPU, making float32 or
-float64 (a bfloat16 op computes with the scalar in float32, which a tensor of its own dtype
-would round). Other lines that read a float symbol run on the next executor.
+Only ops whose float operand may equally be a 0-dim tensor take one: arithmetic and ``lerp``,
+with the float as a positional argument (or ``alpha=``), on the CPU, making float32 or float64;
+or bfloat16 or float16 from a tensor of more than 0 dims, where eager computes with the scalar in
+float32 (its type for them: a 0-dim float32 tensor then keeps the result's dtype and value).
+Other lines that read a float symbol run on the next executor.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ _OPERAND_NAMES = frozenset({
 _OPERAND_FUNCTIONS = (torch.mul, torch.multiply, torch.div, torch.divide, torch.true_divide,
                       torch.add, torch.sub, torch.subtract, torch.lerp)
 _DTYPES = (torch.float32, torch.float64)
+_REDUCED = (torch.bfloat16, torch.float16)  # computed with a float32 scalar, from a larger tensor
 
 
 def is_float_symbol(p) -> bool:
@@ -75,7 +77,8 @@ def takes_float_operand(bsym, leaves) -> bool:
     outputs = [p for p in bsym.output_proxies() if isinstance(p, TensorProxy)] or \
         [a for a in bsym.args[:1] if isinstance(a, TensorProxy)]
     tensors = [x for x in leaves if isinstance(x, TensorProxy)] + outputs
-    return bool(outputs) and all(p.dtype in _DTYPES for p in outputs) and \
+    return bool(outputs) and all(p.dtype in _DTYPES or p.dtype in _REDUCED and len(p.shape) > 0
+                                 for p in outputs) and \
         all(t.device.type == "cpu" for t in tensors)
 
 
@@ -110,7 +113,9 @@ def scaled_by_alpha(graph: fx.Graph, args: tuple, kwargs: dict, dtype: torch.dty
 
 def as_operand(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     """A float value (a float64 node) as the operand of an op making ``dtype``: converted first,
-    as eager converts a Python scalar to the tensor's type."""
+    as eager converts a Python scalar to the type it computes in (float32 for bfloat16)."""
+    if dtype in _REDUCED:
+        dtype = torch.float32
     return node if dtype == torch.float64 else graph.call_method("to", (node, dtype))
 
 
