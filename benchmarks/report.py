@@ -103,12 +103,9 @@ backward.""",
 steps timed in turns, medians. `keraunos step` is `keraunos.jit(train_step)`: `zero_grad`, forward,
 loss, `loss.backward()` and AdamW as one program (`keraunos step fused`: fused), beside torch's
 best optimizer recipes: `torch.compile(optimizer.step)`, `AdamW(fused=True)` (torch's fused
-kernel). With `--compile-optimizer` each side compiles the AdamW step (`keraunos.jit`, or
-`torch.compile`, of `optimizer.step`); with `--scheduler` every system also steps a
-`CosineAnnealingLR` after the optimizer (a float rate that changes on every step).""",
-           [["benchmarks/train.py", "--iters", "20", "--whole-step"],
-            ["benchmarks/train.py", "--iters", "20", "--whole-step", "--scheduler"],
-            ["benchmarks/train.py", "--iters", "20", "--compile-optimizer"]]),
+kernel); `..., cosine lr`: the step also steps a `CosineAnnealingLR` (a float rate that changes
+on every step).""",
+           [["benchmarks/train.py", "--iters", "20", "--whole-step"]]),
     Family("precision", "Reduced precision", """\
 `benchmarks/precision.py`: a 4-layer, 512-wide litgpt Llama-2 config, batch (2, 64), as a float32
 model under `torch.autocast("cpu", dtype=torch.bfloat16)` and as a bfloat16 model; an eval forward

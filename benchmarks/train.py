@@ -11,9 +11,10 @@ AdamW step alone (and ``AdamW(fused=True)``, torch's own fused CPU kernel, for r
 (``block.compile()`` for each layer) is a system of its own. --whole-step adds
 ``keraunos.jit(train_step)``: zero_grad, forward, loss, backward and the AdamW step captured as one
 program (``keraunos step``, and ``keraunos step fused``), beside torch's best recipes:
-``torch.compile(model)`` with ``torch.compile(optimizer.step)``, and with ``AdamW(fused=True)``.
---scheduler steps a learning-rate scheduler after the optimizer on every system
-(``CosineAnnealingLR``: a float rate that changes on every step, the recipe most training runs).
+``torch.compile(model)`` with ``torch.compile(optimizer.step)``, and with ``AdamW(fused=True)``;
+and the rows ``..., cosine lr``, whose step also steps a ``CosineAnnealingLR`` after the optimizer
+(a float rate that changes on every step, the recipe most training runs). --scheduler steps it
+on every system.
 
 All figures from this one run, one intra-op thread:
 - compile + warm-up time by the 2N method: time 2N steps; compile ~ sum(first N) - sum(last N);
@@ -179,6 +180,12 @@ def main():
             recipes["torch.compile, compiled AdamW"] = (torch.compile, {}, torch.compile, same)
             recipes["torch.compile, AdamW(fused=True)"] = (torch.compile, {"fused": True},
                                                            same, same)
+        # The same with the learning rate a scheduler changes on every step (``cosine lr``).
+        recipes["keraunos step fused, cosine lr"] = (same, {}, same, jit_wait)
+        if not args.skip_compile:
+            recipes["torch.compile, cosine lr"] = (torch.compile, {}, same, same)
+            recipes["torch.compile, AdamW(fused=True), cosine lr"] = (
+                torch.compile, {"fused": True}, same, same)
     results = {}
     losses = {}
     steps = {}
@@ -188,7 +195,7 @@ def main():
         runner = model_wrap(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000) \
-            if args.scheduler else None
+            if args.scheduler or name.endswith("cosine lr") else None
         step = step_wrap(step_fn(runner, optimizer, idx, targets,
                                  optimizer_wrap(optimizer.step), scheduler))
         compile_time, median, first = time_2n(step, args.iters)
