@@ -26,8 +26,8 @@ from ...core.symbolic import SymbolicValue
 # The stand-in's metadata, as a tensor input's: (shape, stride, dtype, device).
 STAND_IN = ((), (), torch.float64, torch.device("cpu"))
 
-# Ops that compute the same with their float operand given as a 0-dim tensor of their result's
-# dtype: by name, for methods and operators; by function, for ``torch.mul(t, s0)``.
+# Ops that compute the same with their float operand given as a 0-dim tensor of the type they
+# compute in: by name, for methods and operators; by function, for ``torch.mul(t, s0)``.
 _OPERAND_NAMES = frozenset({
     "mul", "mul_", "multiply", "div", "div_", "divide", "true_divide", "add", "add_", "sub",
     "sub_", "subtract", "lerp", "lerp_", "__mul__", "__rmul__", "__imul__", "__truediv__",
@@ -64,7 +64,8 @@ def _computable(expr) -> bool:
 
 def takes_float_operand(bsym, leaves) -> bool:
     """Whether the line, whose argument leaves include float symbols, may read them in a region:
-    an op of the list above with each one positional, making float32 or float64 on the CPU."""
+    an op of the list above with each one positional (or ``alpha=``), on the CPU, making float32
+    or float64, or bfloat16 or float16 of more than 0 dims."""
     symbol = bsym.symbol
     if symbol.style == "function":
         if not any(symbol.fn is f for f in _OPERAND_FUNCTIONS):
