@@ -194,9 +194,16 @@ def _check_identity(b, g: Guard) -> None:
             p, first, tags={MODULE_CHECK} if g.from_module else (),
             index=b.number(g.description), description=g.description,
             paths=(g.path, other.path)))
-    else:
+    elif not _held_by_the_prologue(b, g.path, other):
         check(g.description, lambda w: f"{p.name} is not {w.constant(other, 'obj')}",
               g.from_module)
+
+
+def _held_by_the_prologue(b, path, value) -> bool:
+    """Whether ``path`` is a root the prologue reads from its own reference to ``value`` (an
+    object passed in and read as found by name, a helper's globals): the same object by
+    construction, so a check of it could not fail."""
+    return path.is_root and path.key not in b.roots and b.ctx.root_objects.get(path.key) is value
 
 
 # --- type, length, keys: a container or an object passed in ----------------------------------

@@ -73,7 +73,8 @@ class _Builder:
                 self.bsyms.append(glue.UNPACK_CONSTANT.bind(outputs=proxy, path=path,
                                                             constant=name))
                 return proxy
-            return ObjectProxy(name, object, provenance=str(path))  # a namespace name
+            self.vars[path] = ObjectProxy(name, object, provenance=str(path))  # a namespace name
+            return self.vars[path]
         parent = self.var(path.parent)
         if proxy is None:
             proxy = ObjectProxy(self.ctx.names.fresh(path.name_hint()), object, provenance=str(path))
