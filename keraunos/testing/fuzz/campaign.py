@@ -164,41 +164,60 @@ def run_campaign(names: list[str], jobs: int = 1, shrink_budget: float = 60.0,
     if back_to_back:
         return run_back_to_back(names, executors=executors, per_kind=per_kind, progress=progress,
                                 autocast=autocast)
+    start = time.monotonic()
+    report = Report()
+    with _campaign_settings(executors, fuse, False, autocast, report):
+        pool = multiprocessing.get_context("fork").Pool(jobs, _init_worker) if jobs > 1 else None
+        try:
+            _run_in(pool, names, report, shrink_budget, per_kind, progress)
+        finally:
+            if pool:
+                pool.close()
+                pool.join()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+@contextlib.contextmanager
+def _campaign_settings(executors, fuse: str, back_to_back: bool, autocast: str | None,
+                       report: Report):
+    """The settings the programs of a campaign read (this module's globals, the comparison's
+    tolerances, autocast), set for the campaign and put back after it."""
     global _executors, _fuse, _back_to_back
     _executors = list(executors) if executors else None
-    _fuse = fuse
-    _back_to_back = False
+    _fuse, _back_to_back = fuse, back_to_back
     saved = compare.RTOL, compare.ATOL, side.AMBIENT
     if _fused():
         compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
     use_autocast(autocast)
-    start = time.monotonic()
-    report = Report()
     report.notes += _autocast_note()
-    pool = multiprocessing.get_context("fork").Pool(jobs, _init_worker) if jobs > 1 else None
-    mapper = pool.imap_unordered if pool else map
     try:
-        for done, (name, outcome) in enumerate(mapper(_run_one, names), 1):
-            report.outcomes[name] = outcome
-            if progress and done % 100 == 0:
-                progress.write(f"{done}/{len(names)} programs\n")
-        if shrink_budget > 0:
-            jobs_ = [(name, report.outcomes[name], shrink_budget)
-                     for names_ in report.failures.values() for name in names_[:per_kind]]
-            for signature, script in mapper(_shrink_one, jobs_):
-                report.reproducers.setdefault(signature, []).append(script)
-        else:
-            _as_generated(report, report.failures, per_kind)
-        # Rounding is kept as generated (shrinking would classify every candidate again, with
-        # torch.compile under fusion): the evidence is in the reproducer's comment.
-        _as_generated(report, report.rounding, per_kind)
+        yield
     finally:
-        if pool:
-            pool.close()
-            pool.join()
+        _back_to_back = False
         compare.RTOL, compare.ATOL, side.AMBIENT = saved
-    report.seconds = time.monotonic() - start
-    return report
+
+
+def _run_in(pool, names: list[str], report: Report, shrink_budget: float, per_kind: int,
+            progress) -> None:
+    """Each program in ``names`` (on ``pool``'s workers, if any), then reproducers of up to
+    ``per_kind`` programs of each failure: shrunk within ``shrink_budget`` seconds, or as
+    generated."""
+    mapper = pool.imap_unordered if pool else map
+    for done, (name, outcome) in enumerate(mapper(_run_one, names), 1):
+        report.outcomes[name] = outcome
+        if progress and done % 100 == 0:
+            progress.write(f"{done}/{len(names)} programs\n")
+    if shrink_budget > 0:
+        jobs_ = [(name, report.outcomes[name], shrink_budget)
+                 for names_ in report.failures.values() for name in names_[:per_kind]]
+        for signature, script in mapper(_shrink_one, jobs_):
+            report.reproducers.setdefault(signature, []).append(script)
+    else:
+        _as_generated(report, report.failures, per_kind)
+    # Rounding is kept as generated (shrinking would classify every candidate again, with
+    # torch.compile under fusion): the evidence is in the reproducer's comment.
+    _as_generated(report, report.rounding, per_kind)
 
 
 # ----------------------------------------------------------------------- back to back
@@ -351,26 +370,15 @@ def run_back_to_back(names: list[str], executors: list[str] | None = None, per_k
     are printed as generated (shrinking a program alone would lose the programs it ran beside).
     ``drain_s``: after the last program, wait up to this long for the fused compiles still
     under way, to check them too."""
-    global _executors, _fuse, _back_to_back
-    _executors = list(executors) if executors else None
-    _fuse, _back_to_back = "background", True
-    saved = compare.RTOL, compare.ATOL, side.AMBIENT
-    if _fused():
-        compare.RTOL, compare.ATOL = FUSED["rtol"], FUSED["atol"]
-    use_autocast(autocast)
     start = time.monotonic()
     report = Report()
-    report.notes += _autocast_note()
-    runner = BackToBack(report, compile_reference=_fused())
-    try:
+    with _campaign_settings(executors, "background", True, autocast, report):
+        runner = BackToBack(report, compile_reference=_fused())
         for done, name in enumerate(names, 1):
             report.outcomes[name] = runner.run(name)
             if progress and done % 100 == 0:
                 progress.write(f"{done}/{len(names)} programs\n")
         runner.collect(drain_s)
-    finally:
-        _back_to_back = False
-        compare.RTOL, compare.ATOL, side.AMBIENT = saved
     _as_generated(report, report.failures, per_kind)
     _as_generated(report, report.rounding, per_kind)
     report.notes.append(f"back to back in one process: {runner.eager_warned} programs ended "
