@@ -152,11 +152,10 @@ def fusible(bsym: BoundSymbol) -> bool:
             isinstance(x, TensorProxy) for x in tree.leaves((bsym.args[1:], bsym.kwargs))):
         return False
     leaves = tree.leaves((bsym.args, bsym.kwargs))
-    floats = any(map(float_symbols.is_float_argument, leaves))  # a learning rate that varies
-    if floats and not float_symbols.takes_float_operand(bsym, leaves):
-        return False
-    if not all(isinstance(x, TensorProxy) or _size_argument(x) or _plain(x) or
-               float_symbols.is_float_argument(x) for x in leaves):
+    others = [x for x in leaves if not (isinstance(x, TensorProxy) or _size_argument(x) or
+                                        _plain(x))]
+    if others and not (all(map(float_symbols.is_float_argument, others)) and  # a varying lr
+                       float_symbols.takes_float_operand(bsym, leaves)):
         return False
     outputs = [x for x in tree.leaves(bsym.outputs) if x is not None]
     if not outputs and writes(bsym) is not None:  # ``cache.index_copy_(...)``, result unused
