@@ -439,6 +439,11 @@ def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
         where = fell_back[0].split(" because of ")[-1].splitlines()[0] if fell_back else ""
         route = f"fallback: {where[-160:]}" if fell_back else "own capture"
         del keraunos
+    elif system == "keraunos backend":  # Dynamo's graphs, each compiled by keraunos or run as is
+        eager_graphs = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+        route = f"{len(eager_graphs)} graphs uncompiled: " \
+            f"{eager_graphs[0].split('could not compile it ')[-1][:120]}" if eager_graphs \
+            else "every graph compiled"
     ok, worst = compare(got, eager, reference)
     return Outcome("pass" if ok else "wrong", "", route, seconds, worst)
 
