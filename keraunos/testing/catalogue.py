@@ -73,7 +73,7 @@ def shrink(config) -> None:
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
             shrink(value)
             continue
-        if type(value) is bool or not isinstance(value, (int, float, list)):
+        if type(value) is bool or not isinstance(value, (int, float, list, tuple)):
             continue
         new = _small(name, value, config)
         if new is not value:
@@ -86,8 +86,8 @@ def shrink(config) -> None:
         # (latent attention's keys and values have every head)
         config.num_key_value_heads = own.get("num_attention_heads") \
             if own.get("kv_lora_rank") else min(own["num_key_value_heads"], 2)
-    if own.get("head_dim"):
-        config.head_dim = 8
+    if "head_dim" in own and own["head_dim"] != 0:
+        config.head_dim = 8  # widths 32 over 4 heads (HunYuan leaves it None, and needs it)
     if "num_experts_per_tok" in own and own["num_experts_per_tok"] is None and (
             own.get("n_routed_experts") or own.get("num_experts")):
         config.num_experts_per_tok = 2  # no default (DeepSeek-V2): the router needs one
@@ -140,12 +140,14 @@ def _layer_count_name(config) -> str | None:
 def _small(name: str, value, config):
     if isinstance(value, float):
         return 0.0 if _DROPOUT.search(name) else value
-    if isinstance(value, list):
-        # Per-stage lists keep their length (other per-stage lists must match it), and their
-        # widths (a stage's heads must divide them): each stage gets one block.
+    if isinstance(value, (list, tuple)):
+        # Per-stage lists keep their length (other per-stage lists must match it): each stage
+        # gets one block, and heads a power of two (a stage's width is 32 times one).
         if name in ("depths", "depth", "num_layers_per_block") and all(
                 type(v) is int for v in value):
-            return [1] * len(value)
+            return type(value)([1] * len(value))
+        if _HEADS.match(name) and all(type(v) is int and v > 0 for v in value):
+            return type(value)(min(1 << (v.bit_length() - 1), 4) for v in value)
         return value
     if _LAYERS.match(name):
         return min(value, 2)
