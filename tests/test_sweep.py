@@ -135,3 +135,15 @@ def test_the_table_counts_each_outcome_and_leaves_out_models_eager_could_not_run
     assert "- torch.compile: 1/2 pass (internal error 1, pass 1)" in text
     assert "not counted: 1 model types" in text
     assert "keraunos, on its own capture: 2/2" in text
+
+
+def test_shrinking_gives_each_stage_one_block_and_heads_that_divide_its_width():
+    from transformers import SwinConfig
+    from keraunos.testing import catalogue
+    config = SwinConfig()  # heads (3, 6, 12, 24) over widths 96 to 768
+    catalogue.shrink(config)
+    stages = config.num_layers  # two of four: the per-stage lists keep the first two
+    assert stages == 2 and list(config.depths) == [1] * stages and len(config.num_heads) == stages
+    widths = [config.embed_dim * 2 ** i for i in range(stages)]
+    assert config.embed_dim == 32
+    assert all(width % heads == 0 for width, heads in zip(widths, config.num_heads))

@@ -105,7 +105,8 @@ def shrink(config) -> None:
     name = _layer_count_name(config)
     if name is not None and layers_before:
         for key, value in list(vars(config).items()):  # per-layer lists (Gemma3n's sparsity)
-            if key != "layer_types" and isinstance(value, list) and len(value) == layers_before:
+            if key != "layer_types" and isinstance(value, (list, tuple)) and \
+                    len(value) == layers_before:
                 setattr(config, key, value[:getattr(config, name)])
         _shrink_per_layer(config, getattr(config, name))
 
