@@ -346,3 +346,68 @@ def test_a_damaged_stored_function_program_is_ignored_and_written_again(kept, va
     assert second["results"] == first["results"]
     third = _run(directory, variant, store=store)
     assert third["stores"] == ["loaded"] and third["results"] == first["results"]
+
+
+TRAIN_STEP = textwrap.dedent('''
+    import copy, json
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import keraunos
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+    def train_step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+
+    def reference_step(x, y):
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(reference(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        reference_optimizer.step()
+        return loss
+
+
+    jitted = keraunos.jit(train_step)
+    stores, captured, losses = [], [], []
+    for n in range(4):
+        x, y = torch.randn(5, 8), torch.randn(5, 4)
+        loss, expected = jitted(x, y), reference_step(x, y)
+        torch.testing.assert_close(loss, expected)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, r)
+            torch.testing.assert_close(p.grad, r.grad)
+            for key, value in reference_optimizer.state[r].items():
+                torch.testing.assert_close(optimizer.state[p][key], value)
+        keraunos.persist.programs.wait_for_keeps()
+        stats = keraunos.compile_stats(jitted)
+        stores.append(stats.program_store)
+        captured.append("capture" in stats.stages and stats.last_call_compiled)
+        losses.append(loss.item())
+    print(json.dumps({"stores": stores, "captured": captured, "losses": losses,
+                      "misses": keraunos.cache_misses(jitted)}))
+''')
+
+
+def test_a_restart_loads_a_whole_training_step_and_trains_as_eager_does(tmp_path):
+    """The step's prologue checks each gradient its ``zero_grad`` sets to None before the program
+    reads it: tensors it checks but does not hand on, which a load retargets as any other."""
+    (tmp_path / "train.py").write_text(TRAIN_STEP)
+    store = tmp_path / "store"
+    first = run_with_store(tmp_path / "train.py", [], store)
+    # the first call makes the optimizer's state (not a program); the second is captured, kept
+    assert first["stores"][1:] == ["kept"] * 3 and first["captured"][1:] == [True, False, False]
+    second = run_with_store(tmp_path / "train.py", [], store)
+    assert second["stores"][1:] == ["loaded"] * 3, second
+    assert second["captured"] == [False] * 4 and second["misses"] == first["misses"]
+    assert second["losses"] == first["losses"]  # each call compared with eager in its process

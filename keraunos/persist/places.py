@@ -315,6 +315,19 @@ def module_attribute(fn) -> str | None:
     return next((name for name, value in vars(module).items() if value is fn), None)
 
 
+def class_attribute(fn) -> tuple[type, str] | None:
+    """The class of ``fn``'s module that holds it, and the name, for a function a wrapper made
+    there under another function's name (``torch.Tensor.__pow__``, a wrapper of
+    ``TensorBase.pow``); None if no class there holds it."""
+    module = sys.modules.get(fn.__module__ or "")
+    for owner in vars(module).values() if module is not None else ():
+        if isinstance(owner, type):
+            name = next((n for n, v in vars(owner).items() if v is fn), None)
+            if name is not None:
+                return owner, name
+    return None
+
+
 def decorated(fn, depth: int = 3) -> tuple | None:
     """How to reach ``fn`` from what its qualified name leads to, a wrapper a decorator made
     (transformers' ``forward`` under ``can_return_tuple``): the wrapper's ``__wrapped__`` or

@@ -256,6 +256,9 @@ class _Pickler(pickle.Pickler):
             attribute = places.module_attribute(obj)
             if attribute is not None:  # ``torch.nn.functional.max_pool2d``, made by a factory
                 return getattr, (importlib.import_module(obj.__module__), attribute)
+            held = places.class_attribute(obj)
+            if held is not None:  # ``torch.Tensor.__pow__``: a wrapper named for what it wraps
+                return getattr, held
             steps = places.decorated(obj)
             if steps is not None:  # ``forward`` under a decorator: the name leads to its wrapper
                 return places.undecorated, (obj.__module__, obj.__qualname__, steps)
@@ -590,6 +593,22 @@ def keep(key: str, stored: StoredProgram, paths: dict) -> str:
     return "kept"
 
 
+def _returning_every_checked_tensor(prologue: Trace) -> tuple[Trace, tuple]:
+    """``prologue``, returning also the tensors it checks but does not hand on (a ``.grad`` the
+    program sets before reading it: a load needs each checked tensor of the call); and what its
+    return's first part then holds."""
+    ret = prologue.bound_symbols[-1]
+    handed = tuple(ret.args[0])
+    names = {p.name for p in handed if isinstance(p, Proxy)}
+    extra = tuple(dict.fromkeys(b.args[0] for b in prologue.bound_symbols
+                                if b.symbol is glue.CHECK_TENSOR and b.args[0].name not in names))
+    if not extra:
+        return prologue, handed
+    lines = prologue.bound_symbols[:-1] + [ret.replace(args=(handed + extra,) + ret.args[1:])]
+    return Trace(prologue.name, list(prologue.params), lines, prologue.header,
+                 prologue.namespace), handed + extra
+
+
 def load(key: str, root, args: tuple, kwargs: dict) -> tuple[StoredProgram | None, str | None]:
     """What ``keep`` kept under ``key`` for ``root`` (the module, or the jitted function), with
     its readable prologue's tensor checks made from this call's tensors, when that prologue
@@ -610,13 +629,13 @@ def load(key: str, root, args: tuple, kwargs: dict) -> tuple[StoredProgram | Non
             prologue = Trace(prologue.name, list(prologue.params),
                              [expecting_values_of(b, root) for b in prologue.bound_symbols],
                              prologue.header, prologue.namespace)
-        accepted = prologue.python_callable()(*args, **kwargs)
+        seeing, handed = _returning_every_checked_tensor(prologue)
+        accepted = seeing.python_callable()(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - a row that does not load is a miss
         return None, f"it did not load ({type(e).__name__}: {str(e)[:200]})"
     if type(accepted) is not tuple:  # a miss like any entry's: what it depends on changed
         return None, None
-    ret = prologue.bound_symbols[-1]
-    value_of = {p.name: v for p, v in zip(ret.args[0], accepted[0]) if isinstance(p, Proxy)}
+    value_of = {p.name: v for p, v in zip(handed, accepted[0]) if isinstance(p, Proxy)}
     lines = [with_example(_with_call_example(b, value_of), value_of)
              for b in prologue.bound_symbols]
     if any(b is None for b in lines):
