@@ -340,9 +340,12 @@ class _Fingerprint:
                 for i, x in enumerate(v):
                     self.value(x, f"{name}[{i}]", constructed=True)
             if isinstance(v, dict):  # in key order, as a plain dict (``_plain``)
-                for k, x in sorted(v.items(), key=lambda item: repr(self._key(item[0]))):
+                for i, (k, x) in enumerate(sorted(v.items(),
+                                                  key=lambda item: repr(self._key(item[0])))):
                     self.parts.append(("key", self._key(k)))
-                    self.value(x, f"{name}[{k!r}]", constructed=True)
+                    # (a tensor key, an optimizer's state's parameter: by place, not its values)
+                    label = f"{name}[{k!r}]" if type(k) in _SIMPLE else f"{name}[#{i}]"
+                    self.value(x, label, constructed=True)
                 if isinstance(v, collections.defaultdict):
                     self.value(v.default_factory, f"{name}.default_factory")
             for attribute, x in _state(v):

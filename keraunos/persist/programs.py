@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import sympy
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import background
 from . import places, store
@@ -325,7 +326,7 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, (type, types.BuiltinFunctionType)):
             return NotImplemented  # by name
         if t in _SIMPLE or t in (tuple, list, dict, set, frozenset, slice, range) \
-                or isinstance(obj, enum.Enum):
+                or isinstance(obj, (enum.Enum, pytree.TreeSpec)):  # (a replayed call's arguments)
             _BY_VALUE.add(t)
             return NotImplemented
         members = getattr(t, "__members__", None)  # a C++ enum of torch's (``DispatchKey``)
