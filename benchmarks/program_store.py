@@ -1,7 +1,7 @@
 """What a restart saves when the program store (keraunos/persist/programs.py) holds a jitted
 function's program and a symbolic entry's.
 
-Run: python benchmarks/program_store.py [--repeats 3] [--cases function,generate,transformers]
+Run: python benchmarks/program_store.py [--repeats 3] [--cases function,generate,train,transformers]
 
 Each case runs in fresh processes, on one cache directory per repeat: ``cold`` (an empty store:
 capture, then kept), ``restart`` (the store holds what ``cold`` kept: loaded) and ``restart,
@@ -16,6 +16,10 @@ compiles, so the figures are capture and the passes against a load). Medians ove
   of 7, 11 and 16 tokens, 8 new tokens each: the second prompt length makes the prefill's
   sequence dimension symbolic (automatic dynamic), and the third is served by that symbolic
   entry. The time of each prompt's first generate, and where its program came from.
+- ``train``: ``keraunos.jit`` of a whole training step (zero_grad, a 2-layer litgpt GPT's forward
+  and loss, backward, clipping, AdamW, a cosine schedule): the time of its first three calls (the
+  optimizer's state made, the step captured, captured again with its rate a symbol) and of one
+  call once compiled; losses compared with an eager copy.
 - ``transformers``: a Hugging Face Llama (the model zoo's tiny config, random weights), one
   forward under ``no_grad``: the first call and the same call once compiled.
 """
@@ -133,8 +137,60 @@ def child_transformers() -> dict:
             "store": [keraunos.compile_stats(jitted).program_store]}
 
 
+def one_step(model, optimizer, scheduler, idx, targets):
+    import torch
+    import torch.nn.functional as F
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(idx)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    return loss
+
+
+def train_step():
+    # (what it trains is found by name, as a training script's globals: the store keeps no
+    # argument objects)
+    return one_step(MODEL, OPTIMIZER, SCHEDULER, IDX, TARGETS)
+
+
+def child_train() -> dict:
+    global MODEL, OPTIMIZER, SCHEDULER, IDX, TARGETS
+    import torch
+    import keraunos
+    import litgpt
+    from litgpt.model import GPT
+    torch.manual_seed(0)
+    config = litgpt.Config(n_layer=2, n_head=4, n_embd=128, vocab_size=512,
+                           padded_vocab_size=512, block_size=64)
+    MODEL = GPT(config)
+    eager = copy.deepcopy(MODEL)
+    OPTIMIZER, eager_optimizer = (torch.optim.AdamW(m.parameters(), lr=1e-3)
+                                  for m in (MODEL, eager))
+    SCHEDULER, eager_scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(o, 100)
+                                  for o in (OPTIMIZER, eager_optimizer))
+    IDX, TARGETS = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    jitted = keraunos.jit(train_step)
+    t0 = time.perf_counter()
+    losses = [jitted(), jitted(), jitted()]  # the optimizer's state, then the rate a symbol
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    losses.append(jitted())
+    again = time.perf_counter() - t0
+    expected = [one_step(eager, eager_optimizer, eager_scheduler, IDX, TARGETS) for _ in losses]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected).detach())
+    keraunos.persist.programs.wait_for_keeps()
+    return {"first three calls": first, "compiled call": again,
+            "store": [keraunos.compile_stats(jitted).program_store]}
+
+
+MODEL = OPTIMIZER = SCHEDULER = IDX = TARGETS = None  # child_train's
+
+
 CHILDREN = {"function": child_function, "generate": child_generate,
-            "transformers": child_transformers}
+            "transformers": child_transformers, "train": child_train}
 
 
 # ------------------------------------------------------------------------------ the driver
