@@ -419,7 +419,7 @@ SYSTEMS: dict[str, Callable[[torch.nn.Module], Callable]] = {
 
 def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
     """``system`` on a copy of ``built.model``, against eager float32 and float64 runs."""
-    import keraunos
+    import keraunos  # noqa: F401 - torch.compile's "keraunos" backend
     from keraunos.errors import KeraunosError
     model = copy.deepcopy(built.model)
     start = time.perf_counter()
@@ -441,7 +441,6 @@ def check(built: Built, system: str, eager: _Run, reference: _Run) -> Outcome:
         fell_back = [str(w.message) for w in caught if "falls back" in str(w.message)]
         where = fell_back[0].split(" because of ")[-1].splitlines()[0] if fell_back else ""
         route = f"fallback: {where[-160:]}" if fell_back else "own capture"
-        del keraunos
     elif system == "keraunos backend":  # Dynamo's graphs, each compiled by keraunos or run as is
         eager_graphs = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
         route = f"{len(eager_graphs)} graphs uncompiled: " \
