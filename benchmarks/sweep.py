@@ -234,7 +234,8 @@ def page(outs: list[pathlib.Path]) -> str:
         "crash.",
         "",
         "A transformers model type is built small from its config class with random weights "
-        "(widths 32, 2 layers, 4 heads, vocabulary 128, images 32 px, dropout off; the first "
+        "(widths 32, 2 layers, 4 heads, vocabulary 128, images 32 px, dropout off, one block a "
+        "stage with a power of two of heads; the first "
         "head of causal LM, masked LM, seq2seq, image or sequence classification, else the bare "
         "model: `keraunos/testing/catalogue.py`); a timm family is its smallest model, 10 "
         "classes, dropout and stochastic depth off, on the smallest of 64, 96 and 128 px images "
