@@ -66,17 +66,18 @@ def model_types() -> list[str]:
     return list(CONFIG_MAPPING_NAMES)
 
 
-def shrink(config) -> None:
-    """``config`` made small, in place (and its sub-configs): see the module docstring."""
+def shrink(config, stages: bool = True) -> None:
+    """``config`` made small, in place (and its sub-configs): see the module docstring.
+    ``stages``: per-stage depths to one block each (else kept)."""
     name = _layer_count_name(config)
     layers_before = getattr(config, name) if name else None
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
-            shrink(value)
+            shrink(value, stages)
             continue
         if type(value) is bool or not isinstance(value, (int, float, list, tuple)):
             continue
-        new = _small(name, value, config)
+        new = _small(name, value, config, stages)
         if new is not value:
             try:
                 setattr(config, name, new)
@@ -139,15 +140,17 @@ def _layer_count_name(config) -> str | None:
                  if isinstance(getattr(config, n, None), int)), None)
 
 
-def _small(name: str, value, config):
+def _small(name: str, value, config, stages: bool = True):
     if isinstance(value, float):
         return 0.0 if _DROPOUT.search(name) else value
     if isinstance(value, (list, tuple)):
         # Per-stage lists keep their length (other per-stage lists must match it): each stage
         # gets one block, and heads a power of two (a stage's width is 32 times one).
-        if name in ("depths", "depth", "num_layers_per_block") and all(
+        if stages and name in ("depths", "depth", "num_layers_per_block") and all(
                 type(v) is int for v in value):
             return type(value)([1] * len(value))
+        if _DROPOUT.search(name) and all(type(v) is float for v in value):
+            return type(value)(0.0 for _ in value)
         if _HEADS.match(name) and all(type(v) is int and v > 0 for v in value):
             return type(value)(min(1 << (v.bit_length() - 1), 4) for v in value)
         return value
@@ -188,6 +191,8 @@ def build(model_type: str, seed: int = 0) -> Built:
     from transformers.models.auto import modeling_auto
     config = transformers.AutoConfig.for_model(model_type)
     shrink(config)
+    unstaged = transformers.AutoConfig.for_model(model_type)
+    shrink(unstaged, stages=False)  # for a model that needs more blocks in a stage (CvT)
     for mapping in _HEADS_IN_ORDER:
         name = getattr(modeling_auto, mapping, {}).get(model_type)
         if isinstance(name, (tuple, list)):
@@ -202,10 +207,18 @@ def build(model_type: str, seed: int = 0) -> Built:
         cls = _model_class_of(type(config))
         if cls is None:
             raise LookupError(f"no model class for {model_type}")
-    if "SEQ_TO_SEQ" in mapping and getattr(config, "decoder_start_token_id", None) is None:
-        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    for c in (config, unstaged):
+        if "SEQ_TO_SEQ" in mapping and getattr(c, "decoder_start_token_id", None) is None:
+            c.decoder_start_token_id = getattr(c, "pad_token_id", None) or 0
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    try:
+        model = cls(config).eval()
+    except Exception:  # noqa: BLE001 - CvT indexes a stage's blocks by the stage's number
+        if unstaged.to_dict() == config.to_dict():
+            raise
+        config = unstaged
+        torch.manual_seed(seed)
+        model = cls(config).eval()
     return Built(model_type, model, cls.__name__, _input_maker(model, config, mapping))
 
 
