@@ -586,6 +586,54 @@ def test_output_that_is_a_view_of_an_intermediate_can_be_modified_in_place():
     assert_grads_match(model, ref)
 
 
+class _TwoOutputs(nn.Module):
+    """A 3-d linear's result (a view of its 2-d product) and another output."""
+
+    def __init__(self, graph_break=False):
+        super().__init__()
+        self.q, self.proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        a = self.q(x).softmax(-1)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.proj(a), a
+
+
+class _WritesTheFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _TwoOutputs(graph_break=True)
+
+    def forward(self, x, p):
+        y, a = self.inner(x)
+        y += p  # in the frame Dynamo resumes after the break: its fake of y is written
+        return y * 2, a
+
+
+@pytest.mark.parametrize("route", ["keraunos.jit", "backend with a graph break"])
+def test_one_of_several_outputs_that_is_a_view_of_a_temporary_can_be_written_in_place(route):
+    """A Function's output that is a view is one autograd forbids writing in place (the view of
+    a function of several outputs); eager's, a view of a temporary, may be written."""
+    torch.manual_seed(0)
+    x, p = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    if route == "keraunos.jit":
+        model = _TwoOutputs()
+        ref = copy.deepcopy(model)
+        (y, a), (ref_y, ref_a) = keraunos.jit(model)(x), ref(x)
+        y += p
+        ref_y += p
+    else:
+        model = _WritesTheFirst()
+        ref = copy.deepcopy(model)
+        (y, a), (ref_y, ref_a) = torch.compile(model, backend="keraunos")(x, p), ref(x, p)
+    assert_close(y, ref_y)
+    (y.square().sum() + a.sum()).backward()
+    (ref_y.square().sum() + ref_a.sum()).backward()
+    assert_grads_match(model, ref)
+
+
 def test_output_that_is_a_view_of_an_input_can_be_modified_in_place():
     def f(h):
         return h[0]

@@ -35,7 +35,7 @@ class KeraunosFunction(torch.autograd.Function):
         if compiled.data_dependent_shapes:  # for the zeros of a gradient that does not come
             ctx.grad_shapes = {i: outputs[compiled.differentiable[i]].shape
                                for i in compiled.data_dependent_shapes}
-        return outputs
+        return writable_outputs(outputs, inputs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -105,6 +105,27 @@ class _Compiled:
         self.n_saved_tensors = split.n_saved_tensors
         self.data_dependent_shapes = [i for i, (shape, _, _) in enumerate(split.grad_metadata)
                                       if not all(type(d) is int for d in shape)]
+
+
+def writable_outputs(outputs, inputs) -> tuple:
+    """``outputs``, each view of a tensor the forward made (a linear's 3-d result, a view of its
+    2-d product) that is the only output on its memory given as a tensor of its own (a detached
+    alias: the same memory and version counter). A Function's output that is a view is one
+    autograd forbids writing in place (a view from a function of several outputs), where
+    eager's, a view of a temporary, may be written (``y += b`` after the model)."""
+    views = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t._is_view()]
+    if not views:
+        return outputs
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    outputs = list(outputs)
+    for i in views:
+        base = outputs[i]._base
+        if any(base is x or base is getattr(x, "_base", None) for x in inputs):
+            continue  # a view of an input stays one, as in eager
+        memory = base.untyped_storage().data_ptr()
+        if sum(t.untyped_storage().data_ptr() == memory for t in tensors) == 1:
+            outputs[i] = outputs[i].detach()
+    return tuple(outputs)
 
 
 def make_autograd_computation(forward_fn: Callable, backward_fn: Callable, split) -> Callable:
@@ -212,7 +233,7 @@ class _OutputNode(torch.autograd.Function):
         if compiled.data_dependent_shapes:
             ctx.grad_shapes = {i: outputs[compiled.differentiable[i]].shape
                                for i in compiled.data_dependent_shapes}
-        return outputs
+        return writable_outputs(outputs, call.inputs)
 
     @staticmethod
     def backward(ctx, *grads):
