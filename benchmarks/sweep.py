@@ -269,7 +269,8 @@ def page(outs: list[pathlib.Path]) -> str:
                       "judges them.", "",
                       f"`python benchmarks/sweep.py{suite} --systems \"{BACKEND}\" --out "
                       f"{out.relative_to(root)} --only` the model types the section above "
-                      f"counts, on {on}, {at}: {len(rows)} model types.", "",
+                      f"counted when it started, in its order, on {on}, {at}: {len(rows)} model "
+                      f"types.", "",
                       table(out), ""]
             continue
         if systems == ["keraunos fused"]:
